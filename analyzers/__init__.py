@@ -1,0 +1,24 @@
+"""Analyzers: pure functions from a run directory to metrics and findings, one module per concern.
+
+Each module exposes ``NAME`` and ``analyze(run: trainprof.rundir.RunDir) -> AnalyzerResult``.
+They read only what the run directory holds (never probe internals, never the fault-injection
+ground truth) and share one parse of every file through the RunDir cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# Order matters only for the report's section order.
+ANALYZER_MODULES = ("step_time", "comm_compute")
+
+
+def load_all():
+    """The analyzer modules, imported lazily so one broken analyzer cannot hide the others."""
+    mods, errors = [], []
+    for name in ANALYZER_MODULES:
+        try:
+            mods.append(importlib.import_module(f"{__name__}.{name}"))
+        except Exception as e:  # noqa: BLE001
+            errors.append({"analyzer": name, "error": f"import failed: {type(e).__name__}: {e}"})
+    return mods, errors

@@ -1,0 +1,77 @@
+"""Step-time statistics per rank and per step, from each rank's steps stream.
+
+Excluded from statistics (and listed in the metrics): step 0, which runs from probe activation
+to the first step boundary and so includes set-up, and the steps the profiler window touched
+(its warm-up step, the recorded steps, and the step that paid for the trace export), whose
+times include profiler overhead. The job's step time for a step is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from trainprof.findings import AnalyzerResult
+
+NAME = "step_time"
+WARMUP_STEPS = 1
+
+
+def excluded_steps(steps) -> dict[str, list[int]]:
+    out = {"warmup": list(range(WARMUP_STEPS)), "profiler": []}
+    if "profiled" in steps:
+        prof = sorted(int(s) for s in steps.loc[steps["profiled"].fillna(False).astype(bool), "step"].unique())
+        if prof:
+            # one warm-up step before the window and the export step after it
+            out["profiler"] = list(range(prof[0] - 1, prof[-1] + 2))
+    return out
+
+
+def analyze(run) -> AnalyzerResult:
+    steps = run.steps()
+    if steps.empty:
+        return AnalyzerResult()
+    steps = steps.drop_duplicates(["rank", "step"], keep="last")
+    excluded = excluded_steps(steps)
+    drop = set(excluded["warmup"]) | set(excluded["profiler"])
+    kept = steps[~steps["step"].isin(drop)]
+    if kept.empty:  # a very short run: better some numbers than none
+        kept = steps[steps["step"] >= min(WARMUP_STEPS, int(steps["step"].max()))]
+
+    per_rank = []
+    for rank, g in kept.groupby("rank"):
+        d = g["dur_ms"].to_numpy(dtype=float)
+        med = float(np.median(d))
+        p90 = float(np.percentile(d, 90))
+        per_rank.append({"rank": int(rank), "steps": int(len(d)), "median_ms": med, "p90_ms": p90,
+                         "min_ms": float(d.min()), "max_ms": float(d.max()),
+                         "mean_ms": float(d.mean()),
+                         "spread_pct": 100.0 * (p90 - med) / med if med > 0 else 0.0})
+
+    by_step = kept.groupby("step")["dur_ms"]
+    per_step = [{"step": int(s), "max_ms": float(g.max()), "median_ms": float(g.median()),
+                 "min_ms": float(g.min()), "ranks": int(g.size)} for s, g in by_step]
+    job_ms = np.array([p["max_ms"] for p in per_step], dtype=float)
+
+    wide = steps.pivot(index="rank", columns="step", values="dur_ms").sort_index()
+    first_step = int(wide.columns.min())
+    step_ms_by_rank = {str(int(r)): [None if np.isnan(v) else float(v) for v in row]
+                       for r, row in zip(wide.index, wide.to_numpy(dtype=float))}
+
+    tokens = (run.rank_meta(run.ranks[0]).get("run_info") or {}).get("tokens_per_step") \
+        if run.ranks else None
+    median = float(np.median(job_ms)) if len(job_ms) else None
+    job = {
+        "steps": int(len(job_ms)),
+        "median_ms": median,
+        "p90_ms": float(np.percentile(job_ms, 90)) if len(job_ms) else None,
+        "mean_ms": float(job_ms.mean()) if len(job_ms) else None,
+        "tokens_per_step": tokens,
+        "tokens_per_s": (tokens / (median / 1e3)) if tokens and median else None,
+        "steps_recorded": int(steps["step"].max()) + 1,
+        "ranks_reporting": int(steps["rank"].nunique()),
+    }
+    return AnalyzerResult(metrics={
+        "job": job, "per_rank": per_rank, "per_step": per_step,
+        "step_ms_by_rank": step_ms_by_rank, "first_step": first_step,
+        "warmup_steps": WARMUP_STEPS, "excluded_steps": excluded,
+    })

@@ -1,0 +1,115 @@
+"""Make probes activate in an unmodified training script.
+
+`trainprof wrap` puts trainprof/_bootstrap on PYTHONPATH; its sitecustomize calls install() in
+every Python process of the job. install() only registers a post-import hook for torch: nothing
+happens in processes that never import torch. Once torch is imported we patch the points where
+a job becomes distributed, and activate the probes at the first of:
+
+  * torch.distributed.init_process_group() returning,
+  * a DeviceMesh being created (init_device_mesh may initialize the process group itself),
+  * the first optimizer step (covers single-process jobs).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import sys
+
+from trainprof.probes import runtime
+
+_installed = False
+
+
+class _TorchPostImportHook(importlib.abc.MetaPathFinder):
+    """Run _after_torch_import() right after `torch` finishes importing (one shot)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch":
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module):
+            exec_module(module)
+            _after_torch_import()
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+def install() -> None:
+    global _installed
+    if _installed or not runtime.enabled():
+        return
+    _installed = True
+    if "torch" in sys.modules:
+        _after_torch_import()
+    else:
+        sys.meta_path.insert(0, _TorchPostImportHook())
+
+
+def _after_torch_import() -> None:
+    try:
+        _patch_optimizer()
+        _patch_distributed()
+    except Exception as e:  # noqa: BLE001
+        runtime.warn(f"could not install probe hooks: {type(e).__name__}: {e}")
+
+
+def _patch_optimizer() -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def on_optimizer_step(optimizer, args, kwargs):
+        s = runtime.active() or runtime.activate("optimizer_step")
+        if s is not None:
+            s.on_optimizer_step(optimizer)
+
+    register_optimizer_step_post_hook(on_optimizer_step)
+
+
+def _patch_distributed() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.init_process_group
+    if getattr(original, "_trainprof", False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        result = original(*args, **kwargs)
+        runtime.activate("init_process_group")
+        return result
+
+    init_process_group._trainprof = True
+    distributed_c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
+
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:
+        return
+    mesh_init = DeviceMesh.__init__
+
+    @functools.wraps(mesh_init)
+    def device_mesh_init(self, *args, **kwargs):
+        mesh_init(self, *args, **kwargs)
+        try:
+            s = runtime.active() or runtime.activate("device_mesh")
+            if s is not None:
+                s.note_mesh(self)
+        except Exception as e:  # noqa: BLE001
+            runtime.warn(f"could not record the device mesh: {e}")
+
+    DeviceMesh.__init__ = device_mesh_init

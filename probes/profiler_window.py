@@ -1,0 +1,71 @@
+"""A scheduled torch.profiler window over a few training steps.
+
+Steps are counted by the probes' own StepClock, so the window is "steps A..B of the job"
+whatever the training loop looks like. The trace is exported as gzip Chrome-trace JSON with
+distributedInfo into RUN/profiler/rank-NNNNN.pt.trace.json.gz, which HTA loads as a trace set.
+"""
+
+from __future__ import annotations
+
+import time
+
+from trainprof.probes import runtime
+
+
+def parse_steps(spec: str | None) -> tuple[int, int] | None:
+    """"3-4" -> (3, 4) inclusive; "5" -> (5, 5); "none"/"" -> None."""
+    if spec is None:
+        return None
+    spec = spec.strip().lower()
+    if spec in ("", "none", "off", "0-0x"):
+        return None
+    a, _, b = spec.partition("-")
+    first, last = int(a), int(b or a)
+    if first < 0 or last < first:
+        raise ValueError(f"profile steps {spec!r}: expected FIRST-LAST with 0 <= FIRST <= LAST")
+    return first, last
+
+
+class ProfilerWindow:
+    """Created by the session just before the window (one warm-up step ahead), so nothing of
+    the profiler runs, and CUDA is not touched, before the job has set its device."""
+
+    def __init__(self, trace_path, warmup: int, active: int, cuda: bool):
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.trace_path = trace_path
+        self.exported = False
+        self.export_ms = 0.0
+        activities = [ProfilerActivity.CPU]
+        if cuda:
+            activities.append(ProfilerActivity.CUDA)
+        self._prof = profile(
+            activities=activities,
+            schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
+            on_trace_ready=self._export,
+            record_shapes=True,      # shapes and dtypes feed the FLOP/roofline analysis
+            profile_memory=False,
+            with_stack=False,
+        )
+        self._prof.start()
+
+    def _export(self, prof) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.trace_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.trace_path.with_name(self.trace_path.name.replace(".json.gz", ".tmp.json.gz"))
+            prof.export_chrome_trace(str(tmp))
+            tmp.replace(self.trace_path)
+            self.exported = True
+        except Exception as e:  # noqa: BLE001
+            runtime.warn(f"profiler trace export failed: {e}")
+        self.export_ms = (time.perf_counter() - t0) * 1e3
+
+    def step(self) -> None:
+        self._prof.step()
+
+    def stop(self) -> None:
+        try:
+            self._prof.stop()
+        except Exception:  # noqa: BLE001
+            pass

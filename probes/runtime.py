@@ -1,0 +1,74 @@
+"""The per-process probe singleton: activation, lookup and shutdown.
+
+Kept free of torch imports so that `trainprof.set_run_info()` and friends cost nothing when no
+probes are active.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+ENV_RUN_DIR = "TRAINPROF_RUN_DIR"          # set by `trainprof wrap`: where this run is written
+ENV_PROFILE_STEPS = "TRAINPROF_PROFILE_STEPS"  # e.g. "3-4" (inclusive) or "none"
+ENV_DISABLE = "TRAINPROF_DISABLE"          # any non-empty value turns every probe off
+
+_lock = threading.RLock()
+_session = None
+_run_info: dict = {}
+_failed = False
+
+
+def enabled() -> bool:
+    return bool(os.environ.get(ENV_RUN_DIR)) and not os.environ.get(ENV_DISABLE) and not _failed
+
+
+def active():
+    """The running ProbeSession of this process, or None."""
+    s = _session
+    if s is not None and s.pid != os.getpid():  # a forked child (e.g. a DataLoader worker)
+        return None
+    return s
+
+
+def activate(reason: str):
+    """Start the probes in this process (idempotent). Returns the session or None."""
+    global _session, _failed
+    if not enabled():
+        return None
+    with _lock:
+        if active() is not None:
+            return _session
+        try:
+            from trainprof.probes.session import ProbeSession
+
+            _session = ProbeSession(os.environ[ENV_RUN_DIR], reason=reason, run_info=_run_info)
+        except Exception as e:  # noqa: BLE001 - a probe failure must never stop the job
+            _failed = True
+            warn(f"probes disabled in this process: {type(e).__name__}: {e}")
+            return None
+        return _session
+
+
+def remember_run_info(info: dict) -> None:
+    _run_info.update(info)
+    s = active()
+    if s is not None:
+        s.update_meta(run_info=dict(_run_info))
+
+
+def shutdown() -> None:
+    global _session
+    with _lock:
+        s = active()
+        _session = None
+    if s is not None:
+        s.close()
+
+
+def warn(msg: str) -> None:
+    try:
+        sys.stderr.write(f"trainprof: {msg}\n")
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,202 @@
+"""ProbeSession: the probes of one rank, wired together.
+
+Capture probes beyond the frame (collectives, memory, heartbeat, NaN watch, telemetry) are
+modules listed in ATTACHED_PROBES; each exposes ``attach(session)`` and may register
+``session.on_step(fn)`` (called with the closed step's record) and ``session.on_close(fn)``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import threading
+import time
+from pathlib import Path
+
+from trainprof.probes import runtime
+from trainprof.probes.rankinfo import identity, mesh_info
+from trainprof.probes.steps import StepClock
+from trainprof.rundir import (META, STEPS, JsonlWriter, profiler_trace_path, rank_dir,
+                              write_json_atomic)
+
+DEFAULT_PROFILE_STEPS = "3-4"
+
+# Probe modules attached to every session, in order (capability issues add theirs here).
+ATTACHED_PROBES: tuple[str, ...] = ()
+
+
+class ProbeSession:
+    def __init__(self, run_dir: str, reason: str, run_info: dict | None = None):
+        self.pid = os.getpid()
+        self.run_dir = Path(run_dir)
+        self.meta = identity()
+        self.meta["activated_by"] = reason
+        if run_info:
+            self.meta["run_info"] = dict(run_info)
+        self.rank = int(self.meta["rank"])
+        self.dir = rank_dir(self.run_dir, self.rank)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._writers: dict[str, JsonlWriter] = {}
+        self._step_listeners: list = []
+        self._close_listeners: list = []
+        self._meta_lock = threading.Lock()
+        self._closed = False
+        self.clock = StepClock(self.stream(STEPS), self.stream("steps_device"))
+        self.profiler = None
+        self.window = self._profile_window()
+        self._maybe_start_profiler()
+        self.write_meta()
+        for name in ATTACHED_PROBES:
+            self._attach(name)
+        atexit.register(self._atexit)
+
+    # -- plumbing other probes use
+    def stream(self, name: str) -> JsonlWriter:
+        if name not in self._writers:
+            self._writers[name] = JsonlWriter(self.dir / f"{name}.jsonl")
+        return self._writers[name]
+
+    def on_step(self, fn) -> None:
+        self._step_listeners.append(fn)
+
+    def on_close(self, fn) -> None:
+        self._close_listeners.append(fn)
+
+    def update_meta(self, **fields) -> None:
+        with self._meta_lock:
+            self.meta.update(fields)
+        self.write_meta()
+
+    def write_meta(self) -> None:
+        try:
+            with self._meta_lock:
+                write_json_atomic(self.dir / META, self.meta)
+        except Exception as e:  # noqa: BLE001
+            runtime.warn(f"could not write {self.dir / META}: {e}")
+
+    def _attach(self, module_name: str) -> None:
+        try:
+            importlib.import_module(module_name).attach(self)
+        except Exception as e:  # noqa: BLE001
+            runtime.warn(f"probe {module_name} disabled: {type(e).__name__}: {e}")
+
+    # -- profiler window
+    def _profile_window(self):
+        from trainprof.probes.profiler_window import parse_steps
+
+        try:
+            window = parse_steps(os.environ.get(runtime.ENV_PROFILE_STEPS, DEFAULT_PROFILE_STEPS))
+        except ValueError as e:
+            runtime.warn(f"profiler window disabled: {e}")
+            return None
+        if window is not None:
+            self.meta["profile_steps"] = list(window)
+        return window
+
+    def _maybe_start_profiler(self) -> None:
+        """Start the profiler one step ahead of the window (that step is its warm-up)."""
+        if self.window is None or self.profiler is not None:
+            return
+        first, last = self.window
+        step = self.clock.step  # the step about to run
+        if step < first - 1 or step > last:
+            return
+        try:
+            import torch
+
+            from trainprof.probes.profiler_window import ProfilerWindow
+
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            self.profiler = ProfilerWindow(profiler_trace_path(self.run_dir, self.rank),
+                                           warmup=first - step, active=last - first + 1, cuda=cuda)
+        except Exception as e:  # noqa: BLE001
+            runtime.warn(f"profiler window disabled: {type(e).__name__}: {e}")
+            self.window = None
+
+    def _in_window(self, step: int) -> bool:
+        return self.window is not None and self.window[0] <= step <= self.window[1]
+
+    # -- events from the job
+    def note_mesh(self, mesh) -> None:
+        info = mesh_info(mesh)
+        current = self.meta.get("mesh") or {}
+        if current and _mesh_size(current) >= _mesh_size(info):
+            return  # keep the root mesh, not the sub-meshes sliced from it
+        self.update_meta(mesh={k: info[k] for k in ("dim_names", "shape", "coord", "device_type")},
+                         coords=info["coords"])
+
+    def on_optimizer_step(self, optimizer) -> None:
+        try:
+            if self.clock.on_optimizer_step(optimizer):
+                self._boundary()
+        except Exception as e:  # noqa: BLE001
+            runtime.warn(f"step probe error: {e}")
+
+    def mark_step(self, source: str = "marker") -> None:
+        try:
+            if self.clock.on_marker():
+                self._boundary()
+        except Exception as e:  # noqa: BLE001
+            runtime.warn(f"step probe error: {e}")
+
+    def _boundary(self) -> None:
+        extra = {"profiled": True} if self._in_window(self.clock.step) else None
+        if self.clock.step == 0:
+            self._refresh_device()
+        rec = self.clock.close_step(extra)
+        for fn in self._step_listeners:
+            try:
+                fn(rec)
+            except Exception as e:  # noqa: BLE001
+                runtime.warn(f"step listener {getattr(fn, '__qualname__', fn)} failed: {e}")
+        t0 = time.perf_counter_ns()
+        if self.profiler is not None:
+            self.profiler.step()  # may export the trace: book that time as probe overhead
+            if self.profiler.exported:
+                self.profiler.stop()
+                self.profiler, self.window = None, None
+        else:
+            self._maybe_start_profiler()
+        self.clock.overhead_ns += time.perf_counter_ns() - t0
+
+    def _refresh_device(self) -> None:
+        """At activation the job may not have chosen its device yet; by the first step it has."""
+        from trainprof.probes.rankinfo import device_info
+
+        info = device_info(int(self.meta.get("local_rank", 0)))
+        if info.get("device") != self.meta.get("device"):
+            self.update_meta(**info)
+
+    # -- shutdown
+    def _atexit(self) -> None:
+        if os.getpid() == self.pid:
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for fn in self._close_listeners:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                runtime.warn(f"close listener failed: {e}")
+        if self.profiler is not None:
+            self.profiler.stop()
+        try:
+            self.clock.resolve_device_events(wait=True)
+        except Exception:  # noqa: BLE001
+            pass
+        self.meta["ended_ns"] = time.time_ns()
+        self.meta["steps_recorded"] = self.clock.step
+        self.write_meta()
+        for w in self._writers.values():
+            w.close()
+
+
+def _mesh_size(m: dict) -> int:
+    n = 1
+    for s in m.get("shape") or []:
+        n *= int(s)
+    return n

@@ -1,0 +1,62 @@
+"""The run directory contract: crash-safe writers and tolerant, precise readers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainprof.rundir import JsonlWriter, RunDir, RunDirError, iter_jsonl, rank_dir, write_json_atomic
+
+
+def test_torn_last_line_is_tolerated_and_other_damage_reported(tmp_path):
+    run = tmp_path / "run"
+    d = rank_dir(run, 3)
+    w = JsonlWriter(d / "steps.jsonl")
+    for i in range(3):
+        w.write({"step": i, "dur_ms": 10.0 + i})
+    w.close()
+    with open(d / "steps.jsonl", "a") as f:
+        f.write('{"step": 3, "dur_')  # the writer was killed mid-record
+    problems: list[str] = []
+    recs = list(iter_jsonl(d / "steps.jsonl", problems))
+    assert [r["step"] for r in recs] == [0, 1, 2] and problems == []
+
+    lines = (d / "steps.jsonl").read_text().split("\n")
+    lines.insert(1, "garbage")
+    (d / "steps.jsonl").write_text("\n".join(lines))
+    rd = RunDir(run)
+    assert rd.ranks == [3]
+    assert list(rd.steps()["step"]) == [0, 1, 2]
+    assert any("steps.jsonl:2: malformed" in p for p in rd.problems)
+
+
+def test_writer_never_raises(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    w = JsonlWriter(blocker / "sub" / "s.jsonl")  # parent is a file: cannot create
+    w.write({"a": 1})
+    assert w.errors == 1
+
+
+def test_atomic_json_and_clear_errors(tmp_path):
+    write_json_atomic(tmp_path / "m.json", {"a": 1})
+    assert json.loads((tmp_path / "m.json").read_text()) == {"a": 1}
+    with pytest.raises(RunDirError, match="no such directory"):
+        RunDir(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RunDirError, match="not a trainprof run directory"):
+        RunDir(tmp_path / "empty")
+    run = tmp_path / "run"
+    rank_dir(run, 0).mkdir(parents=True)
+    (rank_dir(run, 0) / "meta.json").write_text("{not json")
+    rd = RunDir(run)
+    assert rd.rank_meta(0) == {}
+    assert any("meta.json: not valid JSON" in p for p in rd.problems)
+
+
+def test_newer_schema_is_flagged(tmp_path):
+    write_json_atomic(tmp_path / "manifest.json", {"schema_version": 99})
+    rd = RunDir(tmp_path)
+    rd.launcher
+    assert any("newer than this trainprof reads" in p for p in rd.problems)

@@ -1,0 +1,146 @@
+"""`trainprof wrap` preserves the job's output, exit code and signals, and leaves a readable
+run directory whatever happened to the job. Each case compares against the bare command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import TRAINPROF, run_cli, wait_for, write_script
+
+TRAIN = """
+import os, sys, time, torch
+m = torch.nn.Linear(16, 16); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for i in range(int(os.environ.get("STEPS", "5"))):
+    m(torch.randn(4, 16)).sum().backward(); opt.step(); opt.zero_grad()
+    if os.environ.get("FLAG"):
+        open(os.environ["FLAG"], "w").close()
+    time.sleep(float(os.environ.get("SLEEP", "0")))
+print("stdout-marker", flush=True)
+print("stderr-marker", file=sys.stderr, flush=True)
+how = os.environ.get("END", "0")
+if how.startswith("sig"):
+    os.kill(os.getpid(), int(how[3:]))
+sys.exit(int(how))
+"""
+
+
+def bare(script, env):
+    return subprocess.run([sys.executable, str(script)], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("end", ["0", "3", "sig9", "sig15"])
+def test_python_script_exit_code_and_output_preserved(tmp_path, end):
+    script = write_script(tmp_path / "train.py", TRAIN)
+    env = {"END": end}
+    expected = bare(script, env).returncode
+    out = tmp_path / "run"
+    res = run_cli(["wrap", "--out", out, "--profile-steps", "1-2", "--", sys.executable, script],
+                  env=env, cwd=tmp_path)
+    assert res.returncode == expected, res.stderr
+    assert "stdout-marker" in res.stdout and "stderr-marker" in res.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["exit_code"] == (128 + int(end[3:]) if end.startswith("sig") else int(end))
+    assert manifest["status"] == ("ok" if end == "0" else "killed" if end.startswith("sig") else "failed")
+    steps = [json.loads(x) for x in (out / "ranks/rank-00000/steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(5))
+    assert (out / "profiler/rank-00000.pt.trace.json.gz").exists()
+    assert (out / "summary.json").exists(), res.stderr  # analysis ran even after a signal
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_wrap_reaches_job_and_run_dir_stays_readable(tmp_path, sig):
+    script = write_script(tmp_path / "train.py", TRAIN)
+    flag = tmp_path / "started"
+    out = tmp_path / "run"
+    env = {**os.environ, "STEPS": "1000", "SLEEP": "0.05", "FLAG": str(flag)}
+    proc = subprocess.Popen(TRAINPROF + ["wrap", "--out", str(out), "--profile-steps", "none", "--",
+                                         sys.executable, str(script)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert wait_for(flag.exists, timeout=60)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    # The job dies of the signal (Python re-raises SIGINT after an unhandled KeyboardInterrupt),
+    # and wrap dies the same way.
+    assert proc.returncode == -sig, err
+    if sig == signal.SIGINT:
+        assert "KeyboardInterrupt" in err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] in ("killed", "failed")
+    steps = (out / "ranks/rank-00000/steps.jsonl").read_text().splitlines()
+    assert len(steps) >= 1 and json.loads(steps[-1])["step"] >= 0
+
+
+def test_torchrun_exit_codes_match_bare_torchrun(tmp_path):
+    script = write_script(tmp_path / "ddp.py", """
+import os, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+m = torch.nn.Linear(8, 8); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(4):
+    m(torch.randn(2, 8)).sum().backward()
+    for p in m.parameters(): dist.all_reduce(p.grad)
+    opt.step(); opt.zero_grad()
+dist.barrier()
+code = int(os.environ.get("FAIL_RANK_CODE", "0")) if dist.get_rank() == 1 else 0
+dist.destroy_process_group()
+sys.exit(code)
+""")
+    for code in ("0", "4"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(script)]
+        env = {**os.environ, "FAIL_RANK_CODE": code}
+        expected = subprocess.run(cmd, env=env, capture_output=True, timeout=300).returncode
+        out = tmp_path / f"run{code}"
+        res = run_cli(["wrap", "--out", out, "--profile-steps", "1-2", "--"] + cmd,
+                      env={"FAIL_RANK_CODE": code}, timeout=300)
+        assert res.returncode == expected, res.stderr
+        assert (code == "0") == (expected == 0)
+        for r in (0, 1):
+            meta = json.loads((out / f"ranks/rank-0000{r}/meta.json").read_text())
+            assert meta["rank"] == r and meta["world_size"] == 2 and meta["backend"] == "gloo"
+            assert meta["activated_by"] == "init_process_group"
+
+
+def test_refuses_non_empty_out_without_force(tmp_path):
+    script = write_script(tmp_path / "t.py", "print('hi')")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    res = run_cli(["wrap", "--out", out, "--", sys.executable, script])
+    assert res.returncode != 0 and "not empty" in res.stderr and str(out) in res.stderr
+    (out / "ranks").mkdir()
+    res = run_cli(["wrap", "--out", out, "--force", "--no-analyze", "--", sys.executable, script])
+    assert res.returncode == 0, res.stderr
+    assert (out / "keep.txt").read_text() == "mine"  # --force removes only trainprof's files
+    assert json.loads((out / "manifest.json").read_text())["status"] == "ok"
+
+
+def test_job_without_torch_is_untouched(tmp_path):
+    script = write_script(tmp_path / "t.py", "import sys; print(sorted(m for m in sys.modules if m.startswith('torch')))")
+    res = run_cli(["wrap", "--out", tmp_path / "run", "--no-analyze", "--", sys.executable, script])
+    assert res.returncode == 0 and "[]" in res.stdout  # the bootstrap imports nothing heavy
+
+
+def test_jobs_own_sitecustomize_still_runs(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os; os.environ['USER_SITE_RAN'] = 'yes'\n")
+    script = write_script(tmp_path / "t.py", "import os; print('site:', os.environ.get('USER_SITE_RAN'))")
+    res = run_cli(["wrap", "--out", tmp_path / "run", "--no-analyze", "--", sys.executable, script],
+                  env={"PYTHONPATH": str(site)})
+    assert res.returncode == 0 and "site: yes" in res.stdout, res.stderr
+
+
+def test_usage_errors(tmp_path):
+    res = run_cli(["wrap", "--out", tmp_path / "r"])
+    assert res.returncode == 2
+    res = run_cli(["wrap", "--out", tmp_path / "r", "--profile-steps", "5-2", "--", "true"])
+    assert res.returncode != 0 and "profile steps" in res.stderr
+    res = run_cli(["wrap", "--out", tmp_path / "r2", "--", "/nonexistent/cmd"])
+    assert res.returncode != 0 and "cannot start" in res.stderr

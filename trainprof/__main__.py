@@ -1,0 +1,3 @@
+from trainprof.cli import main
+
+main(prog_name="trainprof")

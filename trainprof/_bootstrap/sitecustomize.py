@@ -1,0 +1,36 @@
+# Loaded by every Python process started under `trainprof wrap` (this folder is put first on
+# PYTHONPATH). It activates trainprof's probes lazily, then hands over to any other
+# sitecustomize further down sys.path so the job's environment behaves as without us.
+import os
+import sys
+
+
+def _trainprof_bootstrap():
+    if not os.environ.get("TRAINPROF_RUN_DIR") or os.environ.get("TRAINPROF_DISABLE"):
+        return
+    try:
+        from trainprof.probes.bootstrap import install
+
+        install()
+    except Exception as e:  # noqa: BLE001 - never stop the job
+        sys.stderr.write(f"trainprof: probes not installed in pid {os.getpid()}: {e}\n")
+
+
+def _chain_next_sitecustomize():
+    here = os.path.dirname(os.path.abspath(__file__))
+    import importlib.machinery
+    import importlib.util
+
+    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.origin is None or os.path.dirname(os.path.abspath(spec.origin)) == here:
+        return
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001
+        sys.stderr.write(f"trainprof: the job's own sitecustomize failed: {e}\n")
+
+
+_trainprof_bootstrap()
+_chain_next_sitecustomize()

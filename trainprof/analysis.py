@@ -1,0 +1,107 @@
+"""Run every analyzer over a run directory and assemble summary.json."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from datetime import datetime, timezone
+from typing import Callable
+
+from trainprof import __version__
+from trainprof.findings import SUMMARY_SCHEMA_VERSION
+from trainprof.rundir import RunDir
+
+SEVERITY_ORDER = {"critical": 0, "error": 1, "warning": 2, "info": 3}
+
+
+def run_info(run: RunDir) -> dict:
+    launcher = run.launcher
+    mesh = run.mesh
+    sizes = dict(zip(mesh.get("dim_names", []), mesh.get("shape", [])))
+    ranks = []
+    for r in run.ranks:
+        meta = run.rank_meta(r)
+        ranks.append({
+            "rank": r,
+            "host": meta.get("host"),
+            "local_rank": meta.get("local_rank"),
+            "device": meta.get("device_name") or meta.get("device"),
+            "coords": run.coords(r),
+        })
+    first = run.rank_meta(run.ranks[0]) if run.ranks else {}
+    return {
+        "dir": str(run.path),
+        "command": launcher.get("command"),
+        "start_time": launcher.get("start_time"),
+        "end_time": launcher.get("end_time"),
+        "exit_code": launcher.get("exit_code"),
+        "signal": launcher.get("signal"),
+        "world_size": run.world_size,
+        "mesh": {k: int(sizes.get(k, 1)) for k in ("dp", "pp", "tp")} if sizes else {},
+        "mesh_dims": mesh,
+        "device": first.get("device_name") or first.get("device"),
+        "backend": first.get("backend"),
+        "torch_version": first.get("torch_version"),
+        "run_info": first.get("run_info", {}),
+        "ranks": ranks,
+    }
+
+
+def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
+    from trainprof.analyzers import load_all
+
+    modules, errors = load_all()
+    metrics: dict = {}
+    findings: list[dict] = []
+    timings: dict = {}
+    for mod in modules:
+        if progress:
+            progress(mod.NAME)
+        t0 = time.perf_counter()
+        try:
+            result = mod.analyze(run)
+        except Exception as e:  # noqa: BLE001 - one analyzer's bug must not lose the others' work
+            errors.append({"analyzer": mod.NAME, "error": f"{type(e).__name__}: {e}",
+                           "traceback": traceback.format_exc(limit=8)})
+            continue
+        finally:
+            timings[mod.NAME] = round(time.perf_counter() - t0, 4)
+        if result.metrics:
+            metrics[mod.NAME] = result.metrics
+        for f in result.findings:
+            f.analyzer = f.analyzer or mod.NAME
+            findings.append(f.to_dict())
+    findings.sort(key=lambda f: (SEVERITY_ORDER.get(f["severity"], 9), f["kind"], f["ranks"]))
+    return {
+        "schema_version": SUMMARY_SCHEMA_VERSION,
+        "trainprof_version": __version__,
+        "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "run": run_info(run),
+        "metrics": metrics,
+        "findings": findings,
+        "problems": list(dict.fromkeys(run.problems)),
+        "errors": errors,
+        "analyzer_seconds": timings,
+    }
+
+
+def analyze_and_write(run_dir, out_dir=None, report: bool = True, progress=None):
+    """Analyze a run directory, write summary.json (and report.html). Returns
+    (summary, summary_path, report_path_or_None)."""
+    from pathlib import Path
+
+    from trainprof.rundir import REPORT, SUMMARY, write_json_atomic
+
+    run = RunDir(run_dir)
+    summary = analyze(run, progress=progress)
+    out = Path(out_dir) if out_dir else run.path
+    out.mkdir(parents=True, exist_ok=True)
+    summary_path = out / SUMMARY
+    write_json_atomic(summary_path, summary)
+    report_path = None
+    if report:
+        from trainprof.reports.html import write_html
+
+        report_path = out / REPORT
+        write_html(summary, report_path)
+    return summary, summary_path, report_path

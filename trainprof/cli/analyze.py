@@ -1,0 +1,30 @@
+"""`trainprof analyze`: findings, summary.json and report.html from a run directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from trainprof.rundir import RunDirError
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--out", "-o", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where summary.json and report.html go (default: RUN_DIR).")
+@click.option("--json", "as_json", is_flag=True, help="Print summary.json to stdout.")
+@click.option("--no-report", is_flag=True, help="Skip report.html.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing (files are still written).")
+def analyze(run_dir, out, as_json, no_report, quiet):
+    """Analyze RUN_DIR (written by `trainprof wrap`) and report what is wrong, where and why.
+
+    Writes RUN_DIR/summary.json (machine-readable findings and metrics) and RUN_DIR/report.html
+    (one self-contained file, opens offline), and prints a short summary.
+    """
+    from trainprof.cli._output import analyze_and_print
+
+    try:
+        analyze_and_print(run_dir, out, as_json=as_json, report=not no_report, quiet=quiet)
+    except RunDirError as e:
+        raise click.ClickException(str(e)) from e

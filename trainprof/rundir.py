@@ -1,0 +1,307 @@
+"""The run directory: the only contract between capture (probes) and analysis (analyzers).
+
+Layout (schema version 1, documented in docs/run-directory.md)::
+
+    RUN/
+      manifest.json                      written by the launcher (`trainprof wrap`) at start and end
+      ranks/rank-00000/meta.json         written by each rank's probes when they activate
+      ranks/rank-00000/<stream>.jsonl    append-only per-rank streams (steps, collectives, ...)
+      profiler/rank-00000.pt.trace.json.gz   torch.profiler Chrome traces (HTA-loadable folder)
+      summary.json, report.html          written by `trainprof analyze`
+
+Writers here are used inside training processes: they import only the standard library, flush
+every record (a killed process keeps what it wrote) and never raise into the job. Readers
+tolerate a torn last line and report every other defect with the file it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+RANKS_DIR = "ranks"
+PROFILER_DIR = "profiler"
+SUMMARY = "summary.json"
+REPORT = "report.html"
+INJECTED = "injected.json"  # ground truth of the reference workload; analyzers never read it
+META = "meta.json"
+
+# Well-known per-rank streams (ranks/rank-NNNNN/<name>.jsonl). Capability issues add more.
+STEPS = "steps"
+
+
+def rank_dirname(rank: int) -> str:
+    return f"rank-{int(rank):05d}"
+
+
+def rank_dir(run: str | os.PathLike, rank: int) -> Path:
+    return Path(run) / RANKS_DIR / rank_dirname(rank)
+
+
+def profiler_trace_path(run: str | os.PathLike, rank: int) -> Path:
+    # HTA reads every *.json(.gz) in one folder and takes the rank from distributedInfo.
+    return Path(run) / PROFILER_DIR / f"{rank_dirname(rank)}.pt.trace.json.gz"
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), default=str, allow_nan=True)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> None:
+    """Write JSON so that readers see the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=indent, default=str)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class JsonlWriter:
+    """Append-only JSONL stream, one flushed line per record, safe to use from several threads.
+
+    Each record is written with a single write() of a complete line, so a process killed at any
+    point leaves at most one torn line at the end, which readers skip. Errors are swallowed and
+    counted: a full disk must never take the training job down with it.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.errors = 0
+        self._lock = threading.Lock()
+        self._f = None  # opened on the first record: unused streams leave no empty files
+        self._closed = False
+
+    def _open(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8", buffering=1)
+        return self._f
+
+    def write(self, record: dict) -> None:
+        if self._closed:
+            return
+        try:
+            line = _dumps(record) + "\n"
+            with self._lock:
+                f = self._f or self._open()
+                f.write(line)
+                f.flush()
+        except Exception:  # noqa: BLE001 - never raise into the training job
+            self.errors += 1
+
+    def close(self) -> None:
+        self._closed = True
+        if self._f is not None:
+            try:
+                self._f.close()
+            except OSError:
+                pass
+            self._f = None
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class RunDirError(Exception):
+    """A run directory (or a file in it) cannot be read; the message names the file."""
+
+
+def read_json(path: Path) -> Any:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise RunDirError(f"{path}: cannot read: {e.strerror or e}") from e
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise RunDirError(f"{path}: not valid JSON ({e})") from e
+
+
+def iter_jsonl(path: Path, problems: list[str] | None = None) -> Iterator[dict]:
+    """Records of a JSONL stream. A torn last line (a writer killed mid-record) is skipped
+    silently; any other bad line is skipped and described in ``problems``."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as e:
+        if problems is not None:
+            problems.append(f"{path}: cannot read: {e.strerror or e}")
+        return
+    last = len(lines) - 1
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            torn_tail = i == last  # no newline after it: the writer died mid-line
+            if not torn_tail and problems is not None:
+                problems.append(f"{path}:{i + 1}: malformed JSON line skipped")
+            continue
+        if isinstance(rec, dict):
+            yield rec
+        elif problems is not None:
+            problems.append(f"{path}:{i + 1}: record is not a JSON object, skipped")
+
+
+class RunDir:
+    """Read-side view of a run directory. Everything is loaded lazily and cached, so all
+    analyzers share one parse of each file (profiler traces included)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise RunDirError(f"{self.path}: no such directory")
+        if not self.path.is_dir():
+            raise RunDirError(f"{self.path}: not a directory")
+        if not (self.path / MANIFEST).exists() and not (self.path / RANKS_DIR).is_dir() \
+                and not (self.path / PROFILER_DIR).is_dir():
+            raise RunDirError(
+                f"{self.path}: not a trainprof run directory (no {MANIFEST}, {RANKS_DIR}/ or "
+                f"{PROFILER_DIR}/); create one with `trainprof wrap --out {self.path} -- CMD`")
+        self.problems: list[str] = []
+        self._cache: dict[str, Any] = {}
+
+    # -- manifest and ranks
+    @property
+    def launcher(self) -> dict:
+        """manifest.json as the launcher wrote it ({} when missing, e.g. a probe-only run)."""
+        if "launcher" not in self._cache:
+            p = self.path / MANIFEST
+            man: dict = {}
+            if p.exists():
+                try:
+                    man = read_json(p)
+                except RunDirError as e:
+                    self.problems.append(str(e))
+                if not isinstance(man, dict):
+                    self.problems.append(f"{p}: expected a JSON object")
+                    man = {}
+                v = man.get("schema_version")
+                if v is not None and v > SCHEMA_VERSION:
+                    self.problems.append(
+                        f"{p}: schema_version {v} is newer than this trainprof reads "
+                        f"({SCHEMA_VERSION}); upgrade trainprof")
+            self._cache["launcher"] = man
+        return self._cache["launcher"]
+
+    @property
+    def ranks(self) -> list[int]:
+        if "ranks" not in self._cache:
+            found: set[int] = set()
+            rd = self.path / RANKS_DIR
+            if rd.is_dir():
+                for d in rd.iterdir():
+                    if d.is_dir() and d.name.startswith("rank-"):
+                        try:
+                            found.add(int(d.name[5:]))
+                        except ValueError:
+                            self.problems.append(f"{d}: unexpected folder name, ignored")
+            found.update(self.profiler_traces().keys())
+            self._cache["ranks"] = sorted(found)
+        return self._cache["ranks"]
+
+    def rank_meta(self, rank: int) -> dict:
+        key = f"meta:{rank}"
+        if key not in self._cache:
+            p = rank_dir(self.path, rank) / META
+            meta: dict = {}
+            if p.exists():
+                try:
+                    meta = read_json(p)
+                except RunDirError as e:
+                    self.problems.append(str(e))
+            self._cache[key] = meta if isinstance(meta, dict) else {}
+        return self._cache[key]
+
+    @property
+    def world_size(self) -> int:
+        for r in self.ranks:
+            ws = self.rank_meta(r).get("world_size")
+            if ws:
+                return int(ws)
+        return int(self.launcher.get("world_size") or len(self.ranks) or 0)
+
+    @property
+    def mesh(self) -> dict:
+        """{"dim_names": [...], "shape": [...]} of the job's DeviceMesh ({} when none)."""
+        for r in self.ranks:
+            m = self.rank_meta(r).get("mesh")
+            if m and m.get("dim_names"):
+                return {"dim_names": m["dim_names"], "shape": m["shape"]}
+        return {}
+
+    def coords(self, rank: int) -> dict:
+        """Mesh coordinates of a rank, e.g. {"dp": 1, "pp": 0, "tp": 1} ({} when unknown)."""
+        return dict(self.rank_meta(rank).get("coords") or {})
+
+    # -- streams
+    def stream_path(self, rank: int, name: str) -> Path:
+        return rank_dir(self.path, rank) / f"{name}.jsonl"
+
+    def stream(self, rank: int, name: str) -> list[dict]:
+        key = f"stream:{name}:{rank}"
+        if key not in self._cache:
+            p = self.stream_path(rank, name)
+            self._cache[key] = list(iter_jsonl(p, self.problems)) if p.exists() else []
+        return self._cache[key]
+
+    def frame(self, name: str):
+        """All ranks' records of a stream as one pandas DataFrame with a ``rank`` column."""
+        key = f"frame:{name}"
+        if key not in self._cache:
+            import pandas as pd
+
+            rows = []
+            for r in self.ranks:
+                for rec in self.stream(r, name):
+                    rows.append({"rank": r, **rec})
+            self._cache[key] = pd.DataFrame(rows)
+        return self._cache[key]
+
+    def steps(self):
+        """Per-rank step records: rank, step, start_ns, end_ns, dur_ms, source."""
+        return self.frame(STEPS)
+
+    # -- profiler traces
+    def profiler_traces(self) -> dict[int, Path]:
+        """rank -> trace file. Ranks come from our file names; other names are read for
+        distributedInfo.rank by the trace parser (see traces())."""
+        if "trace_paths" not in self._cache:
+            out: dict[int, Path] = {}
+            d = self.path / PROFILER_DIR
+            if d.is_dir():
+                for p in sorted(d.iterdir()):
+                    if not p.name.endswith((".json", ".json.gz")):
+                        continue
+                    if p.name.startswith("rank-"):
+                        try:
+                            out[int(p.name[5:10])] = p
+                            continue
+                        except ValueError:
+                            pass
+                    self.problems.append(f"{p}: trace file not named rank-NNNNN.*, ignored")
+            self._cache["trace_paths"] = out
+        return self._cache["trace_paths"]
+
+    def traces(self, progress=None) -> dict:
+        """rank -> parsed trace (trainprof.trace.Trace), parsed once, in parallel across ranks."""
+        if "traces" not in self._cache:
+            from trainprof.trace import load_traces
+
+            traces, errors = load_traces(self.profiler_traces(), progress=progress)
+            self.problems.extend(errors)
+            self._cache["traces"] = traces
+        return self._cache["traces"]
