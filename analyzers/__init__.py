@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib
 
-# Order matters only for the report's section order.
-ANALYZER_MODULES = ("step_time", "comm_compute")
+# Order matters only for the report's section order. Modules not present in this build are
+# skipped silently.
+ANALYZER_MODULES = ("step_time", "comm_compute", "collectives", "stragglers", "pipeline",
+                    "nan_origin", "hang", "memory", "fragmentation", "roofline")
 
 
 def load_all():
@@ -19,6 +21,9 @@ def load_all():
     for name in ANALYZER_MODULES:
         try:
             mods.append(importlib.import_module(f"{__name__}.{name}"))
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                errors.append({"analyzer": name, "error": f"import failed: {e}"})
         except Exception as e:  # noqa: BLE001
             errors.append({"analyzer": name, "error": f"import failed: {type(e).__name__}: {e}"})
     return mods, errors

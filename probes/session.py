@@ -22,8 +22,18 @@ from trainprof.rundir import (META, STEPS, JsonlWriter, profiler_trace_path, ran
 
 DEFAULT_PROFILE_STEPS = "3-4"
 
-# Probe modules attached to every session, in order (capability issues add theirs here).
-ATTACHED_PROBES: tuple[str, ...] = ()
+# Probe modules attached to every session, in order. A module that is not present in this
+# build is skipped silently; one that fails to attach is reported and skipped.
+ATTACHED_PROBES: tuple[str, ...] = (
+    "trainprof.probes.clock",           # clock offsets to a reference rank (start and end)
+    "trainprof.probes.collectives",     # always-on log of every collective and p2p op
+    "trainprof.probes.pipeline_spans",  # forward/backward spans per stage and micro-batch
+    "trainprof.probes.heartbeat",       # crash-safe progress record per rank
+    "trainprof.probes.hang_watchdog",   # dumps stacks and in-flight collectives when stuck
+    "trainprof.probes.nan_watch",       # finiteness of loss / grad norm, origin on detection
+    "trainprof.probes.memory",          # allocator stats per step, snapshots, OOM observer
+    "trainprof.probes.telemetry",       # NVML sampler (own GPU only)
+)
 
 
 class ProbeSession:
@@ -42,6 +52,8 @@ class ProbeSession:
         self._close_listeners: list = []
         self._meta_lock = threading.Lock()
         self._closed = False
+        # Live state probes share (e.g. the collective log's last/in-flight ops for the heartbeat).
+        self.state: dict = {}
         self.clock = StepClock(self.stream(STEPS), self.stream("steps_device"))
         self.profiler = None
         self.window = self._profile_window()
@@ -77,7 +89,14 @@ class ProbeSession:
 
     def _attach(self, module_name: str) -> None:
         try:
-            importlib.import_module(module_name).attach(self)
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name == module_name:
+                return  # not part of this build
+            runtime.warn(f"probe {module_name} disabled: {e}")
+            return
+        try:
+            module.attach(self)
         except Exception as e:  # noqa: BLE001
             runtime.warn(f"probe {module_name} disabled: {type(e).__name__}: {e}")
 
