@@ -16,11 +16,13 @@ from pathlib import Path
 from trainprof import __version__
 from trainprof.probes import runtime
 from trainprof.rundir import (INJECTED, MANIFEST, PROFILER_DIR, RANKS_DIR, REPORT, SCHEMA_VERSION,
-                              SUMMARY, read_json, write_json_atomic)
+                              SUMMARY, collect_rank_entries, write_json_atomic)
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
                      signal.SIGUSR1, signal.SIGUSR2)
+RELEVANT_ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "PYTORCH_", "OMP_", "SLURM_", "MASTER_",
+                         "WORLD_SIZE", "GLOO_", "TRAINPROF_")
 OWNED_ENTRIES = (MANIFEST, RANKS_DIR, PROFILER_DIR, SUMMARY, REPORT, INJECTED)
 
 
@@ -78,6 +80,7 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
         "launcher_pid": os.getpid(),
         "start_time": _now(),
         "config": {"profile_steps": profile_steps, **(config or {})},
+        "env": {k: v for k, v in os.environ.items() if k.startswith(RELEVANT_ENV_PREFIXES)},
         "status": "running",
     }
     write_json_atomic(out / MANIFEST, manifest)
@@ -113,13 +116,10 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
     manifest.update(end_time=_now(), exit_code=code, signal=sig,
                     signal_name=signal.Signals(sig).name if sig else None,
                     status="ok" if rc == 0 else ("killed" if sig else "failed"))
-    try:  # ranks may have written their world size; copy it up for readers of the manifest
-        metas = sorted((out / RANKS_DIR).glob("rank-*/meta.json"))
-        if metas:
-            manifest["world_size"] = read_json(metas[0]).get("world_size")
-            manifest["ranks_seen"] = len(metas)
-    except Exception:  # noqa: BLE001
-        pass
+    try:  # every rank's identity and mesh coordinates, gathered from the ranks' meta.json
+        manifest.update(collect_rank_entries(out))
+    except Exception as e:  # noqa: BLE001
+        manifest["rank_entries_error"] = str(e)
     write_json_atomic(out / MANIFEST, manifest)
     return code, sig
 

@@ -110,6 +110,27 @@ class JsonlWriter:
             self._f = None
 
 
+def collect_rank_entries(run: str | os.PathLike) -> dict:
+    """Per-rank facts gathered from ranks/*/meta.json for the manifest: world size, the mesh,
+    and for every rank its host, local rank, device name and mesh coordinates."""
+    ranks, mesh, world, versions = [], None, None, set()
+    for p in sorted((Path(run) / RANKS_DIR).glob("rank-*/" + META)):
+        try:
+            m = read_json(p)
+        except RunDirError:
+            continue
+        world = world or m.get("world_size")
+        mesh = mesh or ({k: m["mesh"].get(k) for k in ("dim_names", "shape")}
+                        if m.get("mesh") else None)
+        versions.add(m.get("torch_version"))
+        ranks.append({"rank": m.get("rank"), "host": m.get("host"), "local_rank": m.get("local_rank"),
+                      "pid": m.get("pid"), "device": m.get("device"),
+                      "device_name": m.get("device_name"), "coords": m.get("coords") or {}})
+    return {"world_size": world, "ranks_seen": len(ranks), "mesh": mesh,
+            "torch_version": sorted(v for v in versions if v)[0] if any(versions) else None,
+            "ranks": ranks}
+
+
 # --------------------------------------------------------------------------- reading
 
 
