@@ -43,11 +43,20 @@ def session(out: str | os.PathLike = "traces", profile_steps: str | None = None)
     if existing is not None:
         yield existing
         return
-    os.environ.setdefault(runtime.ENV_RUN_DIR, os.fspath(out))
+    saved = {k: os.environ.get(k) for k in (runtime.ENV_RUN_DIR, runtime.ENV_PROFILE_STEPS)}
+    os.environ[runtime.ENV_RUN_DIR] = os.fspath(out)
     if profile_steps is not None:
         os.environ[runtime.ENV_PROFILE_STEPS] = profile_steps
+    from trainprof.probes import bootstrap
+
+    bootstrap.install_hooks()
     s = runtime.activate(reason="session")
     try:
         yield s
     finally:
         runtime.shutdown()
+        for k, v in saved.items():  # after the block, optimizer steps must not re-activate
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

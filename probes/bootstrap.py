@@ -56,12 +56,23 @@ def install() -> None:
         sys.meta_path.insert(0, _TorchPostImportHook())
 
 
+_hooks_installed = False
+
+
 def _after_torch_import() -> None:
+    """Install the activation hooks (idempotent; also used by trainprof.session())."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
     try:
         _patch_optimizer()
         _patch_distributed()
     except Exception as e:  # noqa: BLE001
         runtime.warn(f"could not install probe hooks: {type(e).__name__}: {e}")
+
+
+install_hooks = _after_torch_import
 
 
 def _patch_optimizer() -> None:
