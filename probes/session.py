@@ -12,6 +12,7 @@ import importlib
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 
 from trainprof.probes import runtime
@@ -54,6 +55,7 @@ class ProbeSession:
         self._closed = False
         # Live state probes share (e.g. the collective log's last/in-flight ops for the heartbeat).
         self.state: dict = {}
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()  # every optimizer seen stepping
         self.clock = StepClock(self.stream(STEPS), self.stream("steps_device"))
         self.profiler = None
         self.window = self._profile_window()
@@ -147,6 +149,7 @@ class ProbeSession:
 
     def on_optimizer_step(self, optimizer) -> None:
         try:
+            self.optimizers.add(optimizer)
             if self.clock.on_optimizer_step(optimizer):
                 self._boundary()
         except Exception as e:  # noqa: BLE001

@@ -1,0 +1,170 @@
+"""Memory probe: allocator statistics per step, a measured breakdown of model state, and
+allocator snapshots (at exit with TRAINPROF_MEMORY_HISTORY=1, and at the moment of an OOM).
+
+Stream `memory`, one record per step boundary:
+    {"step", "t_ns", "device", "rss_bytes", "peak_rss_bytes",
+     CUDA only: "allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes",
+     "inactive_split_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "peak_active_bytes",
+     "num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free"}
+    and {"event": "oom", "t_ns", "step", "device", "alloc_bytes", "device_allocated_bytes",
+         "device_free_bytes", "snapshot"} when the caching allocator runs out of memory.
+meta.json `memory_breakdown` (measured once, at the second step boundary, from the optimizers'
+parameters as this rank holds them — local shards of DTensor/FSDP2 parameters):
+    {"params_bytes", "grads_bytes", "optimizer_state_bytes", "n_params_local", "param_dtypes",
+     "optimizer_state_dtypes", "step"}
+Snapshots: ranks/rank-NNNNN/memory_snapshot.pickle (exit), oom_snapshot.pickle (OOM), in the
+format of torch.cuda.memory._dump_snapshot. memory_stats() reads host-side allocator counters:
+no device synchronization.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+from trainprof.probes import runtime
+
+# torch.cuda.memory_stats() key -> our field
+CUDA_STATS = {
+    "allocated_bytes.all.current": "allocated_bytes",
+    "reserved_bytes.all.current": "reserved_bytes",
+    "active_bytes.all.current": "active_bytes",
+    "requested_bytes.all.current": "requested_bytes",
+    "inactive_split_bytes.all.current": "inactive_split_bytes",
+    "allocated_bytes.all.peak": "peak_allocated_bytes",
+    "reserved_bytes.all.peak": "peak_reserved_bytes",
+    "active_bytes.all.peak": "peak_active_bytes",
+    "num_alloc_retries": "num_alloc_retries",
+    "num_ooms": "num_ooms",
+    "num_device_alloc": "num_device_alloc",
+    "num_device_free": "num_device_free",
+}
+BREAKDOWN_AT_STEP = 1  # optimizer state exists after the first optimizer step
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _cuda_in_use() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def sample(step: int) -> dict:
+    rec = {"step": step, "t_ns": time.time_ns(), "device": "cpu",
+           "rss_bytes": rss_bytes(), "peak_rss_bytes": peak_rss_bytes()}
+    if _cuda_in_use():
+        import torch
+
+        stats = torch.cuda.memory_stats()
+        rec["device"] = f"cuda:{torch.cuda.current_device()}"
+        for key, field in CUDA_STATS.items():
+            if key in stats:
+                rec[field] = int(stats[key])
+    return rec
+
+
+def _local(t):
+    """The tensor this rank actually holds (a DTensor's local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _nbytes(t) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def model_state_breakdown(optimizers) -> dict:
+    import torch
+
+    params, seen = [], set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+    out = {"params_bytes": 0, "grads_bytes": 0, "optimizer_state_bytes": 0, "n_params_local": 0,
+           "param_dtypes": {}, "optimizer_state_dtypes": {}}
+    for p in params:
+        n = _nbytes(p)
+        out["params_bytes"] += n
+        out["n_params_local"] += _local(p).numel()
+        dt = str(p.dtype).replace("torch.", "")
+        out["param_dtypes"][dt] = out["param_dtypes"].get(dt, 0) + n
+        if p.grad is not None:
+            out["grads_bytes"] += _nbytes(p.grad)
+    for opt in optimizers:
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:  # skip scalar step counters
+                    n = _nbytes(v)
+                    out["optimizer_state_bytes"] += n
+                    dt = str(v.dtype).replace("torch.", "")
+                    out["optimizer_state_dtypes"][dt] = out["optimizer_state_dtypes"].get(dt, 0) + n
+    return out
+
+
+def attach(session) -> None:
+    writer = session.stream("memory")
+    history = os.environ.get("TRAINPROF_MEMORY_HISTORY", "0") == "1"
+    armed = {"cuda": False}
+
+    def on_step(rec) -> None:
+        writer.write(sample(rec["step"]))
+        if rec["step"] == BREAKDOWN_AT_STEP and len(session.optimizers):
+            session.update_meta(memory_breakdown={**model_state_breakdown(list(session.optimizers)),
+                                                  "step": rec["step"]})
+        if not armed["cuda"] and _cuda_in_use():
+            armed["cuda"] = True
+            _arm_cuda(session, writer, history)
+
+    session.on_step(on_step)
+
+
+def _arm_cuda(session, writer, history: bool) -> None:
+    import torch
+
+    if history:
+        try:
+            torch.cuda.memory._record_memory_history(max_entries=int(
+                os.environ.get("TRAINPROF_MEMORY_HISTORY_ENTRIES", "100000")))
+            session.on_close(lambda: _dump(session.dir / "memory_snapshot.pickle"))
+        except Exception as e:  # noqa: BLE001
+            runtime.warn(f"allocator history unavailable: {e}")
+
+    def on_oom(device, alloc, device_allocated, device_free):
+        path = session.dir / "oom_snapshot.pickle"
+        writer.write({"event": "oom", "t_ns": time.time_ns(), "step": session.clock.step,
+                      "device": int(device), "alloc_bytes": int(alloc),
+                      "device_allocated_bytes": int(device_allocated),
+                      "device_free_bytes": int(device_free),
+                      "snapshot": path.name if _dump(path) else None})
+
+    try:
+        torch._C._cuda_attach_out_of_memory_observer(on_oom)
+    except Exception as e:  # noqa: BLE001
+        runtime.warn(f"OOM observer unavailable: {e}")
+
+
+def _dump(path) -> bool:
+    try:
+        import torch
+
+        torch.cuda.memory._dump_snapshot(str(path))
+        return True
+    except Exception as e:  # noqa: BLE001
+        runtime.warn(f"memory snapshot failed: {e}")
+        return False
