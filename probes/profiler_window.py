@@ -44,7 +44,7 @@ class ProfilerWindow:
             schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
             on_trace_ready=self._export,
             record_shapes=True,      # shapes and dtypes feed the FLOP/roofline analysis
-            profile_memory=False,
+            profile_memory=True,     # allocation events: the CPU memory timeline
             with_stack=False,
         )
         self._prof.start()
