@@ -17,13 +17,20 @@ def main():
     """
 
 
-def _register():
-    from trainprof.cli.analyze import analyze
-    from trainprof.cli.demo import demo
-    from trainprof.cli.wrap import wrap
+VERBS = ("wrap", "analyze", "compare", "hang", "demo")  # trainprof.cli.<verb> defines <verb>
 
-    for cmd in (wrap, analyze, demo):
-        main.add_command(cmd)
+
+def _register():
+    import importlib
+
+    for verb in VERBS:
+        try:
+            module = importlib.import_module(f"{__name__}.{verb}")
+        except ModuleNotFoundError as e:
+            if e.name == f"{__name__}.{verb}":
+                continue  # verb not part of this build
+            raise
+        main.add_command(getattr(module, verb))
 
 
 _register()
