@@ -32,6 +32,8 @@ ATTACHED_PROBES: tuple[str, ...] = (
     "trainprof.probes.heartbeat",       # crash-safe progress record per rank
     "trainprof.probes.hang_watchdog",   # dumps stacks and in-flight collectives when stuck
     "trainprof.probes.nan_watch",       # finiteness of loss / grad norm, origin on detection
+    "trainprof.probes.dataloader",      # time each step waits for its input batches
+    "trainprof.probes.calibration",     # matmul/copy microbenchmark for unknown devices
     "trainprof.probes.memory",          # allocator stats per step, snapshots, OOM observer
     "trainprof.probes.telemetry",       # NVML sampler (own GPU only)
 )
