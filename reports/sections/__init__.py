@@ -1,0 +1,1 @@
+"""Report sections: reports/sections/<analyzer NAME>.py renders that analyzer's metrics."""
