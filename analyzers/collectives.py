@@ -1,0 +1,336 @@
+"""Collectives: bandwidth per op, size and group, the slowest groups, arrival lateness per rank,
+log consistency, and exposed communication from the always-on collective log.
+
+Input: every rank's collectives.jsonl and groups.jsonl (probes/collectives.py), aligned to
+rank 0's clock with analyzers._clock. One *instance* of a collective is the same (group,
+ordinal) on every member: the ordinal counts the group's collectives on that rank in seq
+order, p2p ops excluded (p2p interleave differently on the two sides of a pipeline edge).
+
+Time of an instance (docs/collectives.md): device_ms on GPU; on CPU the arrival-to-completion
+time, from the last member's (aligned) enqueue to the earliest (aligned) end (an op cannot
+finish before its last member arrives, and the first completion observed bounds it), which
+is what the transfer itself took; each rank's own duration end − enqueue also includes its
+wait for late members. Bandwidths follow nccl-tests: algbw = size / time, busbw = algbw × a
+factor of the op and group size n (see BUS_FACTORS), with size = the bytes field (output size
+for all_gather, input size for reduce_scatter / all_to_all, the buffer otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pandas as pd
+
+from trainprof.analyzers._clock import offsets, uncertainty_ns
+from trainprof.findings import AnalyzerResult, Finding
+
+NAME = "collectives"
+P2P = ("send", "recv")
+EXPOSED_FRACTION = 0.5  # blocked in collectives for at least this share of the step
+TOP_GROUPS = 10
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests busbw / algbw ratio for op on a group of n ranks."""
+    if n <= 1:
+        return 0.0 if op not in P2P else 1.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        return (n - 1) / n
+    return 1.0  # broadcast, reduce, send/recv
+
+
+def size_bucket(nbytes: float) -> int:
+    """Upper bound of the power-of-two bucket holding nbytes (0 for empty messages)."""
+    if not nbytes or nbytes <= 0:
+        return 0
+    return int(2 ** math.ceil(math.log2(nbytes)))
+
+
+def _groups(run) -> dict[tuple[int, str], dict]:
+    out = {}
+    for r in run.ranks:
+        for g in run.stream(r, "groups"):
+            if "pg" in g:
+                out[(r, str(g["pg"]))] = g
+    return out
+
+
+def _frame(run):
+    df = run.frame("collectives")
+    if df.empty:
+        return df
+    need = ["step", "pg", "seq", "op", "bytes", "enqueue_ns", "end_ns", "blocked_ms"]
+    missing = [c for c in need if c not in df.columns]
+    if missing:
+        run.problems.append(f"{run.path}/ranks/*/collectives.jsonl: records lack {missing}; "
+                            "collective analysis skipped")
+        return pd.DataFrame()
+    df = df.copy()
+    for c in ("device_ms", "peer", "async", "api", "dtype"):
+        if c not in df.columns:
+            df[c] = None
+    df["pg"] = df["pg"].astype(str)
+    df = df.dropna(subset=["seq", "enqueue_ns"])
+    df["seq"] = df["seq"].astype(np.int64)
+    groups = _groups(run)
+    keys, dims, sizes = [], [], []
+    for r, pg in zip(df["rank"], df["pg"]):
+        g = groups.get((int(r), pg))
+        ranks = tuple(g.get("ranks") or ()) if g else ()
+        keys.append(f"{pg}:{','.join(map(str, ranks))}" if ranks else f"{pg}:?")
+        dims.append(g.get("mesh_dim") if g else None)
+        sizes.append(int(g.get("size") or len(ranks)) if g else 0)
+    df["group"], df["gsize"] = keys, sizes
+    df["mesh_dim"] = pd.Series(dims, index=df.index, dtype=object)
+    # clock alignment: offsets are applied to absolute ns, then made relative to keep float64 exact
+    align = offsets(run)
+    enq = df["enqueue_ns"].astype(np.int64).to_numpy()
+    has_end = df["end_ns"].notna().to_numpy()
+    end = np.where(has_end, pd.to_numeric(df["end_ns"], errors="coerce").fillna(0), enq)
+    end = end.astype(np.int64)
+    a_enq, a_end = enq.copy(), end.copy()
+    ranks = df["rank"].to_numpy()
+    for r in np.unique(ranks):
+        m = ranks == r
+        a_enq[m] = np.asarray(align[int(r)](enq[m]), dtype=np.int64)
+        a_end[m] = np.asarray(align[int(r)](end[m]), dtype=np.int64)
+    base = int(a_enq.min())
+    df["t_enq"] = (a_enq - base) / 1e6  # ms since the first op, reference clock
+    df["t_end"] = np.where(has_end, (a_end - base) / 1e6, np.nan)
+    df["dur_ms"] = df["t_end"] - df["t_enq"]
+    df["p2p"] = df["op"].isin(P2P)
+    df = df.sort_values(["rank", "pg", "seq"]).reset_index(drop=True)
+    df["ordinal"] = -1
+    coll = ~df["p2p"]
+    df.loc[coll, "ordinal"] = df[coll].groupby(["rank", "group"]).cumcount()
+    return df
+
+
+def _consistency(df) -> dict:
+    gaps, mismatches, missing = [], [], []
+    for (r, pg), g in df.groupby(["rank", "pg"]):
+        seqs = g["seq"].to_numpy()
+        expect = np.arange(len(seqs))
+        if not np.array_equal(np.sort(seqs), expect):
+            have = set(seqs.tolist())
+            lost = [int(s) for s in range(int(seqs.max()) + 1) if s not in have][:10]
+            dup = int(len(seqs) - len(have))
+            gaps.append({"rank": int(r), "pg": pg, "missing_seq": lost, "duplicates": dup})
+    ranks_present = set(df["rank"].unique().tolist())
+    for key, g in df.groupby("group"):
+        members = [int(x) for x in key.split(":", 1)[1].split(",") if x not in ("?", "")]
+        counts = {}
+        for r, gr in g.groupby("rank"):
+            c = Counter(gr.loc[~gr["p2p"], "op"])
+            c["p2p"] = int(gr["p2p"].sum())
+            counts[int(r)] = c
+        absent = [m for m in members if m in ranks_present and m not in counts]
+        if absent:
+            missing.append({"group": key, "ranks": absent})
+        if len(counts) > 1:
+            ref = max(counts.values(), key=lambda c: sum(c.values()))
+            bad = {r: dict(c) for r, c in counts.items() if c != ref}
+            if bad:
+                mismatches.append({"group": key, "expected": dict(ref),
+                                   "ranks": {str(r): c for r, c in bad.items()}})
+    return {"ok": not (gaps or mismatches or missing), "seq_gaps": gaps,
+            "count_mismatches": mismatches, "ranks_missing_group": missing}
+
+
+def _instances(df) -> pd.DataFrame:
+    """One row per collective instance (group, ordinal) with all the members that logged it."""
+    c = df[~df["p2p"]]
+    if c.empty:
+        return pd.DataFrame()
+    agg = c.groupby(["group", "ordinal"]).agg(
+        op=("op", "first"), mesh_dim=("mesh_dim", "first"), gsize=("gsize", "first"),
+        bytes=("bytes", "max"), step=("step", "min"), members=("rank", "nunique"),
+        first_enq=("t_enq", "min"), last_enq=("t_enq", "max"), first_end=("t_end", "min"),
+        device_ms=("device_ms", lambda s: pd.to_numeric(s, errors="coerce").median()),
+        rank_dur=("dur_ms", "median"), blocked_ms=("blocked_ms", "mean"))
+    agg = agg.reset_index()
+    a2c = (agg["first_end"] - agg["last_enq"]).clip(lower=0)
+    complete = agg["members"] >= agg["gsize"]
+    agg["a2c_ms"] = np.where(complete, a2c, np.nan)
+    agg["time_ms"] = agg["device_ms"].where(agg["device_ms"].notna(),
+                                            agg["a2c_ms"].where(complete, agg["rank_dur"]))
+    return agg
+
+
+def _p2p_pairs(df) -> pd.DataFrame:
+    """Pair the k-th send a->b with the k-th recv on b from a (p2p ordering per pair)."""
+    p = df[df["p2p"] & df["peer"].notna()].copy()
+    if p.empty:
+        return pd.DataFrame()
+    p["peer"] = p["peer"].astype(int)
+    p["src"] = np.where(p["op"] == "send", p["rank"], p["peer"])
+    p["dst"] = np.where(p["op"] == "send", p["peer"], p["rank"])
+    p["k"] = p.groupby(["group", "op", "src", "dst"]).cumcount()
+    s = p[p["op"] == "send"].set_index(["group", "src", "dst", "k"])
+    r = p[p["op"] == "recv"].set_index(["group", "src", "dst", "k"])
+    j = s.merge(r, how="inner", left_index=True, right_index=True, suffixes=("_s", "_r"))
+    if j.empty:
+        return pd.DataFrame()
+    out = pd.DataFrame({
+        "group": j.index.get_level_values("group"), "op": "send_recv",
+        "mesh_dim": j["mesh_dim_s"].to_numpy(), "gsize": 2, "bytes": j["bytes_s"].to_numpy(),
+        "step": j["step_s"].to_numpy(),
+        "device_ms": pd.to_numeric(j["device_ms_r"], errors="coerce").to_numpy(),
+        "a2c_ms": (j["t_end_r"] - np.maximum(j["t_enq_s"], j["t_enq_r"])).clip(lower=0).to_numpy(),
+        "blocked_ms": ((j["blocked_ms_s"] + j["blocked_ms_r"]) / 2).to_numpy(),
+    })
+    out["time_ms"] = np.where(np.isnan(out["device_ms"].astype(float)), out["a2c_ms"],
+                              out["device_ms"])
+    return out
+
+
+def _dim(x):
+    """mesh_dim as JSON: a name or None (pandas turns None into NaN in object columns)."""
+    return x if isinstance(x, str) else None
+
+
+def _bandwidth_table(inst: pd.DataFrame) -> list[dict]:
+    rows = []
+    inst = inst[inst["time_ms"].notna()]
+    inst = inst.assign(bucket=inst["bytes"].map(size_bucket))
+    for (op, bucket, group), g in inst.groupby(["op", "bucket", "group"]):
+        t = g["time_ms"].to_numpy(dtype=float)
+        b = g["bytes"].to_numpy(dtype=float)
+        total_ms = float(t.sum())
+        n = int(g["gsize"].iloc[0] or 0)
+        wire_op = "send" if op == "send_recv" else op
+        algbw = float(b.sum() / (total_ms / 1e3) / 1e9) if total_ms > 0 and b.sum() > 0 else None
+        rows.append({"op": op, "size_bucket": int(bucket), "group": group,
+                     "mesh_dim": _dim(g["mesh_dim"].iloc[0]), "ranks": n, "count": int(len(g)),
+                     "bytes": float(np.median(b)), "total_ms": total_ms,
+                     "median_ms": float(np.median(t)),
+                     "algbw_GBps": algbw,
+                     "busbw_GBps": algbw * bus_factor(wire_op, n) if algbw is not None else None})
+    rows.sort(key=lambda x: -x["total_ms"])
+    return rows
+
+
+def _lateness(df, inst, kept_steps) -> dict:
+    c = df[~df["p2p"] & (df["gsize"] > 1)]
+    if c.empty or inst.empty:
+        return {"per_rank": [], "by_rank_step": {}}
+    full = inst[(inst["members"] >= inst["gsize"]) & (inst["gsize"] > 1)]
+    full = full[full["step"].isin(kept_steps)] if kept_steps is not None else full
+    m = c.merge(full[["group", "ordinal", "first_enq", "last_enq"]], on=["group", "ordinal"])
+    if m.empty:
+        return {"per_rank": [], "by_rank_step": {}}
+    m["late_ms"] = m["t_enq"] - m["first_enq"]
+    m["last"] = (m["t_enq"] >= m["last_enq"]) & (m["last_enq"] > m["first_enq"])
+    per_rank = []
+    for r, g in m.groupby("rank"):
+        lt = g["late_ms"].to_numpy(dtype=float)
+        by_dim = {str(d if d is not None else "other"): float(x["late_ms"].mean())
+                  for d, x in g.groupby(g["mesh_dim"].fillna("other"))}
+        per_rank.append({"rank": int(r), "n": int(len(lt)), "mean_ms": float(lt.mean()),
+                         "median_ms": float(np.median(lt)),
+                         "p90_ms": float(np.percentile(lt, 90)), "max_ms": float(lt.max()),
+                         "last_frac": float(g["last"].mean()), "by_dim_mean_ms": by_dim})
+    by_rank_step = {str(int(r)): {str(int(s)): float(v) for s, v in g.groupby("step")["late_ms"].mean().items()}
+                    for r, g in m.groupby("rank")}
+    return {"per_rank": per_rank, "by_rank_step": by_rank_step}
+
+
+def _blocked(run, df, kept_steps):
+    steps = run.steps()
+    if steps.empty or kept_steps is None:
+        return None
+    steps = steps.drop_duplicates(["rank", "step"], keep="last")
+    steps = steps[steps["step"].isin(kept_steps)]
+    if steps.empty:
+        return None
+    k = df[df["step"].isin(kept_steps)]
+    blocked = k.groupby("rank")["blocked_ms"].sum()
+    step_ms = steps.groupby("rank")["dur_ms"].sum()
+    per_rank = []
+    for r, total in step_ms.items():
+        b = float(blocked.get(r, 0.0))
+        per_rank.append({"rank": int(r), "blocked_ms": b, "step_ms": float(total),
+                         "fraction": b / float(total) if total > 0 else None})
+    by_group = (k.groupby(["group", "mesh_dim"], dropna=False)["blocked_ms"].sum()
+                / max(1, k["rank"].nunique()) / max(1, len(kept_steps)))
+    top = [{"group": g, "mesh_dim": _dim(d), "blocked_ms_per_step": float(v)}
+           for (g, d), v in by_group.sort_values(ascending=False).head(5).items()]
+    fr = [p["fraction"] for p in per_rank if p["fraction"] is not None]
+    return {"per_rank": per_rank, "median_fraction": float(np.median(fr)) if fr else None,
+            "top_groups": top, "steps": len(kept_steps)}
+
+
+def _kept_steps(run, df):
+    steps = run.steps()
+    if steps.empty:
+        return None
+    from trainprof.analyzers.step_time import excluded_steps
+
+    excl = excluded_steps(steps)
+    drop = set(excl["warmup"]) | set(excl["profiler"])
+    kept = sorted(int(s) for s in steps["step"].unique() if int(s) not in drop)
+    return kept or sorted(int(s) for s in steps["step"].unique())
+
+
+def analyze(run) -> AnalyzerResult:
+    df = _frame(run)
+    if df.empty:
+        return AnalyzerResult()
+    kept = _kept_steps(run, df)
+    consistency = _consistency(df)
+    inst = _instances(df)
+    pairs = _p2p_pairs(df)
+    stat_inst = inst[inst["step"].isin(kept)] if kept is not None and not inst.empty else inst
+    stat_pairs = pairs[pairs["step"].isin(kept)] if kept is not None and not pairs.empty else pairs
+    both = pd.concat([x for x in (stat_inst, stat_pairs) if not x.empty], ignore_index=True) \
+        if not (stat_inst.empty and stat_pairs.empty) else pd.DataFrame()
+    table = _bandwidth_table(both) if not both.empty else []
+
+    slowest, per_dim = [], []
+    if not both.empty:
+        for group, g in both.groupby("group"):
+            t = g["time_ms"].fillna(0)
+            slowest.append({"group": group, "mesh_dim": _dim(g["mesh_dim"].iloc[0]),
+                            "ranks": int(g["gsize"].iloc[0] or 0), "count": int(len(g)),
+                            "total_ms": float(t.sum()), "bytes": float(g["bytes"].sum()),
+                            "blocked_ms": float(g["blocked_ms"].sum()),
+                            "ops": dict(Counter(g["op"]))})
+        slowest.sort(key=lambda x: -x["total_ms"])
+        for dim, g in both.groupby(both["mesh_dim"].fillna("other")):
+            t = float(g["time_ms"].fillna(0).sum())
+            b = float(g["bytes"].sum())
+            per_dim.append({"mesh_dim": dim, "count": int(len(g)), "total_ms": t, "bytes": b,
+                            "algbw_GBps": b / (t / 1e3) / 1e9 if t > 0 else None,
+                            "ops": dict(Counter(g["op"]))})
+        per_dim.sort(key=lambda x: -x["total_ms"])
+
+    lateness = _lateness(df, inst, kept)
+    blocked = _blocked(run, df, kept)
+    unc = uncertainty_ns(run)
+    metrics = {
+        "records": int(len(df)), "ranks": int(df["rank"].nunique()),
+        "groups": int(df["group"].nunique()),
+        "device_timed": bool(pd.to_numeric(df["device_ms"], errors="coerce").notna().any()),
+        "bandwidth": table, "slowest_groups": slowest[:TOP_GROUPS], "per_dim": per_dim,
+        "lateness": lateness, "blocked": blocked, "consistency": consistency,
+        "steps_analysed": kept,
+        "clock_uncertainty_ms": {str(r): u / 1e6 for r, u in unc.items()},
+        "in_flight_at_end": int(df["end_ns"].isna().sum()),
+    }
+    findings = []
+    if blocked and blocked["median_fraction"] is not None \
+            and blocked["median_fraction"] >= EXPOSED_FRACTION:
+        top = blocked["top_groups"][:3]
+        names = ", ".join(f"{t['group']} ({t['mesh_dim'] or 'world/other'}, "
+                          f"{t['blocked_ms_per_step']:.1f} ms/step)" for t in top)
+        findings.append(Finding(
+            "exposed_comm", "warning", [],
+            f"ranks spend {100 * blocked['median_fraction']:.0f} % of each step blocked in "
+            f"collectives (median over ranks); most in {names}",
+            evidence={"median_blocked_fraction": blocked["median_fraction"], "top_groups": top,
+                      "per_rank": blocked["per_rank"], "source": "collective log"}))
+    return AnalyzerResult(metrics=metrics, findings=findings)

@@ -1,0 +1,666 @@
+"""Always-on log of every collective and point-to-point op (collectives.jsonl, groups.jsonl).
+
+Hook points, chosen so that every API is caught once and user code keeps the function objects
+it compares by identity (pipelining tests `p.op is dist.isend`):
+
+* the ``ProcessGroup`` methods (allreduce, all_gather_single, reduce_scatter_single, send, ...):
+  every ``torch.distributed.*`` API funnels into exactly one of them per wire operation, so they
+  catch the c10d functions, FSDP2 (``dist.all_gather_single``/``reduce_scatter_single`` with
+  ``async_op``), batch_isend_irecv and the pipelining schedules' p2p traffic, however the caller
+  imported them;
+* the ``torch.ops._c10d_functional.*`` op packets (replaced by delegating proxies on the op
+  namespace): the functional collectives of DTensor / TP and the funcol API call them from
+  Python, and their C++ kernels never touch the Python ProcessGroup methods;
+* ``Work.wait`` and ``_c10d_functional.wait_tensor``: where the calling thread blocks.
+
+Records are buffered and appended in one write at each step boundary and at close; issued but
+unfinished ops live in ``session.state["inflight_collectives"]`` so the heartbeat/watchdog see
+them even if the process hangs before the next flush. Record fields: docs/collectives.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import threading
+import time
+
+from trainprof.probes import runtime
+
+_LOG: "CollectiveLog | None" = None
+_patched = False
+_tls = threading.local()  # .busy: inside a recorded call (nested calls are the same wire op)
+
+C10D_MODULE = "torch.distributed.distributed_c10d"
+P2P = ("send", "recv")
+MAX_PENDING_FLUSHES = 8  # device events not resolved after this many flushes: written without
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+def _nbytes(x) -> tuple[int, int, str | None]:
+    """(bytes, numel, dtype) of a tensor or a (nested) list of tensors."""
+    if x is None:
+        return 0, 0, None
+    if isinstance(x, (list, tuple)):
+        b = n = 0
+        dt = None
+        for y in x:
+            yb, yn, ydt = _nbytes(y)
+            b, n, dt = b + yb, n + yn, dt or ydt
+        return b, n, dt
+    try:
+        n = x.numel()
+        return n * x.element_size(), n, str(x.dtype).replace("torch.", "")
+    except Exception:  # noqa: BLE001 - not a tensor
+        return 0, 0, None
+
+
+def _first_tensor(x):
+    while isinstance(x, (list, tuple)):
+        if not x:
+            return None
+        x = x[0]
+    return x
+
+
+# ProcessGroup method -> (canonical op, index of the argument whose size is the nccl-tests
+# "size" of the op: the output for all_gather/gather, the input for reduce_scatter/all_to_all/
+# scatter, the buffer otherwise; see docs/collectives.md).
+PG_METHODS: dict[str, tuple[str, int | None]] = {
+    "allreduce": ("all_reduce", 0),
+    "allreduce_coalesced": ("all_reduce", 0),
+    "reduce": ("reduce", 0),
+    "broadcast": ("broadcast", 0),
+    "allgather": ("all_gather", 0),
+    "_allgather_base": ("all_gather", 0),
+    "all_gather_single": ("all_gather", 0),
+    "allgather_coalesced": ("all_gather", 0),
+    "allgather_into_tensor_coalesced": ("all_gather", 0),
+    "all_gather_single_coalesced": ("all_gather", 0),
+    "reduce_scatter": ("reduce_scatter", 1),
+    "_reduce_scatter_base": ("reduce_scatter", 1),
+    "reduce_scatter_single": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1),
+    "reduce_scatter_single_coalesced": ("reduce_scatter", 1),
+    "alltoall_base": ("all_to_all", 1),
+    "all_to_all_single": ("all_to_all", 1),
+    "alltoall": ("all_to_all", 1),
+    "gather": ("gather", 0),
+    "scatter": ("scatter", 1),
+    "barrier": ("barrier", None),
+    "send": ("send", 0),
+    "recv": ("recv", 0),
+    "recv_anysource": ("recv", 0),
+}
+
+# _c10d_functional op -> (canonical op, input arg index, "x n" for ops whose size is the output
+# = input × group size, index of the group argument)
+FUNCOL_OPS: dict[str, tuple[str, int, bool, int]] = {
+    "all_reduce": ("all_reduce", 0, False, 2),
+    "all_reduce_": ("all_reduce", 0, False, 2),
+    "all_reduce_coalesced": ("all_reduce", 0, False, 2),
+    "all_reduce_coalesced_": ("all_reduce", 0, False, 2),
+    "all_gather_into_tensor": ("all_gather", 0, True, 2),
+    "all_gather_into_tensor_out": ("all_gather", 0, True, 2),
+    "all_gather_into_tensor_coalesced": ("all_gather", 0, True, 2),
+    "reduce_scatter_tensor": ("reduce_scatter", 0, False, 3),
+    "reduce_scatter_tensor_out": ("reduce_scatter", 0, False, 3),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0, False, 3),
+    "all_to_all_single": ("all_to_all", 0, False, 3),
+    "broadcast": ("broadcast", 0, False, 2),
+    "broadcast_": ("broadcast", 0, False, 2),
+    "isend": ("send", 0, False, 3),
+    "irecv": ("recv", 0, False, 3),
+}
+FUNCOL_AUTOGRAD_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+
+
+# --------------------------------------------------------------------------- the log
+
+
+class _Op:
+    """Book-keeping of one issued op; ``rec`` is the public record (collectives.jsonl fields)."""
+
+    __slots__ = ("rid", "rec", "work", "sync", "done", "ev_start", "ev_end", "flushes", "t_wait")
+
+    def __init__(self, rid, rec, sync):
+        self.rid, self.rec, self.sync = rid, rec, sync
+        self.work = None
+        self.done = False
+        self.ev_start = self.ev_end = None
+        self.flushes = 0
+        self.t_wait = 0
+
+
+class CollectiveLog:
+    def __init__(self, session):
+        self.session = session
+        self.pid = os.getpid()
+        self.closed = False
+        self.path = session.dir / "collectives.jsonl"
+        self.groups_writer = session.stream("groups")
+        self._lock = threading.Lock()
+        self._file = None
+        self._rid = itertools.count()
+        self._seq: dict[str, itertools.count] = {}
+        self._groups: dict = {}             # id(pg) or name -> (name, ranks, backend)
+        self._groups_written: set = set()
+        self._ops: dict[int, _Op] = {}      # rid -> op, until written
+        self._works: dict[int, tuple] = {}  # id(Work) -> (Work, [ops])
+        self._funcol: dict[int, list] = {}  # storage data_ptr of a funcol output -> [ops]
+        self._coalescing: dict[int, list] = {}  # id(pg) -> ops issued inside _start/_end_coalescing
+        self.inflight: dict[int, dict] = {}
+        session.state["inflight_collectives"] = self.inflight
+        session.state["last_collective"] = None
+        self.errors = 0
+
+    # -- groups
+    def group(self, pg):
+        key = id(pg)
+        g = self._groups.get(key)
+        if g is None:
+            import torch.distributed as dist
+
+            name = getattr(pg, "group_name", None) or dist.distributed_c10d._get_process_group_name(pg)
+            try:
+                ranks = [int(r) for r in dist.get_process_group_ranks(pg)]
+            except Exception:  # noqa: BLE001 - e.g. a group this rank is not part of
+                ranks = []
+            try:
+                backend = str(dist.get_backend(pg))
+            except Exception:  # noqa: BLE001
+                backend = None
+            g = self._groups[key] = (str(name), ranks, backend)
+        return g
+
+    def group_by_name(self, name):
+        if not isinstance(name, str):  # funcol accepts a ProcessGroup too
+            return self.group(name)
+        g = self._groups.get(name)
+        if g is None:
+            from torch.distributed import distributed_c10d as c10d
+
+            g = self._groups[name] = self.group(c10d._resolve_process_group(name))
+        return g
+
+    # -- issue / complete
+    def issue(self, op, pg_info, nbytes, numel, dtype, peer, is_async, api, tensor, sync):
+        name = pg_info[0]
+        seq_counter = self._seq.get(name)
+        if seq_counter is None:
+            seq_counter = self._seq[name] = itertools.count()
+        rec = {"step": self.session.clock.step, "pg": name, "seq": next(seq_counter), "op": op,
+               "bytes": nbytes, "dtype": dtype, "numel": numel, "enqueue_ns": time.time_ns(),
+               "end_ns": None, "blocked_ms": 0.0, "device_ms": None, "peer": peer,
+               "async": is_async, "api": api}
+        o = _Op(next(self._rid), rec, sync)
+        if tensor is not None and getattr(tensor, "is_cuda", False):
+            o.ev_start = _cuda_event()
+        self._ops[o.rid] = o
+        self.inflight[o.rid] = rec
+        self.session.state["last_collective"] = rec
+        return o
+
+    def attach_work(self, ops, work, cuda):
+        if work is None:  # the backend completed the op inside the call
+            for o in ops:
+                self.complete(o, time.time_ns())
+            return
+        entry = self._works.get(id(work))
+        if entry is not None and entry[0] is work:
+            entry[1].extend(ops)
+        else:
+            self._works[id(work)] = (work, list(ops))
+        for o in ops:
+            o.work = work
+        # Completion is observed at wait() (a future callback would be exact on gloo but
+        # costs ~30 us per op in GIL hand-offs); works never waited are closed at the flush.
+
+    def waited(self, work, t0, t1):
+        entry = self._works.pop(id(work), None)
+        if entry is None or entry[0] is not work:
+            return
+        for o in entry[1]:
+            o.t_wait += t1 - t0
+            self.complete(o, t1)
+
+    def complete(self, o, t_end):
+        if o.done:
+            return
+        rec = o.rec
+        if rec["end_ns"] is None or rec["end_ns"] > t_end:
+            rec["end_ns"] = t_end
+        # sync ops: the calling thread was blocked for the whole call; async: inside wait()
+        rec["blocked_ms"] = ((t_end - rec["enqueue_ns"]) if o.sync else o.t_wait) / 1e6
+        if o.ev_start is not None:
+            o.ev_end = _cuda_event()
+        o.done = True
+        self.inflight.pop(o.rid, None)
+
+    # -- flushing
+    def on_step(self, _rec=None):
+        self.flush(final=False)
+
+    def flush(self, final=False):
+        lines = []
+        with self._lock:
+            for rid, o in list(self._ops.items()):
+                if not o.done:
+                    work = o.work
+                    finished = o.rec["end_ns"] is not None
+                    if not finished and work is not None:
+                        try:
+                            finished = work.is_completed()
+                        except Exception:  # noqa: BLE001
+                            finished = False
+                    if not (finished or final):
+                        continue  # really in flight: stays visible to the heartbeat
+                    o.done = True
+                    self.inflight.pop(rid, None)
+                    if work is not None:
+                        self._works.pop(id(work), None)
+                if o.ev_end is not None and o.rec["device_ms"] is None:
+                    try:
+                        if final:
+                            o.ev_end.synchronize()  # at shutdown only, never in the hot path
+                        if o.ev_end.query():
+                            o.rec["device_ms"] = o.ev_start.elapsed_time(o.ev_end)
+                        elif o.flushes < MAX_PENDING_FLUSHES:
+                            o.flushes += 1
+                            continue  # the GPU has not got there yet: next flush
+                    except Exception:  # noqa: BLE001
+                        pass
+                del self._ops[rid]
+                lines.append(json.dumps(o.rec, separators=(",", ":")))
+            # funcol outputs freed without a wait leave stale keys: drop those of written ops
+            if self._funcol and len(self._funcol) > 4096:
+                self._funcol = {k: v for k, v in self._funcol.items()
+                                if any(o.rid in self._ops for o in v)}
+        self._write_groups()
+        if lines:
+            self._append("\n".join(lines) + "\n")
+
+    def _append(self, text):
+        try:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a", encoding="utf-8")
+            self._file.write(text)  # one write per flush: a crash tears at most the last line
+            self._file.flush()
+        except Exception as e:  # noqa: BLE001
+            self.errors += 1
+            if self.errors == 1:
+                runtime.warn(f"could not write {self.path}: {e}")
+
+    def _write_groups(self):
+        for key, (name, ranks, backend) in list(self._groups.items()):
+            if (name, tuple(ranks)) in self._groups_written or not isinstance(key, int):
+                continue
+            self._groups_written.add((name, tuple(ranks)))
+            self.groups_writer.write({"pg": name, "ranks": ranks,
+                                      "mesh_dim": mesh_dim(self.session.meta.get("mesh"), ranks,
+                                                           self.session.rank),
+                                      "backend": backend, "size": len(ranks)})
+
+    def close(self):
+        if self.closed:
+            return
+        try:
+            self.flush(final=True)
+        finally:
+            self.closed = True
+            if self._file is not None:
+                try:
+                    self._file.close()
+                except OSError:
+                    pass
+
+
+def mesh_dim(mesh: dict | None, ranks: list[int], my_rank: int) -> str | None:
+    """The mesh dimension a group spans: the group's ranks are exactly those that share this
+    rank's coordinates on every other dim. Assumes the row-major rank layout of
+    init_device_mesh; dims that mean the same axis (dp_replicate × dp_shard) are merged."""
+    if not mesh or not mesh.get("shape") or not ranks:
+        return None
+    from trainprof.probes.rankinfo import MESH_ALIASES
+
+    names, shape = list(mesh["dim_names"]), [int(s) for s in mesh["shape"]]
+    total = 1
+    for s in shape:
+        total *= s
+    if my_rank >= total:
+        return None
+    coord, rest = [], my_rank
+    for s in reversed(shape):
+        coord.append(rest % s)
+        rest //= s
+    coord.reverse()
+    target = sorted(ranks)
+    candidates = [(n, [n]) for n in names]
+    for canon, aliases in MESH_ALIASES.items():
+        dims = [n for n in names if n.lower() in aliases]
+        if len(dims) > 1:
+            candidates.insert(0, (canon, dims))
+    # non-trivial dims first, so that a size-1 group is not mistaken for another size-1 dim
+    for label, dims in sorted(candidates, key=lambda c: _span(shape, names, c[1]) != len(target)):
+        idx = [names.index(d) for d in dims]
+        group = []
+        for r in range(total):
+            c, rr = [], r
+            for s in reversed(shape):
+                c.append(rr % s)
+                rr //= s
+            c.reverse()
+            if all(c[i] == coord[i] for i in range(len(shape)) if i not in idx):
+                group.append(r)
+        if group == target:
+            low = label.lower()
+            for canon, aliases in MESH_ALIASES.items():
+                if low in aliases or low == canon:
+                    return canon
+            return label
+    return None
+
+
+def _span(shape, names, dims):
+    n = 1
+    for d in dims:
+        n *= shape[names.index(d)]
+    return n
+
+
+def _cuda_event():
+    import torch
+
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+def _active():
+    log = _LOG
+    if log is None or log.closed or log.pid != os.getpid() or getattr(_tls, "busy", False):
+        return None
+    return log
+
+
+# --------------------------------------------------------------------------- patches
+
+
+def _wrap_pg_method(cls, method, op, size_arg):
+    original = getattr(cls, method)
+
+    def wrapper(self, *args, **kwargs):
+        log = _active()
+        if log is None:
+            return original(self, *args, **kwargs)
+        try:
+            ops, cuda = _pg_issue(log, self, method, op, size_arg, args)
+        except Exception as e:  # noqa: BLE001
+            _note_error(log, e)
+            return original(self, *args, **kwargs)
+        _tls.busy = True
+        try:
+            work = original(self, *args, **kwargs)
+        finally:
+            _tls.busy = False
+        try:
+            co = log._coalescing.get(id(self))
+            if co is not None:  # the work of the batch comes from _end_coalescing
+                co.extend(ops)
+            else:
+                log.attach_work(ops, work, cuda)
+        except Exception as e:  # noqa: BLE001
+            _note_error(log, e)
+        return work
+
+    wrapper.__name__ = method
+    wrapper.__qualname__ = f"{cls.__name__}.{method}"
+    wrapper.__doc__ = original.__doc__
+    wrapper._trainprof_original = original
+    setattr(cls, method, wrapper)
+
+
+def _pg_issue(log, pg, method, op, size_arg, args):
+    info = log.group(pg)
+    caller = sys._getframe(2)
+    c10d = caller.f_globals.get("__name__") == C10D_MODULE
+    fname = caller.f_code.co_name
+    api = f"c10d.{fname}" if c10d else f"ProcessGroup.{method}"
+    if c10d:
+        loc = caller.f_locals
+        is_async = loc.get("async_op", loc.get("async_ops"))
+        if is_async is None:
+            is_async = fname in ("isend", "irecv")
+        is_async = bool(is_async)
+    else:
+        is_async = True  # a raw ProcessGroup call hands its Work to the caller
+    nbytes = numel = 0
+    dtype = None
+    tensor = None
+    if size_arg is not None and len(args) > size_arg:
+        nbytes, numel, dtype = _nbytes(args[size_arg])
+        tensor = _first_tensor(args[size_arg])
+        if op in ("gather", "scatter"):  # size = the whole gathered / scattered buffer
+            n = len(info[1]) or 1
+            src = args[1] if op == "gather" else args[0]
+            b1, n1, dt1 = _nbytes(src)
+            nbytes, numel, dtype = b1 * n, n1 * n, dt1
+    peer = None
+    if op in P2P and method != "recv_anysource" and len(args) > 1:
+        try:
+            peer = info[1][int(args[1])] if info[1] else int(args[1])
+        except Exception:  # noqa: BLE001
+            peer = None
+    cuda = bool(tensor is not None and getattr(tensor, "is_cuda", False))
+    o = log.issue(op, info, nbytes, numel, dtype, peer, is_async, api, tensor, sync=not is_async)
+    return [o], cuda
+
+
+def _patch_coalescing(cls):
+    start, end = cls._start_coalescing, cls._end_coalescing
+
+    def _start_coalescing(self, *args, **kwargs):
+        log = _active()
+        if log is not None:
+            log._coalescing[id(self)] = []
+        return start(self, *args, **kwargs)
+
+    def _end_coalescing(self, *args, **kwargs):
+        log = _LOG
+        ops = log._coalescing.pop(id(self), None) if log is not None else None
+        work = end(self, *args, **kwargs)
+        if ops:
+            try:
+                log.attach_work(ops, work, cuda=ops[0].ev_start is not None)
+            except Exception as e:  # noqa: BLE001
+                _note_error(log, e)
+        return work
+
+    _start_coalescing._trainprof_original = start
+    _end_coalescing._trainprof_original = end
+    cls._start_coalescing = _start_coalescing
+    cls._end_coalescing = _end_coalescing
+
+
+def _patch_work(cls):
+    original = cls.wait
+
+    def wait(self, *args, **kwargs):
+        log = _LOG
+        if log is None or not log._works or id(self) not in log._works:
+            return original(self, *args, **kwargs)
+        t0 = time.time_ns()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            try:
+                log.waited(self, t0, time.time_ns())
+            except Exception as e:  # noqa: BLE001
+                _note_error(log, e)
+
+    wait.__doc__ = original.__doc__
+    wait._trainprof_original = original
+    cls.wait = wait
+
+
+class _FuncolProxy:
+    """Stands in for a torch.ops._c10d_functional op packet: records the call, and delegates
+    every attribute (``.default`` and friends) to the real packet so identities are kept."""
+
+    __slots__ = ("_packet", "_op", "_arg", "_times_n", "_group_arg", "_api")
+
+    def __init__(self, packet, op, arg, times_n, group_arg, api):
+        self._packet, self._op, self._arg = packet, op, arg
+        self._times_n, self._group_arg, self._api = times_n, group_arg, api
+
+    def __getattr__(self, item):
+        return getattr(self._packet, item)
+
+    def __repr__(self):
+        return repr(self._packet)
+
+    def __call__(self, *args, **kwargs):
+        log = _active()
+        if log is None or _compiling():
+            return self._packet(*args, **kwargs)
+        ops = None
+        try:
+            ops = _funcol_issue(log, self, args, kwargs)
+        except Exception as e:  # noqa: BLE001
+            _note_error(log, e)
+        _tls.busy = True
+        try:
+            out = self._packet(*args, **kwargs)
+        finally:
+            _tls.busy = False
+        if ops:
+            try:
+                for t in (out if isinstance(out, (list, tuple)) else [out]):
+                    log._funcol.setdefault(_storage_key(t), []).extend(ops)
+            except Exception as e:  # noqa: BLE001
+                _note_error(log, e)
+        return out
+
+
+def _funcol_issue(log, proxy, args, kwargs):
+    group = args[proxy._group_arg] if len(args) > proxy._group_arg else kwargs.get("group_name")
+    info = log.group_by_name(group)
+    src = args[proxy._arg] if args else kwargs.get("input")
+    nbytes, numel, dtype = _nbytes(src)
+    if proxy._times_n:
+        n = len(info[1]) or 1
+        nbytes, numel = nbytes * n, numel * n
+    tensor = _first_tensor(src)
+    peer = None
+    if proxy._op in P2P and len(args) > 1:
+        peer = int(args[1])  # funcol p2p takes global ranks
+    return [log.issue(proxy._op, info, nbytes, numel, dtype, peer, True, proxy._api, tensor,
+                      sync=False)]
+
+
+def _wait_tensor_proxy(packet):
+    class _Wait(_FuncolProxy):
+        __slots__ = ()
+
+        def __call__(self, *args, **kwargs):
+            log = _LOG
+            if log is None or not log._funcol or _compiling():
+                return self._packet(*args, **kwargs)
+            try:
+                ops = log._funcol.pop(_storage_key(args[0]), None)
+            except Exception:  # noqa: BLE001
+                ops = None
+            if not ops:
+                return self._packet(*args, **kwargs)
+            t0 = time.time_ns()
+            try:
+                return self._packet(*args, **kwargs)
+            finally:
+                t1 = time.time_ns()
+                for o in ops:
+                    o.t_wait += t1 - t0
+                    log.complete(o, t1)
+
+    return _Wait(packet, "wait", 0, False, 0, "funcol.wait_tensor")
+
+
+def _storage_key(t) -> int:
+    # ACT views of an output (aten.view on AsyncCollectiveTensor) share its storage
+    return t.untyped_storage().data_ptr()
+
+
+def _compiling() -> bool:
+    try:
+        import torch
+
+        return torch.compiler.is_compiling()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _patch_funcol():
+    import torch
+
+    for ns_name, names, api in (("_c10d_functional", FUNCOL_OPS, "funcol"),
+                                ("_c10d_functional_autograd", FUNCOL_AUTOGRAD_OPS, "funcol_autograd")):
+        try:
+            ns = getattr(torch.ops, ns_name)
+        except Exception:  # noqa: BLE001
+            continue
+        for name in names:
+            op, arg, times_n, group_arg = FUNCOL_OPS[name]
+            try:
+                packet = getattr(ns, name)
+            except Exception:  # noqa: BLE001 - op not in this torch build
+                continue
+            if isinstance(packet, _FuncolProxy):
+                continue
+            setattr(ns, name, _FuncolProxy(packet, op, arg, times_n, group_arg, f"{api}.{name}"))
+    ns = torch.ops._c10d_functional
+    try:
+        wt = ns.wait_tensor
+        if not isinstance(wt, _FuncolProxy):
+            ns.wait_tensor = _wait_tensor_proxy(wt)
+    except Exception:  # noqa: BLE001
+        pass
+    # funcol.wait_tensor / ACT.trigger_wait look the packet up on the namespace at call time
+
+
+def _install_patches():
+    global _patched
+    if _patched:
+        return
+    _patched = True
+    from torch._C._distributed_c10d import ProcessGroup, Work
+
+    for method, (op, size_arg) in PG_METHODS.items():
+        if hasattr(ProcessGroup, method):
+            _wrap_pg_method(ProcessGroup, method, op, size_arg)
+    if hasattr(ProcessGroup, "_start_coalescing") and hasattr(ProcessGroup, "_end_coalescing"):
+        _patch_coalescing(ProcessGroup)
+    _patch_work(Work)
+    _patch_funcol()
+
+
+def _note_error(log, e):
+    log.errors += 1
+    if log.errors <= 3:
+        runtime.warn(f"collective log: {type(e).__name__}: {e}")
+
+
+def attach(session) -> None:
+    global _LOG
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    log = CollectiveLog(session)
+    _install_patches()
+    _LOG = log
+    session.on_step(log.on_step)
+    session.on_close(log.close)

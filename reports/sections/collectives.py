@@ -1,0 +1,86 @@
+"""Collectives: bandwidth per op / size / group, slowest groups, per mesh dim, arrival lateness."""
+
+from __future__ import annotations
+
+from trainprof.reports import kit
+
+TITLE = "Collectives"
+
+
+def _gbps(x) -> str:
+    return "—" if not isinstance(x, (int, float)) else f"{x:.3g} GB/s"
+
+
+def _lateness_plot(per_rank: list) -> str:
+    rows = [p for p in per_rank if isinstance(p, dict) and isinstance(p.get("mean_ms"), (int, float))]
+    if len(rows) < 2:
+        return ""
+    plt = kit.plt()
+    fig, ax = plt.subplots(figsize=(8, 2.8))
+    xs = [str(p["rank"]) for p in rows]
+    ax.bar(xs, [p["mean_ms"] for p in rows], color="#4c6ef5", label="mean")
+    ax.plot(xs, [p.get("p90_ms") for p in rows], "o", color="#e8590c", label="p90")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("lateness (ms)")
+    ax.set_title("Arrival lateness at collectives (aligned enqueue − group's first)", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    return kit.figure(fig, "Mean and p90 arrival lateness per rank")
+
+
+def render(metrics: dict, summary: dict) -> str:
+    parts = [kit.kv({
+        "records": metrics.get("records"), "ranks": metrics.get("ranks"),
+        "groups": metrics.get("groups"),
+        "time source": "GPU events" if metrics.get("device_timed") else
+        "host, last arrival → first completion (clock-aligned)",
+        "still in flight at the end": metrics.get("in_flight_at_end"),
+    })]
+    cons = metrics.get("consistency") or {}
+    if cons and not cons.get("ok", True):
+        parts.append(kit.para(
+            f"Log consistency problems: {len(cons.get('seq_gaps') or [])} sequence gaps, "
+            f"{len(cons.get('count_mismatches') or [])} groups whose ranks logged different "
+            f"counts, {len(cons.get('ranks_missing_group') or [])} groups missing on a member "
+            "(a rank that skipped or never finished a collective).", "warn"))
+        parts.append(kit.table(cons.get("count_mismatches") or [], max_rows=20))
+    bw = metrics.get("bandwidth") or []
+    if bw:
+        parts.append("<h3>Bandwidth by op, message size and group</h3>" + kit.table(
+            bw, [("op", "op"), ("mesh_dim", "dim"), ("group", "group"), ("ranks", "n"),
+                 ("size_bucket", "size ≤"), ("count", "count"), ("total_ms", "total"),
+                 ("median_ms", "median"), ("algbw_GBps", "algbw"), ("busbw_GBps", "busbw")],
+            fmt={"size_bucket": kit.fmt_bytes, "total_ms": kit.fmt_ms, "median_ms": kit.fmt_ms,
+                 "algbw_GBps": _gbps, "busbw_GBps": _gbps}, max_rows=60))
+    slow = metrics.get("slowest_groups") or []
+    if slow:
+        parts.append("<h3>Slowest groups</h3>" + kit.table(
+            slow, [("group", "group"), ("mesh_dim", "dim"), ("ranks", "n"), ("count", "ops"),
+                   ("total_ms", "time"), ("blocked_ms", "blocked (mean of members)"),
+                   ("bytes", "bytes"), ("ops", "ops by kind")],
+            fmt={"total_ms": kit.fmt_ms, "blocked_ms": kit.fmt_ms, "bytes": kit.fmt_bytes}))
+    dims = metrics.get("per_dim") or []
+    if dims:
+        parts.append("<h3>Per mesh dimension</h3>" + kit.table(
+            dims, [("mesh_dim", "dim"), ("count", "ops"), ("total_ms", "time"),
+                   ("bytes", "bytes"), ("algbw_GBps", "algbw"), ("ops", "ops by kind")],
+            fmt={"total_ms": kit.fmt_ms, "bytes": kit.fmt_bytes, "algbw_GBps": _gbps}))
+    late = (metrics.get("lateness") or {}).get("per_rank") or []
+    if late:
+        parts.append("<h3>Arrival lateness per rank</h3>" + _lateness_plot(late) + kit.table(
+            late, [("rank", "rank"), ("n", "collectives"), ("mean_ms", "mean"),
+                   ("median_ms", "median"), ("p90_ms", "p90"), ("max_ms", "max"),
+                   ("last_frac", "last to arrive"), ("by_dim_mean_ms", "mean by dim (ms)")],
+            fmt={"mean_ms": kit.fmt_ms, "median_ms": kit.fmt_ms, "p90_ms": kit.fmt_ms,
+                 "max_ms": kit.fmt_ms, "last_frac": kit.fmt_pct}))
+    blocked = metrics.get("blocked") or {}
+    if blocked.get("median_fraction") is not None:
+        parts.append(kit.para(
+            f"Ranks were blocked in collectives for {kit.fmt_pct(blocked['median_fraction'])} of "
+            "the analysed step time (median over ranks; sync ops count their whole call, async "
+            "ops the time in wait()).", "note"))
+    parts.append(kit.para(
+        "algbw = bytes / time and busbw = algbw × factor as in nccl-tests (all_reduce 2(n−1)/n; "
+        "all_gather, reduce_scatter, all_to_all (n−1)/n; broadcast, send/recv 1). Bytes: output "
+        "size for all_gather, input size for reduce_scatter and all_to_all.", "note"))
+    return "".join(parts)

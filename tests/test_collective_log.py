@@ -1,0 +1,223 @@
+"""The always-on collective log: every collective and p2p op of a real FSDP2 + TP + PP job on
+gloo is recorded once, on the right group, with gap-free sequence numbers."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+# A small real job: block A is sharded with FSDP2 and block B is tensor-parallel (DTensor funcol
+# all_reduce), both over the mesh's "tp" dim (4 ranks cannot hold dp×pp×tp all > 1), stages are
+# pipelined with torch.distributed.pipelining (GPipe, 2 micro-batches); after each step every
+# other c10d API runs once on the world group. STEPS optimizer steps.
+JOB = r'''
+import sys
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+STEPS = int(sys.argv[1])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "tp"))
+torch.manual_seed(0)
+
+
+class MLP(nn.Module):
+    def __init__(self, h=16):
+        super().__init__()
+        self.up, self.down = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = MLP(), MLP()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+model = Stage()
+fully_shard(model.a, mesh=mesh["tp"])
+parallelize_module(model.b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+stage_idx = mesh.get_coordinate()[0]
+stage = PipelineStage(model, stage_idx, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+sched = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(4, 16)
+for step in range(STEPS):
+    opt.zero_grad()
+    sched.step(x) if stage_idx == 0 else sched.step(target=x)
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    dist.all_gather([torch.empty(8) for _ in range(world)], t)
+    dist.all_gather_into_tensor(torch.empty(8 * world), t)
+    dist.reduce_scatter_tensor(torch.empty(8), torch.ones(8 * world))
+    dist.broadcast(t, src=0)
+    dist.all_to_all_single(torch.empty(world * 2), torch.ones(world * 2))
+    dist.all_to_all([torch.empty(2) for _ in range(world)], [torch.ones(2) for _ in range(world)])
+    dist.all_reduce(t, async_op=True).wait()
+    peer = rank ^ 1
+    if rank % 2 == 0:
+        dist.send(t, peer)
+        dist.recv(t, peer)
+    else:
+        dist.recv(t, peer)
+        dist.send(t, peer)
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer),
+                                     dist.P2POp(dist.irecv, torch.empty(8), peer)]):
+        w.wait()
+    y = funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD) + 1
+    dist.barrier()
+    opt.step()
+dist.destroy_process_group()
+'''
+NPROC = 4
+STEPS = 4
+
+
+@pytest.fixture(scope="session")
+def collective_run(reference_run, tmp_path_factory):
+    """The job above under `trainprof wrap`, run once per test session (shared by the
+    collectives and clock tests)."""
+    d = tmp_path_factory.mktemp("collective-job")
+    (d / "trainprof_collective_job.py").write_text(JOB)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(d)] + ([old] if old else []))
+    try:
+        return reference_run("collective-job", nproc=NPROC, args=[str(STEPS)],
+                             wrap_args=["--profile-steps", "none"],
+                             module="trainprof_collective_job")
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def _load(run_dir: Path):
+    from trainprof.rundir import RunDir
+
+    run = RunDir(run_dir)
+    recs = {r: run.stream(r, "collectives") for r in run.ranks}
+    groups = {r: {g["pg"]: g for g in run.stream(r, "groups")} for r in run.ranks}
+    return run, recs, groups
+
+
+@pytest.mark.multiproc
+def test_every_api_is_logged_once(collective_run):
+    run, recs, groups = _load(collective_run)
+    assert run.ranks == list(range(NPROC))
+    assert not run.problems
+    for r in run.ranks:
+        seen = Counter((groups[r][x["pg"]]["mesh_dim"], x["op"], x["api"]) for x in recs[r])
+        world = Counter({k: v for k, v in seen.items() if k[0] is None})
+        # once per step on the world group (ops of every API, one record per wire op)
+        for api, op in [("c10d.all_reduce", "all_reduce"), ("c10d.all_gather", "all_gather"),
+                        ("c10d.all_gather_single", "all_gather"),
+                        ("c10d.reduce_scatter_single", "reduce_scatter"),
+                        ("c10d.broadcast", "broadcast"), ("c10d.all_to_all_single", "all_to_all"),
+                        ("c10d.all_to_all", "all_to_all"), ("c10d.barrier", "barrier"),
+                        ("funcol.all_reduce", "all_reduce")]:
+            assert world[(None, op, api)] == STEPS * (2 if api == "c10d.all_reduce" else 1), \
+                (r, api, world)
+        # send/recv: dist.send/recv (implemented with isend/irecv) + batch_isend_irecv
+        assert world[(None, "send", "c10d.isend")] == 2 * STEPS
+        assert world[(None, "recv", "c10d.irecv")] == 2 * STEPS
+        # FSDP2 on the tp dim, DTensor TP funcol, pipelining p2p on the pp dim
+        assert seen[("tp", "all_gather", "c10d.all_gather_single")] >= STEPS
+        assert seen[("tp", "reduce_scatter", "c10d.reduce_scatter_single")] >= STEPS
+        assert seen[("tp", "all_reduce", "funcol.all_reduce")] >= STEPS
+        pp_send = sum(v for k, v in seen.items() if k[0] == "pp" and k[1] == "send")
+        pp_recv = sum(v for k, v in seen.items() if k[0] == "pp" and k[1] == "recv")
+        assert pp_send >= 2 * STEPS and pp_recv >= 2 * STEPS
+
+
+@pytest.mark.multiproc
+def test_counts_agree_and_seq_gap_free(collective_run):
+    run, recs, groups = _load(collective_run)
+    per_group: dict[tuple, dict[int, Counter]] = defaultdict(dict)
+    for r in run.ranks:
+        by_pg = defaultdict(list)
+        for x in recs[r]:
+            by_pg[x["pg"]].append(x)
+        for pg, xs in by_pg.items():
+            seqs = sorted(x["seq"] for x in xs)
+            assert seqs == list(range(len(seqs))), (r, pg)  # gap-free, no duplicates
+            g = groups[r][pg]
+            assert r in g["ranks"] and g["size"] == len(g["ranks"])
+            per_group[(pg, tuple(g["ranks"]))][r] = Counter(
+                x["op"] if x["op"] not in ("send", "recv") else "p2p" for x in xs)
+    assert len({k[1] for k in per_group}) == 5  # world, 2 pp groups, 2 tp groups
+    for (pg, ranks), counts in per_group.items():
+        assert set(counts) == set(ranks), (pg, ranks)  # every member logged the group
+        first = counts[ranks[0]]
+        for r in ranks:
+            assert counts[r] == first, (pg, r, counts[r], first)
+
+
+@pytest.mark.multiproc
+def test_record_fields(collective_run):
+    run, recs, groups = _load(collective_run)
+    steps = {s["step"] for s in run.stream(0, "steps")}
+    for r in run.ranks:
+        for x in recs[r]:
+            assert x["end_ns"] is not None and x["end_ns"] >= x["enqueue_ns"], x
+            assert x["step"] in steps | {max(steps) + 1}
+            assert x["device_ms"] is None  # CPU
+            assert x["blocked_ms"] >= 0
+            if x["op"] in ("send", "recv"):
+                assert x["peer"] in groups[r][x["pg"]]["ranks"] and x["peer"] != r
+            if x["op"] == "barrier":
+                assert x["bytes"] == 0
+        ar = [x for x in recs[r] if x["api"] == "c10d.all_reduce" and x["step"] > 0]
+        assert {x["bytes"] for x in ar} == {32} and {x["dtype"] for x in ar} == {"float32"}
+        ag = [x for x in recs[r] if x["api"] == "c10d.all_gather_single" and x["pg"] == "0"]
+        assert {x["bytes"] for x in ag} == {32 * NPROC}  # all_gather: output size
+        rs = [x for x in recs[r] if x["api"] == "c10d.reduce_scatter_single" and x["pg"] == "0"]
+        assert {x["bytes"] for x in rs} == {32 * NPROC}  # reduce_scatter: input size
+        sync = [x for x in ar if not x["async"]]
+        assert sync and all(abs(x["blocked_ms"] - (x["end_ns"] - x["enqueue_ns"]) / 1e6) < 1e-6
+                            for x in sync)
+        assert any(x["async"] for x in ar)
+    # nothing left in flight at a clean exit, and the mesh dims are labelled
+    labels = {g["mesh_dim"] for r in run.ranks for g in groups[r].values()}
+    assert labels == {None, "pp", "tp"}
+
+
+def test_mesh_dim_mapping():
+    from trainprof.probes.collectives import mesh_dim
+
+    mesh = {"dim_names": ["dp", "pp", "tp"], "shape": [2, 2, 2]}
+    # rank 5 = coords (1, 0, 1)
+    assert mesh_dim(mesh, [4, 5], 5) == "tp"
+    assert mesh_dim(mesh, [5, 7], 5) == "pp"
+    assert mesh_dim(mesh, [1, 5], 5) == "dp"
+    assert mesh_dim(mesh, list(range(8)), 5) is None
+    assert mesh_dim(None, [4, 5], 5) is None
+    hsdp = {"dim_names": ["dp_replicate", "dp_shard", "tp"], "shape": [2, 2, 2]}
+    assert mesh_dim(hsdp, [1, 3, 5, 7], 7) == "dp"  # both data-parallel dims together
+    assert mesh_dim(hsdp, [5, 7], 7) == "dp"
+
+
+def test_byte_sizes_follow_nccl_tests():
+    import torch
+
+    from trainprof.probes.collectives import _nbytes
+
+    assert _nbytes(torch.ones(3, 4)) == (48, 12, "float32")
+    assert _nbytes([torch.ones(2, dtype=torch.float16), [torch.ones(3, dtype=torch.float16)]]) \
+        == (10, 5, "float16")
+    assert _nbytes(None) == (0, 0, None)
