@@ -1,0 +1,193 @@
+"""Renderings of a `trainprof compare` result: terminal table, markdown (asv-style), JSON, JUnit XML.
+
+`result` is the dict built by trainprof.cli.compare (see comparison_result): settings, the two
+runs' fingerprints, `metrics` (Comparison.to_dict() each), `exit_code`, `verdict`.
+Marks (as in `asv compare`): `+` regression (worse), `-` improvement (better), `~` changed but
+not significantly or within the threshold, blank unchanged, `?` insufficient data / missing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import xml.etree.ElementTree as ET
+from collections.abc import Mapping
+
+from trainprof.reports import kit
+
+MARK = {"regression": "+", "improvement": "-", "insufficient data": "?", "missing": "?"}
+
+
+def mark(m: Mapping) -> str:
+    if m.get("verdict") in MARK:
+        return MARK[m["verdict"]]
+    change, p = m.get("change"), m.get("p_value")
+    moved = isinstance(change, (int, float)) and abs(change) >= 0.005
+    if moved or (p is not None and p < 0.05):
+        return "~"
+    return ""
+
+
+def fmt_metric(value, unit: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    if unit == "ms":
+        return kit.fmt_ms(value)
+    if unit == "bytes":
+        return kit.fmt_bytes(value)
+    if unit == "fraction":
+        return kit.fmt_pct(value)
+    if unit == "tokens/s":
+        return f"{value:,.0f} tok/s"
+    return kit.fmt_value(float(value))
+
+
+def fmt_change(m: Mapping) -> str:
+    r = m.get("ratio")
+    if r is None:
+        return "n/a"
+    return f"{(r - 1) * 100:+.1f}%"
+
+
+def fmt_ci(m: Mapping) -> str:
+    ci = m.get("ci")
+    if not ci or any(x is None or not math.isfinite(x) for x in ci):
+        return ""
+    return f"[{(ci[0] - 1) * 100:+.1f}%, {(ci[1] - 1) * 100:+.1f}%]"
+
+
+def fmt_p(m: Mapping) -> str:
+    p = m.get("p_value")
+    return "" if p is None else (f"{p:.2g}" if p >= 1e-4 else "<1e-4")
+
+
+def rows(result: Mapping) -> list[dict]:
+    out = []
+    for m in result.get("metrics", []):
+        unit = m.get("unit", "")
+        n = m.get("n")
+        out.append({
+            "mark": mark(m), "metric": m.get("metric"), "label": m.get("label"),
+            "baseline": fmt_metric(m.get("baseline"), unit),
+            "candidate": fmt_metric(m.get("candidate"), unit),
+            "change": fmt_change(m), "ci": fmt_ci(m), "p": fmt_p(m),
+            "n": f"{n[0]}/{n[1]}" if n else "",
+            "threshold": m.get("threshold") or "report only",
+            "verdict": m.get("verdict") if m.get("gate", True) else f"{m.get('verdict')} (not gated)",
+            "detail": m.get("detail") or "",
+        })
+    return out
+
+
+def headline(result: Mapping) -> str:
+    code, verdict = result.get("exit_code"), result.get("verdict")
+    regressed = [m["metric"] for m in result.get("metrics", [])
+                 if m.get("gate", True) and m.get("verdict") == "regression"]
+    inconclusive = [m["metric"] for m in result.get("metrics", [])
+                    if m.get("gate", True) and m.get("verdict") in ("insufficient data", "missing")]
+    if regressed:
+        return f"REGRESSION in {', '.join(regressed)} (exit {code})"
+    if inconclusive:
+        return f"INCONCLUSIVE: {', '.join(inconclusive)} (exit {code})"
+    return f"PASS: no regression (exit {code})" if verdict == "pass" else f"{verdict} (exit {code})"
+
+
+def render_terminal(result: Mapping, console=None) -> None:
+    import sys
+
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    if console is None:  # CI logs are wide: do not squeeze the table into 80 columns
+        console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    s = result.get("settings", {})
+    table = Table(title=f"trainprof compare  (α={s.get('alpha')}, min effect "
+                        f"{s.get('min_effect', 0) * 100:g}%)", title_justify="left")
+    for col in ("", "metric", "baseline", "candidate", "change", "95% CI", "p", "n", "threshold",
+                "verdict"):
+        table.add_column(col, overflow="fold", no_wrap=col in ("", "change", "p", "n"))
+    style = {"regression": "bold red", "improvement": "green", "insufficient data": "yellow",
+             "missing": "yellow"}
+    details = []
+    for r, m in zip(rows(result), result.get("metrics", [])):
+        st = style.get(m.get("verdict"), "")
+        verdict = escape(r["verdict"])
+        table.add_row(f"[{st}]{escape(r['mark'])}[/]" if st else escape(r["mark"]),
+                      escape(r["metric"]), r["baseline"], r["candidate"], r["change"],
+                      r["ci"], r["p"], r["n"], escape(r["threshold"]),
+                      f"[{st}]{verdict}[/]" if st else verdict)
+        if r["detail"]:
+            details.append(f"  {r['metric']}: {r['detail']}")
+    console.print(table)
+    for d in details:
+        console.print(d, markup=False)
+    code = result.get("exit_code")
+    colour = {0: "green", 1: "bold red", 3: "yellow"}.get(code, "")
+    console.print(f"[{colour}]{escape(headline(result))}[/]" if colour else escape(headline(result)))
+
+
+def _md_cell(x) -> str:
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(result: Mapping) -> str:
+    b, c = result.get("baseline", {}), result.get("candidate", {})
+    lines = [f"### trainprof compare: {headline(result)}", "",
+             f"Baseline `{_md_cell(b.get('path'))}` → candidate `{_md_cell(c.get('path'))}`", "",
+             "| Change | Before | After | Ratio | 95% CI | p | Metric | Verdict |",
+             "|:------:|-------:|------:|------:|:------:|--:|:-------|:--------|"]
+    for r, m in zip(rows(result), result.get("metrics", [])):
+        ratio = f"{m['ratio']:.2f}" if isinstance(m.get("ratio"), (int, float)) else "n/a"
+        verdict = r["verdict"] + (f" — {r['detail']}" if r["detail"] else "")
+        lines.append("| " + " | ".join(_md_cell(x) for x in (
+            r["mark"], r["baseline"], r["candidate"], ratio, r["ci"], r["p"],
+            f"{r['label']} (`{r['metric']}`)" if r["label"] != r["metric"] else f"`{r['metric']}`",
+            verdict)) + " |")
+    s = result.get("settings", {})
+    lines += ["", f"`+` worse · `-` better · `~` changed within noise or threshold · `?` insufficient "
+              f"data · sampled metrics: Mann–Whitney U at α={s.get('alpha')} and ≥"
+              f"{s.get('min_effect', 0) * 100:g}% on the median; CI: bootstrap of the median ratio.", ""]
+    return "\n".join(lines)
+
+
+def render_json(result: Mapping) -> str:
+    return json.dumps(_clean(result), indent=2, default=str)  # NaN → null: strict JSON
+
+
+def _clean(x):
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, Mapping):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def render_junit(result: Mapping) -> str:
+    """One test case per metric: regression → failure, inconclusive → skipped (or failure when
+    the result itself is inconclusive and gated, so CI shows why it stopped: see exit codes)."""
+    metrics = result.get("metrics", [])
+    failures = sum(1 for m in metrics if m.get("gate", True) and m.get("verdict") == "regression")
+    skipped = sum(1 for m in metrics if m.get("verdict") in ("insufficient data", "missing"))
+    suite = ET.Element("testsuite", name="trainprof.compare", tests=str(len(metrics)),
+                       failures=str(failures), errors="0", skipped=str(skipped))
+    root = ET.Element("testsuites", name="trainprof compare", tests=str(len(metrics)),
+                      failures=str(failures), errors="0", skipped=str(skipped))
+    root.append(suite)
+    for r, m in zip(rows(result), metrics):
+        case = ET.SubElement(suite, "testcase", classname="trainprof.compare", name=str(m.get("metric")),
+                             time="0")
+        text = (f"{r['label']}: baseline {r['baseline']}, candidate {r['candidate']}, change "
+                f"{r['change']} {r['ci']} p={r['p'] or 'n/a'} threshold {r['threshold']}; {r['verdict']}"
+                + (f" ({r['detail']})" if r["detail"] else ""))
+        if m.get("gate", True) and m.get("verdict") == "regression":
+            ET.SubElement(case, "failure", message=f"{m.get('metric')} regressed by {r['change']}",
+                          type="regression").text = text
+        elif m.get("verdict") in ("insufficient data", "missing"):
+            ET.SubElement(case, "skipped", message=f"{m.get('metric')}: {m.get('verdict')}").text = text
+        else:
+            ET.SubElement(case, "system-out").text = text
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

@@ -1,0 +1,109 @@
+"""The short terminal summary printed after an analysis: run, key metrics, findings, report path.
+
+Renders with rich (plain text when stdout is not a terminal) and tolerates any missing key: a
+summary from an older or partial analysis still prints.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+
+from trainprof.reports import kit
+
+SEVERITY_STYLES = {"critical": "bold white on red", "error": "bold red", "warning": "yellow",
+                   "info": "cyan"}
+
+
+def _get(d, *keys):
+    for k in keys:
+        if not isinstance(d, Mapping) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def _first(*vals):
+    for v in vals:
+        if v is not None:
+            return v
+    return None
+
+
+def key_metrics(summary: Mapping) -> list[tuple[str, str]]:
+    """(label, formatted value) for the headline metrics present in the summary."""
+    m = _get(summary, "metrics") or {}
+    out = []
+    job = _get(m, "step_time", "job") or {}
+    if job.get("median_ms") is not None:
+        txt = kit.fmt_ms(job["median_ms"])
+        if job.get("p90_ms") is not None:
+            txt += f" (p90 {kit.fmt_ms(job['p90_ms'])}, {job.get('steps', '?')} steps)"
+        out.append(("step time (median)", txt))
+    if job.get("tokens_per_s") is not None:
+        out.append(("throughput", f"{kit.fmt_value(float(job['tokens_per_s']))} tokens/s"))
+    mfu = _first(_get(m, "roofline", "mfu"), _get(m, "roofline", "job", "mfu"))
+    if isinstance(mfu, (int, float)):
+        out.append(("MFU", kit.fmt_pct(mfu)))
+    cc = _get(m, "comm_compute") or {}
+    exposed = _first(_get(cc, "exposed_comm_fraction"), _get(cc, "job", "exposed_comm_fraction"),
+                     _get(cc, "exposed_fraction"), _get(cc, "job", "exposed_fraction"))
+    if isinstance(exposed, (int, float)):
+        out.append(("exposed communication", kit.fmt_pct(exposed) + " of step time"))
+    bubble = _first(_get(m, "pipeline", "bubble_fraction"), _get(m, "pipeline", "job", "bubble_fraction"))
+    if isinstance(bubble, (int, float)):
+        out.append(("pipeline bubble", kit.fmt_pct(bubble)))
+    return out
+
+
+def _ranks(f: Mapping, summary: Mapping) -> str:
+    from trainprof.reports.html import ranks_text
+
+    return ranks_text(f.get("ranks"), summary, limit=4)
+
+
+def render_terminal(summary, report_path=None, console=None) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    if console is None:
+        console = Console(highlight=False, soft_wrap=not sys.stdout.isatty())
+    summary = summary if isinstance(summary, Mapping) else {}
+    run = _get(summary, "run") or {}
+    mesh = run.get("mesh") or {}
+    mesh_s = "·".join(f"{k}{v}" for k, v in mesh.items()) if isinstance(mesh, Mapping) else ""
+    bits = [f"{run.get('world_size', '?')} ranks"]
+    if mesh_s:
+        bits.append(mesh_s)
+    if run.get("device"):
+        bits.append(str(run["device"]))
+    if run.get("exit_code") is not None:
+        bits.append(f"exit {run['exit_code']}" + (f" (signal {run['signal']})" if run.get("signal") else ""))
+    console.print(f"[bold]trainprof[/bold] {escape(str(run.get('dir') or ''))}: {escape(', '.join(bits))}")
+
+    for label, value in key_metrics(summary):
+        console.print(f"  {escape(label)}: [bold]{escape(value)}[/bold]")
+
+    findings = [f for f in (summary.get("findings") or []) if isinstance(f, Mapping)]
+    if not findings:
+        console.print("[green]no findings[/green]: nothing looks wrong with this run")
+    else:
+        table = Table(title=f"{len(findings)} finding(s)", title_justify="left", show_lines=False,
+                      expand=False)
+        for col in ("severity", "kind", "ranks", "message"):
+            table.add_column(col, overflow="fold")
+        for f in findings[:20]:
+            sev = str(f.get("severity", ""))
+            table.add_row(f"[{SEVERITY_STYLES.get(sev, '')}]{escape(sev)}[/]" if sev in SEVERITY_STYLES
+                          else escape(sev), escape(str(f.get("kind", ""))), escape(_ranks(f, summary)),
+                          escape(str(f.get("message", ""))))
+        console.print(table)
+        if len(findings) > 20:
+            console.print(f"  … {len(findings) - 20} more in the report")
+    n_err = len(summary.get("errors") or [])
+    n_prob = len(summary.get("problems") or [])
+    if n_err or n_prob:
+        console.print(f"[yellow]{n_err} analyzer error(s), {n_prob} input problem(s)[/yellow] (see the report)")
+    if report_path:
+        console.print(f"report: {escape(str(report_path))}")
