@@ -1,0 +1,5 @@
+import sys
+
+from trainprof.reference.train import main
+
+sys.exit(main())

@@ -1,0 +1,197 @@
+"""The training loop of the reference workload."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from trainprof.reference import faults as faultlib
+from trainprof.reference.config import Config, parse_args
+from trainprof.reference.data import loader
+from trainprof.reference.model import build_full, extract_stage, loss_fn, param_counts
+from trainprof.reference.parallel import (allreduce_grads, apply_fsdp, apply_tp, layer_layout,
+                                          make_mesh, stage_ids)
+
+
+def _init_distributed(cfg: Config) -> tuple[torch.device, str]:
+    if "RANK" not in os.environ:  # plain `python -m trainprof.reference`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
+    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if want_cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device, backend = torch.device("cuda", local), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend)
+    return device, backend
+
+
+def _write_injected(faults, layout, world, cfg, coords_of) -> None:
+    run_dir = os.environ.get("TRAINPROF_RUN_DIR")
+    if not run_dir:
+        return
+    from trainprof.rundir import INJECTED, write_json_atomic
+
+    entries = []
+    for f in faults:
+        d = f.to_dict()
+        if "rank" in f.params:
+            d["coords"] = coords_of(f.params["rank"])
+        if f.kind == "imbalance":
+            k = f.params["stage"]
+            d["ranks"] = [r for r in range(world) if coords_of(r)["pp"] == k % cfg.pp]
+            d["layers_per_stage"] = [len(x) for x in layout]
+        entries.append(d)
+    write_json_atomic(os.path.join(run_dir, INJECTED),
+                      {"schema_version": 1, "injections": entries,
+                       "layout": {"dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp}})
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    try:
+        fault_list = [faultlib.parse(s) for s in cfg.inject]
+    except faultlib.FaultSpecError as e:
+        raise SystemExit(f"reference: {e}")
+    device, backend = _init_distributed(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != cfg.dp * cfg.pp * cfg.tp:
+        raise SystemExit(f"reference: world size {world} != dp*pp*tp = {cfg.dp * cfg.pp * cfg.tp}")
+    faultlib.check_cpu_only(fault_list, device)
+    injector = faultlib.Injector(fault_list, rank, world)
+
+    mesh = make_mesh(device.type, cfg.dp, cfg.pp, cfg.tp)
+    dp_rank, pp_rank, tp_rank = (mesh.get_local_rank(d) for d in ("dp", "pp", "tp"))
+
+    def coords_of(r: int) -> dict:
+        return {"dp": r // (cfg.pp * cfg.tp), "pp": (r // cfg.tp) % cfg.pp, "tp": r % cfg.tp}
+
+    n_stages = cfg.pp * cfg.virtual_stages
+    extra = {}
+    for f in fault_list:
+        if f.kind == "imbalance":
+            if not 0 <= f.params["stage"] < n_stages:
+                raise SystemExit(f"reference: imbalance stage {f.params['stage']} outside 0..{n_stages - 1}")
+            extra[f.params["stage"]] = extra.get(f.params["stage"], 0) + f.params["extra_layers"]
+    layout = layer_layout(cfg.layers, n_stages, extra)
+    n_layers = sum(len(x) for x in layout)
+    full = build_full(cfg, n_layers)
+    n_params, n_params_ne = param_counts(full)
+    autocast = torch.bfloat16 if (cfg.dtype == "bf16" and device.type == "cuda") else None
+
+    my_stages = stage_ids(pp_rank, cfg.pp, cfg.virtual_stages)
+    modules = []
+    for s in my_stages:
+        m = extract_stage(full, layout[s], first=s == 0, last=s == n_stages - 1, autocast_dtype=autocast)
+        modules.append(m)
+    del full
+    stage_named = {}
+    for m in modules:
+        stage_named.update(dict(m.named_modules()))
+    step_ref = [0]
+    try:
+        injector.install_nan_hooks(stage_named, step_ref)  # before TP/FSDP wrap the modules
+    except faultlib.FaultSpecError as e:
+        raise SystemExit(f"reference: {e}")
+    for m in modules:
+        m.to(device)
+        if cfg.tp > 1:
+            apply_tp(m, mesh["tp"])
+        if cfg.dp > 1 and cfg.dp_mode == "fsdp":
+            apply_fsdp(m, mesh["dp"])
+
+    if rank == 0:
+        _write_injected(fault_list, layout, world, cfg, coords_of)
+    import trainprof
+
+    trainprof.set_run_info(
+        model="trainprof.reference", tokens_per_step=cfg.global_batch * cfg.seq_len,
+        n_params=n_params, n_params_non_embedding=n_params_ne, layers=n_layers, hidden=cfg.hidden,
+        heads=cfg.heads, seq_len=cfg.seq_len, vocab=cfg.vocab, micro_batches=cfg.micro_batches,
+        global_batch=cfg.global_batch, schedule=cfg.schedule if cfg.pp > 1 else None,
+        dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, virtual_stages=cfg.virtual_stages, dtype=cfg.dtype,
+        dp_mode=cfg.dp_mode, activation_checkpointing=False, optimizer="adamw",
+        stage_layers=[len(x) for x in layout], my_stages=my_stages)
+
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    is_first = 0 in my_stages
+    is_last = (n_stages - 1) in my_stages
+    schedule = _make_schedule(cfg, modules, my_stages, n_stages, mesh, device) if cfg.pp > 1 else None
+    data = iter(loader(cfg, dp_rank, injector.data_delay_s()))
+    world_group = dist.group.WORLD
+
+    for step in range(cfg.steps):
+        step_ref[0] = step
+        t0 = time.perf_counter()
+        injector.straggle(step, device)
+        injector.fragment(step, device)
+        x, y = next(data)
+        x, y = x.to(device), y.to(device)
+        local_loss = torch.zeros((), device=device)
+        if schedule is None:
+            for xm, ym in zip(x.chunk(cfg.micro_batches), y.chunk(cfg.micro_batches)):
+                loss = loss_fn(modules[0](xm), ym)
+                (loss / cfg.micro_batches).backward()
+                local_loss += loss.detach() / cfg.micro_batches
+        else:
+            losses: list = []
+            args = (x,) if is_first else ()
+            schedule.step(*args, target=y if is_last else None, losses=losses if is_last else None)
+            if is_last and losses:
+                local_loss = torch.stack([l.detach().float() for l in losses]).mean()
+        if cfg.dp > 1 and cfg.dp_mode == "replicate":
+            allreduce_grads(params, mesh["dp"].get_group(), cfg.dp)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+        # Two world-group collectives end every step: the loss, then per-rank stats.
+        mode = injector.hang_mode(step)
+        if mode == "sleep":
+            _injected_hang_sleep()
+        total = local_loss.detach().clone() if is_last else torch.zeros((), device=device)
+        if mode != "skip":
+            dist.all_reduce(total, group=world_group)
+        ms = (time.perf_counter() - t0) * 1e3
+        stats = torch.tensor([ms, float(rank)], device=device)
+        gathered = torch.empty(2 * world, device=device)
+        _all_gather(gathered, stats, world_group)
+        loss_value = float(total) / (cfg.dp * cfg.tp)
+        if rank == 0:
+            slowest = float(gathered.view(world, 2)[:, 0].max())
+            print(f"step {step:4d}  loss {loss_value:.4f}  {ms:7.1f} ms (slowest rank {slowest:.1f} ms)",
+                  flush=True)
+            if cfg.loss_file:
+                with open(cfg.loss_file, "a") as fh:
+                    fh.write(json.dumps({"step": step, "loss": loss_value}) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _injected_hang_sleep() -> None:
+    """hang:mode=sleep — this rank blocks here, before its next collective."""
+    time.sleep(24 * 3600)
+
+
+def _make_schedule(cfg, modules, my_stages, n_stages, mesh, device):
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
+
+    group = mesh["pp"].get_group()
+    stages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(modules, my_stages)]
+    if cfg.schedule == "interleaved1f1b":
+        return ScheduleInterleaved1F1B(stages, cfg.micro_batches, loss_fn=loss_fn)
+    cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
+    return cls(stages[0], cfg.micro_batches, loss_fn=loss_fn)
+
+
+def _all_gather(out, inp, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
