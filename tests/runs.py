@@ -19,7 +19,7 @@ from helpers import run_cli
 MESH8 = ["--dp", "2", "--pp", "2", "--tp", "2"]
 CONFIGS: dict[str, dict] = {
     # The 8-rank dp2·pp2·tp2 clean run most end-to-end tests share.
-    "clean8": {"nproc": 8, "args": MESH8 + ["--steps", "8"]},
+    "clean8": {"nproc": 8, "args": MESH8 + ["--steps", "8", "--loss-file", "{out}/loss.jsonl"]},
 }
 
 
@@ -42,6 +42,7 @@ class ReferenceRuns:
         args = list(args if args is not None else cfg["args"])
         wrap_args = list(wrap_args if wrap_args is not None else cfg.get("wrap_args", []))
         out = self.root / name
+        args = [a.replace("{out}", str(out)) for a in args]  # e.g. --loss-file {out}/loss.jsonl
         cmd = ["wrap", "--out", out, "--no-analyze", *wrap_args, "--",
                sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(nproc), "-m", module, *args]
