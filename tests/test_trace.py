@@ -1,0 +1,84 @@
+"""The trace parser on real GPU traces (HTA's test data) and on broken input."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import pytest
+
+from trainprof.trace import TraceError, load_trace, load_traces
+
+HTA = Path(__file__).parent / "fixtures" / "hta"
+V100 = HTA / "df_index_resolver" / "df_index_resolver.json.gz"
+A100 = HTA / "nccl_parser_config" / "nccl_data.json.gz"
+
+
+def _kernels(tr):
+    ev = tr.events
+    k = ev[ev["cat"] == "kernel"]
+    return len(k), int(k["name"].astype(str).str.contains("nccl", case=False).sum())
+
+
+def test_counts_match_the_fixture_description():
+    tr = load_trace(V100)
+    assert tr.stats["events"] == 216092 and tr.rank == 1 and tr.world_size == 2
+    assert _kernels(tr) == (19370, 2020)
+    assert list(tr.steps["step"]) == [2, 3, 4, 5, 6]
+    assert len(tr.memory) == 28010  # [memory] instant events
+    a100 = load_trace(A100)
+    assert a100.stats["events"] == 40573 and _kernels(a100) == (2700, 21) and len(a100.steps) == 3
+    assert a100.meta["deviceProperties"][0]["name"].startswith("NVIDIA A100")
+
+
+def test_timestamps_are_absolute_ns_and_events_sorted():
+    tr = load_trace(A100)  # has baseTimeNanoseconds: ts are µs relative to it
+    base = tr.meta["baseTimeNanoseconds"]
+    ev = tr.events
+    assert ev["ts_ns"].min() >= base and ev["ts_ns"].is_monotonic_increasing
+    assert (ev["end_ns"] - ev["ts_ns"] == ev["dur_ns"]).all()
+    # every kernel launched inside a profiled step carries that step (via its correlation id)
+    k = ev[ev["cat"] == "kernel"]
+    assert set(k["step"]) <= {4, 5, 6} and (k["stream"] >= 0).all()
+    assert (ev.loc[~ev["is_gpu"], "stream"] == -1).all()
+
+
+def test_collective_args_are_columnar():
+    tr = load_trace(A100)
+    assert len(tr.comm) > 0
+    row = tr.comm.iloc[0]
+    assert tr.events.loc[row["row"], "name"]  # points into events
+    assert {"collective", "in_nelems", "out_nelems"} & set(tr.comm.columns)
+
+
+def test_rank_comes_from_distributed_info_not_the_name():
+    tr = load_trace(HTA / "cpu_only" / "rank-34.Jul_15_10_52_41.1074.pt.trace.json.gz")
+    assert tr.rank == 34
+
+
+def test_broken_files_name_the_file_and_keep_other_ranks(tmp_path):
+    truncated = tmp_path / "rank-00001.pt.trace.json.gz"
+    truncated.write_bytes(A100.read_bytes()[:5000])
+    not_json = tmp_path / "rank-00002.pt.trace.json.gz"
+    not_json.write_bytes(gzip.compress(b"{\"traceEvents\": [ {\"ph\": "))
+    not_trace = tmp_path / "rank-00003.json"
+    not_trace.write_text('{"hello": 1}')
+    with pytest.raises(TraceError, match="rank-00001.*(corrupt|truncated)"):
+        load_trace(truncated)
+    traces, errors = load_traces({0: HTA / "trace_filter" / "sampled_rank-0.json.gz",
+                                  1: truncated, 2: not_json, 3: not_trace, 4: tmp_path / "missing.json"})
+    assert list(traces) == [0]
+    assert len(errors) == 4
+    assert any("rank-00002" in e and "JSON" in e for e in errors)
+    assert any("rank-00003" in e and "traceEvents" in e for e in errors)
+    assert any("missing.json" in e for e in errors)
+
+
+def test_parallel_load_matches_serial():
+    paths = {0: HTA / "trace_filter" / "sampled_rank-0.json.gz",
+             1: HTA / "trace_filter" / "sampled_rank-1.json.gz"}
+    par, _ = load_traces(paths, workers=2)
+    ser, _ = load_traces(paths, workers=1)
+    for r in paths:
+        assert par[r].events["dur_ns"].sum() == ser[r].events["dur_ns"].sum()
+        assert par[r].rank == r
