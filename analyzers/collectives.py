@@ -322,7 +322,9 @@ def analyze(run) -> AnalyzerResult:
         "in_flight_at_end": int(df["end_ns"].isna().sum()),
     }
     findings = []
-    if blocked and blocked["median_fraction"] is not None \
+    # With profiler traces, comm_compute judges exposed communication (it sees overlap with
+    # compute); the collective log's blocked time is the fallback when no trace was captured.
+    if blocked and blocked["median_fraction"] is not None and not run.profiler_traces() \
             and blocked["median_fraction"] >= EXPOSED_FRACTION:
         top = blocked["top_groups"][:3]
         names = ", ".join(f"{t['group']} ({t['mesh_dim'] or 'world/other'}, "
