@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     n_layers = sum(len(x) for x in layout)
     full = build_full(cfg, n_layers)
     n_params, n_params_ne = param_counts(full)
+    stage_params = _stage_params(full, layout, n_stages)
     autocast = torch.bfloat16 if (cfg.dtype == "bf16" and device.type == "cuda") else None
 
     my_stages = stage_ids(pp_rank, cfg.pp, cfg.virtual_stages)
@@ -117,7 +118,8 @@ def main(argv=None) -> int:
         global_batch=cfg.global_batch, schedule=cfg.schedule if cfg.pp > 1 else None,
         dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, virtual_stages=cfg.virtual_stages, dtype=cfg.dtype,
         dp_mode=cfg.dp_mode, activation_checkpointing=False, optimizer="adamw",
-        stage_layers=[len(x) for x in layout], my_stages=my_stages)
+        stage_layers=[len(x) for x in layout], my_stages=my_stages, stage_params=stage_params,
+        param_dtype="fp32", tp_plan="attn.q/k/v,mlp.up colwise; attn.o,mlp.down rowwise")
 
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
@@ -173,6 +175,28 @@ def main(argv=None) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _stage_params(full, layout, n_stages) -> list[dict]:
+    """Per pipeline stage: parameter count and how many of them tensor parallel shards (the
+    memory analyzer's expected bytes per rank come from this and the mesh)."""
+    from trainprof.reference.parallel import TP_PLAN
+
+    out = []
+    for s, ids in enumerate(layout):
+        total = sharded = 0
+        for name, p in full.named_parameters():
+            parts = name.split(".")
+            if parts[0] == "layers":
+                if int(parts[1]) not in ids:
+                    continue
+                if ".".join(parts[2:4]) in TP_PLAN:
+                    sharded += p.numel()
+            elif not ((parts[0] == "tok_emb" and s == 0) or (parts[0] in ("norm", "head") and s == n_stages - 1)):
+                continue
+            total += p.numel()
+        out.append({"stage": s, "params": total, "tp_sharded_params": sharded})
+    return out
 
 
 def _injected_hang_sleep() -> None:
