@@ -1,11 +1,13 @@
 """Communication vs computation, per rank and profiled step: compute, communication, the part of
-communication hidden under compute (overlap), exposed communication, data loading, other, idle.
+communication hidden under compute (overlap), exposed communication, data loading, other, idle —
+split by collective type and by mesh dimension — plus host-side stalls and warm-up steps.
 
-GPU traces: kernels on all streams. comm = NCCL kernels, memory = memcpy/memset, compute = the
-other kernels. CPU traces (gloo): the main thread (the one with ProfilerStep spans) computes in
-aten ops; communication runs on gloo worker threads (``gloo:*``) and blocks the main thread in
-waits (``_c10d_functional::wait_tensor``, ``c10d::*``, synchronous ``gloo:send/recv``). Exact
-definitions and the differences from HTA are in docs/comm-compute.md.
+GPU traces: kernels on all streams. comm = NCCL kernels, other = memcpy/memset, compute = the
+other kernels, idle = no kernel running. CPU traces (gloo): the main thread (the one with the
+ProfilerStep spans) computes in aten ops; communication runs on gloo worker threads (``gloo:*``)
+and blocks the main thread in waits (``c10d::*``, ``_c10d_functional::wait_tensor``,
+synchronous ``gloo:send/recv``). Exact definitions and the differences from HTA are in
+docs/comm-compute.md.
 """
 
 from __future__ import annotations
@@ -14,76 +16,136 @@ import numpy as np
 import pandas as pd
 
 from trainprof.analyzers import _intervals as iv
+from trainprof.analyzers._comm_groups import (coll_type, gloo_event_groups, gpu_event_groups,
+                                              group_dims)
 from trainprof.findings import AnalyzerResult, Finding
+from trainprof.trace import name_mask
 
 NAME = "comm_compute"
-EXPOSED_COMM_FINDING = 0.40   # exposed communication above this share of the step → finding
-HOST_STALL_FINDING = 0.05     # synchronizations above this share of the step → finding
+EXPOSED_COMM_FINDING = 0.40   # median rank's exposed communication ≥ this share of the step
+HOST_STALL_FINDING = 0.05     # host blocked in synchronizations ≥ this share of the step
 WARMUP_FACTOR = 1.5           # a profiled step this much slower than the others' median is warm-up
 
 _WAIT_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", "nccl:",
                   "record_param_comms")
-_SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
-               "cudaStreamWaitEvent")
-_CATEGORIES = ("compute_ms", "overlapped_ms", "exposed_comm_ms", "data_ms", "other_ms", "idle_ms")
+# host calls that block until the device catches up (what .item(), .cpu(), .tolist() and
+# explicit synchronize() do); cudaStreamWaitEvent is a device-side wait and not one of them
+_SYNC_CALLS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
+                         "cudaMemcpy", "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cuCtxSynchronize",
+                         "cuStreamSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2"})
+CATEGORIES = ("compute_ms", "overlapped_ms", "exposed_comm_ms", "data_ms", "other_ms", "idle_ms")
 
 
 def _ms(ns) -> float:
     return round(float(ns) / 1e6, 4)
 
 
-def _coll_type(name: str) -> str:
-    n = name.lower()
-    for key in ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
-                "reducescatter", "broadcast", "all_to_all", "alltoall", "send", "recv", "barrier"):
-        if key in n:
-            return {"allreduce": "all_reduce", "allgather": "all_gather",
-                    "reducescatter": "reduce_scatter", "alltoall": "all_to_all"}.get(key, key)
-    return "other"
+def _by_key(keys, starts, ends, lo=None, hi=None) -> dict[str, int]:
+    """Union length of the intervals of each key (clipped to [lo, hi))."""
+    out: dict[str, int] = {}
+    keys = np.asarray(keys, dtype=object)
+    for k in sorted({k for k in keys if k is not None}, key=str):
+        m = keys == k
+        s = iv.union(starts[m], ends[m])
+        if lo is not None:
+            s = iv.clip(s, lo, hi)
+        if iv.length(s):
+            out[str(k)] = iv.length(s)
+    return out
+
+
+def _dim_split(comm_keys, starts, ends, exposed: iv.Set, lo=None, hi=None) -> dict[str, dict]:
+    """Per mesh dim: comm time (union of its events) and the exposed time under its events."""
+    keys = np.asarray(comm_keys, dtype=object)
+    out = {}
+    for k in sorted({k for k in keys}, key=str):
+        m = keys == k
+        s = iv.union(starts[m], ends[m])
+        if lo is not None:
+            s = iv.clip(s, lo, hi)
+        if iv.length(s):
+            out[str(k)] = {"comm_ms": _ms(iv.length(s)),
+                           "exposed_ms": _ms(iv.length(iv.intersect(s, exposed)))}
+    return out
 
 
 # --------------------------------------------------------------------------- GPU
-def _gpu_step(k: pd.DataFrame, runtime: pd.DataFrame) -> dict:
-    names = k["name"].astype(str)
-    comm_m = names.str.contains("nccl", case=False).to_numpy()
-    mem_m = k["cat"].isin(["gpu_memcpy", "gpu_memset"]).to_numpy()
-    comp_m = ~comm_m & ~mem_m
-    lo, hi = int(k["ts_ns"].min()), int(k["end_ns"].max())
-    window = hi - lo
-    everything, comp = iv.of(k), iv.of(k, comp_m)
-    comm, mem = iv.of(k, comm_m), iv.of(k, mem_m)
-    overlapped = iv.length(iv.intersect(comm, comp))
-    exposed = iv.length(iv.subtract(comm, comp))
-    other = iv.length(iv.subtract(iv.subtract(mem, comp), comm))
-    idle = window - iv.length(everything)
-    by_type: dict[str, int] = {}
-    for name, d in zip(names[comm_m], k["dur_ns"].to_numpy()[comm_m]):
-        t = _coll_type(name)
-        by_type[t] = by_type.get(t, 0) + int(d)
-    stalls = runtime[runtime["name"].astype(str).isin(_SYNC_CALLS)] if len(runtime) else runtime
-    d2h = runtime[runtime["name"].astype(str).eq("cudaMemcpy")] if len(runtime) else runtime
-    return {"window_ms": _ms(window), "compute_ms": _ms(iv.length(comp) - overlapped),
-            "overlapped_ms": _ms(overlapped), "exposed_comm_ms": _ms(exposed), "data_ms": 0.0,
-            "other_ms": _ms(other), "idle_ms": _ms(idle), "comm_ms": _ms(iv.length(comm)),
-            "comm_by_type_ms": {t: _ms(v) for t, v in sorted(by_type.items())},
-            "sync_calls": int(len(stalls) + len(d2h)),
-            "sync_ms": _ms(stalls["dur_ns"].sum() + d2h["dur_ns"].sum()) if len(runtime) else 0.0}
+def _gpu_rows(trace, dims: dict) -> list[dict]:
+    ev = trace.events
+    kmask = ev["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"]).to_numpy() & (ev["step"].to_numpy() >= 0)
+    k = ev[kmask]
+    rows_idx = np.flatnonzero(kmask)
+    is_comm = name_mask(k["name"], lambda n: "nccl" in n.lower())
+    is_mem = k["cat"].isin(["gpu_memcpy", "gpu_memset"]).to_numpy()
+    is_d2h = is_mem & name_mask(k["name"], lambda n: "DtoH" in n)
+    kstep = k["step"].to_numpy()
+    ks, ke = k["ts_ns"].to_numpy(), k["end_ns"].to_numpy()
+    ctype = np.array([coll_type(n) for n in k["name"].astype(str)], dtype=object) if is_comm.any() \
+        else np.full(len(k), None, dtype=object)
+    pgs = gpu_event_groups(trace, rows_idx)
+    kdim = np.array([dims.get(p, f"pg {p}") if p is not None else "unknown" for p in pgs], dtype=object)
+    stalls = _host_stalls(ev)
+    spans = trace.steps.set_index("step")
+    out = []
+    for step in np.unique(kstep):
+        m = kstep == step
+        s, e = ks[m], ke[m]
+        comm, comp = iv.union(s[is_comm[m]], e[is_comm[m]]), iv.union(s[~is_comm[m] & ~is_mem[m]], e[~is_comm[m] & ~is_mem[m]])
+        mem = iv.union(s[is_mem[m]], e[is_mem[m]])
+        window = int(e.max() - s.min())
+        overlapped = iv.length(iv.intersect(comm, comp))
+        exposed = iv.subtract(comm, comp)
+        other = iv.length(iv.subtract(iv.subtract(mem, comp), comm))
+        idle = window - iv.length(iv.union(s, e))
+        cm = m & is_comm
+        st = stalls.get(int(step), (0, 0))
+        span = int(spans.loc[step, "end_ns"] - spans.loc[step, "start_ns"]) if step in spans.index else window
+        out.append({
+            "step": int(step), "window_ms": _ms(window),
+            "compute_ms": _ms(iv.length(comp) - overlapped), "overlapped_ms": _ms(overlapped),
+            "exposed_comm_ms": _ms(iv.length(exposed)), "data_ms": 0.0, "other_ms": _ms(other),
+            "idle_ms": _ms(idle), "comm_ms": _ms(iv.length(comm)),
+            "comm_by_type_ms": {t: _ms(v) for t, v in _by_key(ctype[cm], ks[cm], ke[cm]).items()},
+            "by_dim": _dim_split(kdim[cm], ks[cm], ke[cm], exposed),
+            "host_step_ms": _ms(span), "sync_calls": st[0], "sync_ms": _ms(st[1]),
+            "d2h_copies": int((m & is_d2h).sum())})
+    return out
 
 
-def hta_view(ev: pd.DataFrame, last_step: int) -> dict | None:
-    """HTA's temporal breakdown and overlap, computed HTA's way (kernels, memcpy and memset of
-    every profiled iteration but the last, window = first kernel start .. last kernel end)."""
-    m = ev["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"]) & ev["step"].ge(0) & ev["step"].ne(last_step)
+def _host_stalls(ev: pd.DataFrame) -> dict[int, tuple[int, int]]:
+    """step -> (calls, ns) of host calls blocked on the device: synchronize calls, synchronous
+    memcpys, and cudaMemcpyAsync into pageable memory (which blocks like a sync copy)."""
+    rt = ev[ev["cat"].isin(["cuda_runtime", "cuda_driver"]).to_numpy() & (ev["step"].to_numpy() >= 0)]
+    if rt.empty:
+        return {}
+    blocking = name_mask(rt["name"], lambda n: n in _SYNC_CALLS)
+    async_cp = name_mask(rt["name"], lambda n: n == "cudaMemcpyAsync")
+    if async_cp.any():
+        cp = ev[ev["cat"].eq("gpu_memcpy").to_numpy()]
+        pageable = cp["correlation"].to_numpy()[name_mask(cp["name"], lambda n: "DtoH" in n and "Pageable" in n)]
+        blocking |= async_cp & np.isin(rt["correlation"].to_numpy(), pageable)
+    b = rt[blocking]
+    g = b.groupby("step")["dur_ns"].agg(["size", "sum"])
+    return {int(s): (int(r["size"]), int(r["sum"])) for s, r in g.iterrows()}
+
+
+def hta_view(ev: pd.DataFrame, last_step: int, base_ns: int = 0) -> dict | None:
+    """HTA's temporal breakdown and overlap, computed HTA's way: kernels, memcpy and memset of
+    every profiled iteration but the last, window = first kernel start .. last kernel end, and
+    sub-µs timestamps rounded like HTA does (start up, end down, in whole µs of the trace)."""
+    m = (ev["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"]).to_numpy()
+         & (ev["step"].to_numpy() >= 0) & (ev["step"].to_numpy() != last_step))
     k = ev[m]
     if k.empty:
         return None
-    names = k["name"].astype(str)
-    comm_m = names.str.contains("nccl", case=False).to_numpy()
-    mem_m = names.str.contains("Memcpy|Memset", case=False).to_numpy()
+    comm_m = name_mask(k["name"], lambda n: "nccl" in n.lower())
+    mem_m = name_mask(k["name"], lambda n: "memcpy" in n.lower() or "memset" in n.lower())
     comp_m = ~comm_m & ~mem_m
-    window = int(k["end_ns"].max() - k["ts_ns"].min())
-    idle = window - iv.length(iv.of(k))
-    comp, comm = iv.of(k, comp_m), iv.of(k, comm_m)
+    s = -((base_ns - k["ts_ns"].to_numpy()) // 1000)   # ceil to whole µs
+    e = (k["end_ns"].to_numpy() - base_ns) // 1000      # floor to whole µs
+    window = int(e.max() - s.min())
+    idle = window - iv.length(iv.union(s, e))
+    comp, comm = iv.union(s[comp_m], e[comp_m]), iv.union(s[comm_m], e[comm_m])
     pct = lambda x: round(100.0 * x / window, 2)  # noqa: E731
     return {"idle_pct": pct(idle), "compute_pct": pct(iv.length(comp)),
             "non_compute_pct": pct(window - idle - iv.length(comp)),
@@ -93,164 +155,228 @@ def hta_view(ev: pd.DataFrame, last_step: int) -> dict | None:
 
 # --------------------------------------------------------------------------- CPU
 def _main_tid(ev: pd.DataFrame) -> int | None:
-    steps = ev[ev["name"].astype(str).str.startswith("ProfilerStep#")]
-    if steps.empty:
-        return None
-    return int(steps["tid"].mode().iloc[0])
+    steps = ev[name_mask(ev["name"], lambda n: n.startswith("ProfilerStep#"))]
+    return None if steps.empty else int(steps["tid"].mode().iloc[0])
 
 
-def _cpu_step(ev: pd.DataFrame, main: int, lo: int, hi: int) -> dict:
-    names = ev["name"].astype(str)
+def _cpu_rows(trace, dims: dict, log: pd.DataFrame | None) -> list[dict]:
+    ev = trace.events
+    main = _main_tid(ev)
+    if main is None:
+        return []
     on_main = ev["tid"].to_numpy() == main
-    is_wait = names.str.startswith(_WAIT_PREFIXES).to_numpy()
-    is_gloo = names.str.startswith(("gloo:", "nccl:")).to_numpy()
-    is_aten = names.str.startswith("aten::").to_numpy()
-    is_data = names.str.startswith("enumerate(DataLoader)").to_numpy()
-    is_step = names.str.startswith("ProfilerStep#").to_numpy()
-    waits = iv.clip(iv.of(ev, on_main & is_wait), lo, hi)
-    comm = iv.clip(iv.union(np.concatenate([waits[0], ev["ts_ns"].to_numpy()[is_gloo]]),
-                            np.concatenate([waits[1], ev["end_ns"].to_numpy()[is_gloo]])), lo, hi)
-    compute = iv.subtract(iv.clip(iv.of(ev, on_main & is_aten & ~is_wait), lo, hi), waits)
-    data = iv.subtract(iv.clip(iv.of(ev, on_main & is_data), lo, hi), compute)
-    busy_main = iv.clip(iv.of(ev, on_main & ~is_step), lo, hi)
-    overlapped = iv.intersect(comm, compute)
-    exposed = iv.subtract(iv.subtract(comm, compute), data)
-    accounted = iv.union(np.concatenate([compute[0], comm[0], data[0]]),
-                         np.concatenate([compute[1], comm[1], data[1]]))
-    other = iv.subtract(busy_main, accounted)
-    window = hi - lo
-    idle = window - iv.length(accounted) - iv.length(other)
-    by_type: dict[str, int] = {}
-    g = ev[is_gloo]
-    for name, s, e in zip(g["name"].astype(str), g["ts_ns"].to_numpy(), g["end_ns"].to_numpy()):
-        d = max(0, min(int(e), hi) - max(int(s), lo))
-        if d:
-            t = _coll_type(name)
-            by_type[t] = by_type.get(t, 0) + d
-    return {"window_ms": _ms(window),
+    is_wait = name_mask(ev["name"], lambda n: n.startswith(_WAIT_PREFIXES))
+    is_gloo = name_mask(ev["name"], lambda n: n.startswith(("gloo:", "nccl:")))
+    is_aten = name_mask(ev["name"], lambda n: n.startswith("aten::"))
+    is_data = name_mask(ev["name"], lambda n: n.startswith("enumerate(DataLoader)"))
+    is_step = name_mask(ev["name"], lambda n: n.startswith("ProfilerStep#"))
+    s_all, e_all = ev["ts_ns"].to_numpy(), ev["end_ns"].to_numpy()
+    gl = ev[is_gloo]
+    gs, ge = s_all[is_gloo], e_all[is_gloo]
+    gtype = np.array([coll_type(n) for n in gl["name"].astype(str)], dtype=object)
+    pgs = gloo_event_groups(gl, log)
+    gdim = np.array([dims.get(p, f"pg {p}") if p is not None else "unknown" for p in pgs], dtype=object)
+    sets = {name: iv.union(s_all[m], e_all[m]) for name, m in (
+        ("wait", on_main & is_wait), ("aten", on_main & is_aten & ~is_wait),
+        ("data", on_main & is_data), ("busy", on_main & ~is_step))}
+    comm_all = iv.union(np.concatenate([sets["wait"][0], gs]), np.concatenate([sets["wait"][1], ge]))
+    out = []
+    for st in trace.steps.itertuples():
+        lo, hi = int(st.start_ns), int(st.end_ns)
+        waits = iv.clip(sets["wait"], lo, hi)
+        comm = iv.clip(comm_all, lo, hi)
+        compute = iv.subtract(iv.clip(sets["aten"], lo, hi), waits)
+        data = iv.subtract(iv.clip(sets["data"], lo, hi), compute)
+        overlapped = iv.intersect(comm, compute)
+        exposed = iv.subtract(iv.subtract(comm, compute), data)
+        accounted = iv.union(np.concatenate([compute[0], comm[0], data[0]]),
+                             np.concatenate([compute[1], comm[1], data[1]]))
+        other = iv.subtract(iv.clip(sets["busy"], lo, hi), accounted)
+        window = hi - lo
+        out.append({
+            "step": int(st.step), "window_ms": _ms(window),
             "compute_ms": _ms(iv.length(compute) - iv.length(overlapped)),
             "overlapped_ms": _ms(iv.length(overlapped)), "exposed_comm_ms": _ms(iv.length(exposed)),
             "data_ms": _ms(iv.length(data)), "other_ms": _ms(iv.length(other)),
-            "idle_ms": _ms(max(idle, 0)), "comm_ms": _ms(iv.length(comm)),
-            "comm_by_type_ms": {t: _ms(v) for t, v in sorted(by_type.items())},
-            "sync_calls": 0, "sync_ms": 0.0}
+            "idle_ms": _ms(max(window - iv.length(accounted) - iv.length(other), 0)),
+            "comm_ms": _ms(iv.length(comm)),
+            "comm_by_type_ms": {t: _ms(v) for t, v in _by_key(gtype, gs, ge, lo, hi).items()},
+            "by_dim": _dim_split(gdim, gs, ge, exposed, lo, hi),
+            "host_step_ms": _ms(window), "sync_calls": 0, "sync_ms": 0.0, "d2h_copies": 0})
+    return out
 
 
-# --------------------------------------------------------------------------- per rank
-def rank_breakdown(trace) -> tuple[list[dict], dict | None, str]:
+# --------------------------------------------------------------------------- per rank / job
+def rank_breakdown(trace, dims: dict | None = None, log: pd.DataFrame | None = None):
+    """(per-step rows, HTA view or None, 'gpu'|'cpu') for one rank's trace."""
+    dims = dims or {}
     ev = trace.events
-    gpu = ev[ev["is_gpu"] & ev["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"])]
-    rows = []
-    if len(gpu):
-        runtime = ev[ev["cat"].astype(str).isin(["cuda_runtime", "cuda_driver"])]
-        for step, k in gpu[gpu["step"].ge(0)].groupby("step", sort=True):
-            rows.append({"step": int(step), **_gpu_step(k, runtime[runtime["step"].eq(step)])})
+    if ev["cat"].isin(["kernel"]).any():
         last = int(trace.steps["step"].max()) if len(trace.steps) else -1
-        return rows, hta_view(ev, last), "gpu"
-    main = _main_tid(ev)
-    if main is None:
-        return rows, None, "cpu"
-    for s in trace.steps.itertuples():
-        inside = ev[(ev["end_ns"] > s.start_ns) & (ev["ts_ns"] < s.end_ns)]
-        rows.append({"step": int(s.step), **_cpu_step(inside, main, int(s.start_ns), int(s.end_ns))})
-    return rows, None, "cpu"
+        base = trace.meta.get("baseTimeNanoseconds")
+        base = int(base) if isinstance(base, (int, float)) else 0
+        return _gpu_rows(trace, dims), hta_view(ev, last, base), "gpu"
+    return _cpu_rows(trace, dims, log), None, "cpu"
 
 
-def _mesh_dim_split(run) -> list[dict]:
-    """Blocked time in collectives per mesh dimension, from the always-on collective log."""
+def warmup_steps(rows: list[dict]) -> list[int]:
+    """Profiled steps ≥ WARMUP_FACTOR × the median of the other steps (needs ≥ 3 steps)."""
+    if len(rows) < 3:
+        return []
+    w = [r["window_ms"] for r in rows]
+    return [r["step"] for i, r in enumerate(rows)
+            if r["window_ms"] > WARMUP_FACTOR * float(np.median(w[:i] + w[i + 1:]))]
+
+
+def _rank_summary(rank, rows, hta, kind, coords) -> dict:
+    warm = warmup_steps(rows)
+    use = [r for r in rows if r["step"] not in warm] or rows
+    tot = {k: sum(r[k] for r in use) for k in ("window_ms", "comm_ms", "sync_ms", "host_step_ms", *CATEGORIES)}
+    w = tot["window_ms"] or 1.0
+    by_type: dict[str, float] = {}
+    by_dim: dict[str, dict] = {}
+    for r in use:
+        for t, v in r["comm_by_type_ms"].items():
+            by_type[t] = by_type.get(t, 0.0) + v
+        for d, v in r["by_dim"].items():
+            acc = by_dim.setdefault(d, {"comm_ms": 0.0, "exposed_ms": 0.0})
+            acc["comm_ms"] += v["comm_ms"]
+            acc["exposed_ms"] += v["exposed_ms"]
+    n = len(use)
+    return {
+        "rank": rank, "coords": coords, "kind": kind, "steps": [r["step"] for r in use],
+        "warmup_steps": warm, "step_window_ms": round(float(np.median([r["window_ms"] for r in rows])), 3),
+        **{k.replace("_ms", "_fraction"): round(tot[k] / w, 4) for k in CATEGORIES},
+        "comm_fraction": round(tot["comm_ms"] / w, 4),
+        "overlap_of_comm": round(tot["overlapped_ms"] / tot["comm_ms"], 4) if tot["comm_ms"] else 0.0,
+        "sync_calls_per_step": round(sum(r["sync_calls"] for r in use) / n, 2),
+        "sync_ms_per_step": round(tot["sync_ms"] / n, 3),
+        "sync_fraction": round(tot["sync_ms"] / tot["host_step_ms"], 4) if tot["host_step_ms"] else 0.0,
+        "d2h_copies_per_step": round(sum(r["d2h_copies"] for r in use) / n, 2),
+        "comm_by_type_ms_per_step": {t: round(v / n, 3) for t, v in sorted(by_type.items())},
+        "by_dim_ms_per_step": {d: {k: round(v / n, 3) for k, v in acc.items()} for d, acc in sorted(by_dim.items())},
+        **({"hta_view": hta} if hta else {}),
+    }
+
+
+def _log_blocked_by_dim(run, dims: dict) -> dict[tuple, float]:
+    """(rank, dim) -> ms per step blocked in collectives, from the collective log (steps ≥ 1)."""
     try:
         coll = run.frame("collectives")
-        groups = run.frame("groups")
     except Exception:  # noqa: BLE001 - the log is optional
-        return []
-    if coll.empty or "blocked_ms" not in coll:
-        return []
-    dims = {}
-    if not groups.empty and "pg" in groups:
-        for g in groups.itertuples():
-            dims[(g.rank, g.pg)] = getattr(g, "mesh_dim", None) or "other"
-    coll = coll.copy()
-    coll["mesh_dim"] = [dims.get((r, pg), "other") for r, pg in zip(coll["rank"], coll["pg"])]
-    coll = coll[coll["step"].ge(1)] if "step" in coll else coll
-    agg = coll.groupby(["rank", "mesh_dim"])["blocked_ms"].sum().reset_index()
-    steps = coll.groupby("rank")["step"].nunique() if "step" in coll else None
-    out = []
-    for r in agg.itertuples():
-        n = int(steps.get(r.rank, 1)) if steps is not None else 1
-        out.append({"rank": int(r.rank), "mesh_dim": r.mesh_dim,
-                    "blocked_ms_per_step": round(float(r.blocked_ms) / max(n, 1), 3)})
-    return out
+        return {}
+    if coll.empty or not {"blocked_ms", "pg", "step"} <= set(coll):
+        return {}
+    coll = coll[coll["step"].ge(1)]
+    coll = coll.assign(dim=[dims.get(str(p), f"pg {p}") for p in coll["pg"]])
+    nsteps = coll.groupby("rank")["step"].nunique()
+    agg = coll.groupby(["rank", "dim"])["blocked_ms"].sum()
+    return {(int(r), d): round(float(v) / max(int(nsteps[r]), 1), 3) for (r, d), v in agg.items()}
+
+
+def _mesh_dim_table(per_rank: list[dict], blocked: dict) -> list[dict]:
+    out, seen = [], set()
+    for r in per_rank:
+        for d, v in r["by_dim_ms_per_step"].items():
+            seen.add((r["rank"], d))
+            out.append({"rank": r["rank"], "mesh_dim": d, "comm_ms_per_step": v["comm_ms"],
+                        "exposed_ms_per_step": v["exposed_ms"],
+                        "blocked_ms_per_step": blocked.get((r["rank"], d))})
+    for (rank, d), v in sorted(blocked.items(), key=str):
+        if (rank, d) not in seen:
+            out.append({"rank": rank, "mesh_dim": d, "comm_ms_per_step": None,
+                        "exposed_ms_per_step": None, "blocked_ms_per_step": v})
+    return sorted(out, key=lambda x: (x["rank"], str(x["mesh_dim"])))
 
 
 def analyze(run) -> AnalyzerResult:
     traces = run.traces()
+    if not traces:
+        return AnalyzerResult(metrics={}, findings=[])
+    dims = group_dims(run, traces)
+    try:
+        log = run.frame("collectives")
+    except Exception:  # noqa: BLE001
+        log = pd.DataFrame()
     per_step, per_rank, kinds = [], [], set()
     for rank, trace in sorted(traces.items()):
-        rows, hta, kind = rank_breakdown(trace)
+        rlog = log[log["rank"] == rank] if not log.empty and "rank" in log else None
+        rows, hta, kind = rank_breakdown(trace, dims, rlog)
         if not rows:
             continue
         kinds.add(kind)
-        windows = np.array([r["window_ms"] for r in rows])
-        med = float(np.median(windows))
-        warm = [r["step"] for r in rows if len(rows) > 2 and r["window_ms"] > WARMUP_FACTOR *
-                float(np.median([x["window_ms"] for x in rows if x is not r]))]
-        for r in rows:
-            per_step.append({"rank": rank, **r, "warmup": r["step"] in warm})
-        use = [r for r in rows if r["step"] not in warm] or rows
-        tot = {k: sum(r[k] for r in use) for k in ("window_ms", "comm_ms", "sync_ms", *_CATEGORIES)}
-        w = tot["window_ms"] or 1.0
-        by_type: dict[str, float] = {}
-        for r in use:
-            for t, v in r["comm_by_type_ms"].items():
-                by_type[t] = by_type.get(t, 0.0) + v
-        per_rank.append({
-            "rank": rank, "coords": run.coords(rank), "kind": kind, "steps": [r["step"] for r in use],
-            "warmup_steps": warm, "step_window_ms": round(med, 3),
-            **{k.replace("_ms", "_fraction"): round(tot[k] / w, 4) for k in _CATEGORIES},
-            "comm_fraction": round(tot["comm_ms"] / w, 4),
-            "overlap_of_comm": round(tot["overlapped_ms"] / tot["comm_ms"], 4) if tot["comm_ms"] else 0.0,
-            "sync_fraction": round(tot["sync_ms"] / w, 4),
-            "comm_by_type_ms_per_step": {t: round(v / len(use), 3) for t, v in sorted(by_type.items())},
-            **({"hta_view": hta} if hta else {}),
-        })
+        summary = _rank_summary(rank, rows, hta, kind, _coords(run, rank))
+        per_rank.append(summary)
+        run_steps = _run_steps(run, rank, len(rows))
+        per_step += [{"rank": rank, **r, "run_step": rs, "warmup": r["step"] in summary["warmup_steps"]}
+                     for r, rs in zip(rows, run_steps)]
     if not per_rank:
         return AnalyzerResult(metrics={}, findings=[])
-    exposed = float(np.median([r["exposed_comm_fraction"] for r in per_rank]))
+    med = lambda key: round(float(np.median([r[key] for r in per_rank])), 4)  # noqa: E731
     job = {"trace_kind": "/".join(sorted(kinds)), "ranks": len(per_rank),
-           **{k.replace("_ms", "_fraction"): round(float(np.median(
-               [r[k.replace("_ms", "_fraction")] for r in per_rank])), 4) for k in _CATEGORIES},
-           "exposed_comm_fraction": round(exposed, 4),
-           "comm_fraction": round(float(np.median([r["comm_fraction"] for r in per_rank])), 4)}
-    metrics = {"job": job, "exposed_comm_fraction": round(exposed, 4), "per_rank": per_rank,
-               "per_step": per_step, "by_mesh_dim": _mesh_dim_split(run),
+           **{k.replace("_ms", "_fraction"): med(k.replace("_ms", "_fraction")) for k in CATEGORIES},
+           "comm_fraction": med("comm_fraction"), "sync_fraction": med("sync_fraction"),
+           "warmup_steps": sorted({s for r in per_rank for s in r["warmup_steps"]})}
+    metrics = {"job": job, "exposed_comm_fraction": job["exposed_comm_fraction"],
+               "per_rank": per_rank, "per_step": per_step,
+               "by_mesh_dim": _mesh_dim_table(per_rank, _log_blocked_by_dim(run, dims)),
+               "group_dims": dims, "thresholds": {"exposed_comm": EXPOSED_COMM_FINDING,
+                                                  "host_stall": HOST_STALL_FINDING,
+                                                  "warmup_factor": WARMUP_FACTOR},
                "definitions": "docs/comm-compute.md"}
-    return AnalyzerResult(metrics=metrics, findings=_findings(per_rank, exposed))
+    return AnalyzerResult(metrics=metrics, findings=_findings(per_rank, job["exposed_comm_fraction"]))
+
+
+def _run_steps(run, rank, n: int) -> list:
+    """The training-step index of each profiled step (meta.json profile_steps), when known:
+    ProfilerStep#N counts profiler.step() calls, not the job's steps."""
+    try:
+        ps = list((run.rank_meta(rank) or {}).get("profile_steps") or [])
+    except Exception:  # noqa: BLE001
+        ps = []
+    return ps if len(ps) == n else [None] * n
+
+
+def _coords(run, rank) -> dict:
+    try:
+        return run.coords(rank) or {}
+    except Exception:  # noqa: BLE001 - traces without a run directory's meta
+        return {}
 
 
 def _findings(per_rank: list[dict], exposed: float) -> list[Finding]:
     out = []
     if exposed >= EXPOSED_COMM_FINDING:
         worst = sorted(per_rank, key=lambda r: -r["exposed_comm_fraction"])
+        dims: dict[str, float] = {}
+        for r in per_rank:
+            for d, v in r["by_dim_ms_per_step"].items():
+                dims[d] = dims.get(d, 0.0) + v["exposed_ms"] / len(per_rank)
         types: dict[str, float] = {}
         for r in per_rank:
             for t, v in r["comm_by_type_ms_per_step"].items():
                 types[t] = types.get(t, 0.0) + v / len(per_rank)
+        top_dims = sorted(dims.items(), key=lambda kv: -kv[1])[:3]
         top = sorted(types.items(), key=lambda kv: -kv[1])[:3]
+        where = ("; exposed most in " + ", ".join(f"{d} {v:.1f} ms/step" for d, v in top_dims)) if top_dims else ""
         out.append(Finding(
             kind="exposed_comm", severity="warning", ranks=[r["rank"] for r in worst[:4]],
             message=(f"communication not hidden by compute takes {exposed:.0%} of the profiled "
-                     f"steps (median rank); largest: "
-                     + ", ".join(f"{t} {v:.1f} ms/step" for t, v in top)),
+                     f"steps (median rank, threshold {EXPOSED_COMM_FINDING:.0%}); largest: "
+                     + ", ".join(f"{t} {v:.1f} ms/step" for t, v in top) + where),
             evidence={"exposed_comm_fraction": exposed, "threshold": EXPOSED_COMM_FINDING,
                       "per_rank": {str(r["rank"]): r["exposed_comm_fraction"] for r in per_rank},
-                      "comm_by_type_ms_per_step": {t: round(v, 2) for t, v in top}}))
+                      "comm_by_type_ms_per_step": {t: round(v, 2) for t, v in top},
+                      "exposed_by_dim_ms_per_step": {d: round(v, 2) for d, v in top_dims}}))
     stalls = [r for r in per_rank if r["sync_fraction"] >= HOST_STALL_FINDING]
     if stalls:
         out.append(Finding(
             kind="host_stall", severity="warning", ranks=[r["rank"] for r in stalls],
-            message=(f"host-device synchronizations (cuda*Synchronize, blocking cudaMemcpy from "
-                     f".item()/.cpu()) take up to {max(r['sync_fraction'] for r in stalls):.0%} of "
-                     f"the step on {len(stalls)} rank(s)"),
+            message=(f"the host waits on the GPU (synchronize calls, blocking device-to-host "
+                     f"copies from .item()/.cpu()) for up to {max(r['sync_fraction'] for r in stalls):.0%} "
+                     f"of the step on {len(stalls)} rank(s) (threshold {HOST_STALL_FINDING:.0%})"),
             evidence={"sync_fraction": {str(r["rank"]): r["sync_fraction"] for r in stalls},
+                      "sync_calls_per_step": {str(r["rank"]): r["sync_calls_per_step"] for r in stalls},
+                      "sync_ms_per_step": {str(r["rank"]): r["sync_ms_per_step"] for r in stalls},
                       "threshold": HOST_STALL_FINDING}))
     return out

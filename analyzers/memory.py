@@ -8,6 +8,10 @@ rank's pipeline stage(s), tensor-parallel weights divided by tp, everything divi
 FSDP degree (replicate mode keeps a full copy per DP replica). The job declares the stage
 layout with ``trainprof.set_run_info(stage_params=[{stage, params, tp_sharded_params}], ...)``;
 without it the parameters are assumed evenly split over pp·tp(·dp).
+
+Also: the peak inside the profiled window from the trace's [memory] events, and for allocator
+snapshots (a rank's *.pickle, or bare snapshot files) the allocated/reserved timeline replayed
+from the trace. Fragmentation and OOM explanations are analyzers/fragmentation.py's. docs/memory.md.
 """
 
 from __future__ import annotations
@@ -63,9 +67,80 @@ def _timeline(recs: list[dict]) -> dict:
     return out
 
 
+MAX_POINTS = 400  # timeline points kept per series (the report plots them)
+
+
+def _downsample(xs: list, ys: list) -> tuple[list, list]:
+    """Keep at most MAX_POINTS, always including the maximum (peaks must survive)."""
+    if len(xs) <= MAX_POINTS:
+        return xs, ys
+    step = len(xs) / MAX_POINTS
+    keep = {int(i * step) for i in range(MAX_POINTS)} | {int(np.argmax(ys))}
+    idx = sorted(keep)
+    return [xs[i] for i in idx], [ys[i] for i in idx]
+
+
+def profiled_window(trace, device: str | None) -> dict | None:
+    """The profiler's [memory] events over the profiled steps: allocator totals after every
+    allocation. On CUDA the counters are the device allocator's (absolute); on CPU the
+    profiler counts from its own start, so the peak is what the profiled steps allocated on
+    top of what already existed (activations, temporaries, re-allocated gradients)."""
+    m = getattr(trace, "memory", None)
+    if m is None or m.empty:
+        return None
+    cuda = str(device or "").startswith("cuda")
+    m = m[m["device_type"] == (1 if cuda else 0)]
+    if m.empty:
+        return None
+    m = m.sort_values("ts_ns")
+    t0 = int(m["ts_ns"].iloc[0])
+    xs = [(int(t) - t0) / 1e6 for t in m["ts_ns"]]
+    ys = [int(v) for v in m["total_allocated"]]
+    xs, ys = _downsample(xs, ys)
+    return {"device": "cuda" if cuda else "cpu", "absolute": cuda,
+            "peak_allocated_bytes": int(m["total_allocated"].max()),
+            "peak_reserved_bytes": int(m["total_reserved"].max()) if cuda else None,
+            "t_ms": xs, "allocated_bytes": ys}
+
+
+def snapshot_timeline(snap) -> dict:
+    """Allocated / reserved bytes over a snapshot's trace, replayed backwards from the state at
+    the dump (the trace ring buffer may have dropped older entries; the end state is exact)."""
+    alloc = sum(b.size for s in snap.segments for b in s.blocks if b.active)
+    reserved = sum(s.total_size for s in snap.segments)
+    entries = sorted((e for es in snap.traces.values() for e in es if e.time_us is not None),
+                     key=lambda e: e.time_us)
+    d_alloc = {"alloc": 1, "free_completed": -1}
+    d_res = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+    pts = []
+    a, r = alloc, reserved
+    for e in reversed(entries):
+        pts.append((e.time_us, a, r))
+        a -= d_alloc.get(e.action, 0) * e.size
+        r -= d_res.get(e.action, 0) * e.size
+    pts.reverse()
+    if not pts:
+        return {"allocated_bytes_now": alloc, "reserved_bytes_now": reserved}
+    t0 = pts[0][0]
+    xs, ys = _downsample([(t - t0) / 1e3 for t, _, _ in pts], [x for _, x, _ in pts])
+    return {"allocated_bytes_now": alloc, "reserved_bytes_now": reserved,
+            "peak_allocated_bytes_traced": max(x for _, x, _ in pts),
+            "peak_reserved_bytes_traced": max(x for _, _, x in pts), "t_ms": xs, "allocated_bytes": ys}
+
+
+def _snapshots(run) -> list[dict]:
+    out = []
+    for rank, path in run.snapshot_files():
+        snap = run.snapshot(path)
+        if snap is not None:
+            out.append({"file": path.name, "rank": rank, **snapshot_timeline(snap)})
+    return out
+
+
 def analyze(run) -> AnalyzerResult:
-    per_rank, findings, timeline = [], [], {}
+    per_rank, findings, timeline, window_timeline = [], [], {}, {}
     ooms = []
+    traces = run.traces() if run.ranks and run.profiler_traces() else {}
     for rank in run.ranks:
         meta = run.rank_meta(rank)
         recs = run.stream(rank, "memory")
@@ -105,14 +180,21 @@ def analyze(run) -> AnalyzerResult:
                              + ", ".join(f"{k.replace('_bytes', '')} {v:+.0%}" for k, v in bad.items())
                              + f" (expected {exp['bytes_per_param']} B/param, {exp['basis']})"),
                     evidence={"measured": row["measured"], "expected": exp, "margin": MARGIN}))
+        window = profiled_window(traces[rank], meta.get("device")) if rank in traces else None
+        if window:
+            row["profiled_window_peak_bytes"] = window["peak_allocated_bytes"]
+            row["profiled_window_absolute"] = window["absolute"]
+            window_timeline[str(rank)] = {
+                k: window[k] for k in ("t_ms", "allocated_bytes", "absolute")}
         peak = row.get("peak_allocated_bytes")
         if peak and measured:
             state = sum(measured.get(k) or 0 for k in ("params_bytes", "grads_bytes", "optimizer_state_bytes"))
             row["activations_and_temporaries_bytes"] = int(max(peak - state, 0))
         timeline[str(rank)] = _timeline(recs)
         per_rank.append(row)
+    snaps = _snapshots(run)
     if not per_rank:
-        return AnalyzerResult(metrics={}, findings=[])
+        return AnalyzerResult(metrics={"snapshots": snaps} if snaps else {}, findings=[])
     for o in ooms:
         findings.append(Finding(
             kind="memory", severity="error", ranks=[o["rank"]],
@@ -129,4 +211,5 @@ def analyze(run) -> AnalyzerResult:
         job = {"peak_metric": key, "max_peak_bytes": int(max(vals)), "median_peak_bytes": int(np.median(vals)),
                "worst_rank": worst["rank"]}
     return AnalyzerResult(metrics={"job": job, "per_rank": per_rank, "timeline": timeline,
-                                   "ooms": len(ooms), "margin": MARGIN}, findings=findings)
+                                   "window_timeline": window_timeline, "ooms": len(ooms), "margin": MARGIN,
+                                   **({"snapshots": snaps} if snaps else {})}, findings=findings)

@@ -1,9 +1,10 @@
 """Trace parsing + comm_compute analysis speed on the 216k-event V100 trace (HTA's test data).
 
-    python benchmarks/bench_trace_parse.py [--copies N]
+    python benchmarks/bench_trace_parse.py [--repeats 3] [--copies 4] [--hta /tmp/hta-venv/bin/python]
 
-Prints parse time, analysis time, peak RSS, and (with --copies) the time to load N copies as N
-ranks in parallel. Reference point: HTA needs ~4.7 s just to load this trace on this machine.
+Prints parse time (wall and CPU; CPU time is what to compare on a shared machine), analysis time,
+peak RSS, the time to load N copies as N ranks serially and in parallel, and, with --hta, the
+time HTA (traceinsight, installed in a separate venv) needs to load the same file.
 """
 
 from __future__ import annotations
@@ -11,34 +12,52 @@ from __future__ import annotations
 import argparse
 import resource
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from trainprof.analyzers.comm_compute import rank_breakdown
-from trainprof.trace import load_trace, load_traces
+from trainprof.trace import load_traces, parse_trace
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/hta/df_index_resolver/df_index_resolver.json.gz"
+
+HTA_SNIPPET = """
+import sys, time, logging, warnings
+warnings.filterwarnings("ignore"); logging.disable(logging.WARNING)
+from hta.trace_analysis import TraceAnalysis
+t, c = time.perf_counter(), time.process_time()
+ta = TraceAnalysis(trace_dir=sys.argv[1])
+print(f"{time.perf_counter() - t:.3f} {time.process_time() - c:.3f}")
+"""
+
+
+def _timed(fn):
+    t, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - t, time.process_time() - c
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--hta", help="python of a venv with traceinsight installed")
     a = ap.parse_args()
-    parse, analyze = [], []
-    for _ in range(a.repeats):
-        t0 = time.perf_counter()
-        tr = load_trace(FIXTURE)
-        t1 = time.perf_counter()
-        rank_breakdown(tr)
-        t2 = time.perf_counter()
-        parse.append(t1 - t0)
-        analyze.append(t2 - t1)
+    best = {}
+    for fast in (True, False):
+        rows = []
+        for _ in range(a.repeats):
+            tr, pw, pc = _timed(lambda: parse_trace(FIXTURE, fast=fast))
+            _, aw, ac = _timed(lambda: rank_breakdown(tr))
+            rows.append((pw, pc, aw, ac))
+        best[tr.stats["decoder"]] = [min(r[i] for r in rows) for i in range(4)]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"events: {tr.stats['events']}  parse: best {min(parse):.3f} s  "
-          f"comm_compute: best {min(analyze):.3f} s  total: {min(parse) + min(analyze):.3f} s  "
-          f"peak RSS: {rss:.0f} MiB")
+    print(f"{FIXTURE.name}: {tr.stats['events']} events, {tr.stats['complete']} complete")
+    for dec, (pw, pc, aw, ac) in best.items():
+        print(f"  decoder {dec:8s} parse {pw:.3f} s wall / {pc:.3f} s cpu   comm_compute "
+              f"{aw:.3f} s wall / {ac:.3f} s cpu   total {pw + aw:.3f} s wall / {pc + ac:.3f} s cpu")
+    print(f"  peak RSS {rss:.0f} MiB")
     if a.copies > 1:
         with tempfile.TemporaryDirectory() as d:
             paths = {}
@@ -46,11 +65,19 @@ def main() -> None:
                 paths[r] = Path(d) / f"rank-{r:05d}.pt.trace.json.gz"
                 shutil.copy(FIXTURE, paths[r])
             for workers in (1, None):
-                t0 = time.perf_counter()
-                traces, errors = load_traces(paths, workers=workers)
-                dt = time.perf_counter() - t0
-                print(f"{a.copies} ranks, workers={workers or 'auto'}: {dt:.2f} s "
+                (traces, errors), dt, _ = _timed(lambda: load_traces(paths, workers=workers))
+                assert len(traces) == a.copies and not errors
+                print(f"  {a.copies} ranks, workers={workers or 'auto'}: {dt:.2f} s wall "
                       f"({dt / a.copies:.2f} s/rank)")
+    if a.hta:
+        with tempfile.TemporaryDirectory() as d:
+            shutil.copy(FIXTURE, d)
+            out = subprocess.run([a.hta, "-c", HTA_SNIPPET, d], capture_output=True, text=True)
+            if out.returncode:
+                print("  HTA failed:", out.stderr[-500:])
+            else:
+                w, c = out.stdout.split()[-2:]
+                print(f"  HTA TraceAnalysis load: {float(w):.3f} s wall / {float(c):.3f} s cpu")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gzip
+import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
-from trainprof.trace import TraceError, load_trace, load_traces
+from trainprof.trace import TraceError, load_trace, load_traces, parse_trace
 
 HTA = Path(__file__).parent / "fixtures" / "hta"
 V100 = HTA / "df_index_resolver" / "df_index_resolver.json.gz"
@@ -45,10 +47,44 @@ def test_timestamps_are_absolute_ns_and_events_sorted():
 
 def test_collective_args_are_columnar():
     tr = load_trace(A100)
-    assert len(tr.comm) > 0
-    row = tr.comm.iloc[0]
-    assert tr.events.loc[row["row"], "name"]  # points into events
-    assert {"collective", "in_nelems", "out_nelems"} & set(tr.comm.columns)
+    comm = tr.comm
+    # the 21 NCCL kernels carry their collective args, and so do their record_param_comms ops
+    on = tr.events.loc[comm["row"]]
+    kernels = comm[on["cat"].eq("kernel").to_numpy()]
+    assert len(kernels) == 21
+    assert set(kernels["collective"]) == {"allreduce", "broadcast"}
+    named = comm[comm["pg_name"].notna()]  # (record_param_comms "wait" ops carry no group)
+    assert len(named) == 42 and set(named["collective"]) == {"allreduce", "broadcast"}
+    assert all(r == [0, 1] for r in named["pg_ranks"])  # the trace's "[0, 1]" string, parsed
+    assert set(named["pg_desc"]) == {"default_pg"} and set(named["group_size"]) == {2}
+    first = comm.iloc[0]
+    assert on.iloc[0]["name"] == "record_param_comms" and first["in_nelems"] == 53120
+
+
+def test_msgspec_and_orjson_paths_agree():
+    fast, slow = parse_trace(A100, fast=True), parse_trace(A100, fast=False)
+    assert {fast.stats["decoder"], slow.stats["decoder"]} == {"msgspec", "orjson"} or \
+        fast.stats["decoder"] == "orjson"  # msgspec is optional
+    pd.testing.assert_frame_equal(fast.events, slow.events)
+    pd.testing.assert_frame_equal(fast.memory, slow.memory)
+    pd.testing.assert_frame_equal(fast.comm, slow.comm)
+    assert fast.meta["distributedInfo"] == slow.meta["distributedInfo"]
+
+
+def test_nanoseconds_survive_large_absolute_microseconds(tmp_path):
+    # 1.7e15 µs has no room for ns digits in a float64 multiplied by 1000: we keep them
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "name": "a", "cat": "cpu_op", "ts": 1700000000000001.5, "dur": 2.25,
+         "pid": 1, "tid": 1},
+        {"ph": "i", "name": "[memory]", "ts": 1700000000000003, "pid": 1, "tid": 1,
+         "args": {"Bytes": -64, "Total Allocated": 10, "Total Reserved": 20, "Device Type": 0,
+                  "Device Id": -1, "Addr": 140000000000000}}]}))
+    tr = load_trace(p)
+    assert tr.events["ts_ns"].tolist() == [1700000000000001500]
+    assert tr.events["dur_ns"].tolist() == [2250]
+    assert tr.memory.iloc[0].tolist() == [1700000000000003000, -64, 10, 20, 0, -1, 140000000000000]
+    assert tr.meta["span_ns"] == [1700000000000001500, 1700000000000003750]
 
 
 def test_rank_comes_from_distributed_info_not_the_name():
@@ -63,8 +99,16 @@ def test_broken_files_name_the_file_and_keep_other_ranks(tmp_path):
     not_json.write_bytes(gzip.compress(b"{\"traceEvents\": [ {\"ph\": "))
     not_trace = tmp_path / "rank-00003.json"
     not_trace.write_text('{"hello": 1}')
-    with pytest.raises(TraceError, match="rank-00001.*(corrupt|truncated)"):
+    with pytest.raises(TraceError, match="rank-00001.*truncated"):
         load_trace(truncated)
+    flipped = bytearray(A100.read_bytes())
+    flipped[2000:2010] = b"0123456789"
+    (tmp_path / "flip.json.gz").write_bytes(bytes(flipped))
+    with pytest.raises(TraceError, match="flip.json.gz.*corrupt"):
+        load_trace(tmp_path / "flip.json.gz")
+    (tmp_path / "empty.json").write_bytes(b"")
+    with pytest.raises(TraceError, match="empty.json.*empty"):
+        load_trace(tmp_path / "empty.json")
     traces, errors = load_traces({0: HTA / "trace_filter" / "sampled_rank-0.json.gz",
                                   1: truncated, 2: not_json, 3: not_trace, 4: tmp_path / "missing.json"})
     assert list(traces) == [0]

@@ -12,6 +12,7 @@ from trainprof.findings import SUMMARY_SCHEMA_VERSION
 from trainprof.rundir import RunDir
 
 SEVERITY_ORDER = {"critical": 0, "error": 1, "warning": 2, "info": 3}
+SNAPSHOT_ANALYZERS = ("memory", "fragmentation")
 
 
 def run_info(run: RunDir) -> dict:
@@ -44,6 +45,7 @@ def run_info(run: RunDir) -> dict:
         "torch_version": first.get("torch_version"),
         "run_info": first.get("run_info", {}),
         "ranks": ranks,
+        **({"snapshots": [str(p) for p in run.bare_snapshots]} if run.snapshot_only else {}),
     }
 
 
@@ -51,6 +53,8 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
     from trainprof.analyzers import load_all
 
     modules, errors = load_all()
+    if run.snapshot_only:  # bare allocator snapshots: only the memory analyzers have input
+        modules = [m for m in modules if m.NAME in SNAPSHOT_ANALYZERS]
     metrics: dict = {}
     findings: list[dict] = []
     timings: dict = {}
@@ -96,12 +100,17 @@ def analyze_and_write(run_dir, out_dir=None, report: bool = True, progress=None)
     summary = analyze(run, progress=progress)
     out = Path(out_dir) if out_dir else run.path
     out.mkdir(parents=True, exist_ok=True)
-    summary_path = out / SUMMARY
+    names = (SUMMARY, REPORT)
+    if not out_dir and len(run.bare_snapshots) == 1 and Path(run_dir).is_file():
+        # one bare snapshot: name the outputs after it, beside it, so that several snapshots
+        # in one folder can be analysed one by one without overwriting each other
+        names = (f"{run.bare_snapshots[0].name}.{SUMMARY}", f"{run.bare_snapshots[0].name}.{REPORT}")
+    summary_path = out / names[0]
     write_json_atomic(summary_path, summary)
     report_path = None
     if report:
         from trainprof.reports.html import write_html
 
-        report_path = out / REPORT
+        report_path = out / names[1]
         write_html(summary, report_path)
     return summary, summary_path, report_path

@@ -1,5 +1,6 @@
 """Run a job under the probes: prepare the run directory, start the command with the bootstrap
-on PYTHONPATH, forward signals, and record how it ended. Used by `trainprof wrap` and `demo`."""
+on PYTHONPATH, forward signals, watch for hangs, and record how it ended. Used by `trainprof wrap`
+and `demo`."""
 
 from __future__ import annotations
 
@@ -9,21 +10,29 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from trainprof import __version__
 from trainprof.probes import runtime
+from trainprof.probes.hang_watchdog import DUMP as HANG_DUMP
+from trainprof.probes.hang_watchdog import TRIGGER as HANG_TRIGGER
 from trainprof.rundir import (INJECTED, MANIFEST, PROFILER_DIR, RANKS_DIR, REPORT, SCHEMA_VERSION,
-                              SUMMARY, collect_rank_entries, write_json_atomic)
+                              SUMMARY, RunDirError, collect_rank_entries, read_json,
+                              write_json_atomic)
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
                      signal.SIGUSR1, signal.SIGUSR2)
 RELEVANT_ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "PYTORCH_", "OMP_", "SLURM_", "MASTER_",
                          "WORLD_SIZE", "GLOO_", "TRAINPROF_")
-OWNED_ENTRIES = (MANIFEST, RANKS_DIR, PROFILER_DIR, SUMMARY, REPORT, INJECTED)
+OWNED_ENTRIES = (MANIFEST, RANKS_DIR, PROFILER_DIR, SUMMARY, REPORT, INJECTED, HANG_TRIGGER)
+# Exit code of `trainprof wrap --on-hang kill` when it terminated a hung job (as timeout(1) does).
+HANG_EXIT_CODE = 124
+HEARTBEAT = "heartbeat.jsonl"  # probes/heartbeat.py: grows only when its rank progresses
 
 
 class LaunchError(Exception):
@@ -60,15 +69,178 @@ def job_env(out: Path, profile_steps: str | None, extra: dict | None = None) -> 
     return env
 
 
+@dataclass
+class HangPolicy:
+    """`--hang-timeout` / `--on-hang`: what counts as hung and what to do about it."""
+    timeout_s: float
+    action: str = "dump"        # "dump": dump and keep waiting; "kill": dump, then end the job
+    dump_wait_s: float = 15.0   # how long to wait for every rank's dump
+    term_grace_s: float = 5.0   # SIGTERM to the job's process group, SIGKILL after this
+
+    def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise ValueError(f"hang timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.action not in ("dump", "kill"):
+            raise ValueError(f"--on-hang must be dump or kill, got {self.action!r}")
+
+
+class HangWatch:
+    """Launcher-side watchdog. Progress = any rank's heartbeat.jsonl growing (a rank appends
+    only when its step, collectives or flight-recorder counters advance). When no rank has
+    progressed for timeout_s, it writes RUN/hang-trigger.json, which every rank's probe thread
+    polls and answers with ranks/rank-N/hang-dump.json; with action "kill" it then terminates
+    the job's process group. It is armed by the first heartbeat (a job still importing torch is
+    not hung) and disarmed once every rank has closed its heartbeat."""
+
+    def __init__(self, out: Path, policy: HangPolicy, pgid: int, manifest: dict,
+                 save_manifest, log=None):
+        self.out, self.policy, self.pgid = out, policy, pgid
+        self.manifest, self.save_manifest = manifest, save_manifest
+        self.log = log or (lambda msg: print(f"trainprof: {msg}", file=sys.stderr, flush=True))
+        self.poll_s = min(1.0, max(0.05, policy.timeout_s / 10))
+        self.killed = False
+        self.job_done = threading.Event()
+        self._sizes: dict[Path, tuple] = {}
+        self._closed: set[Path] = set()
+        self._events = 0
+        self.thread = threading.Thread(target=self._run, name="trainprof-hang-watch", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def finish(self) -> None:
+        """The job's leader process ended: stop watching (after a kill, let it complete)."""
+        self.job_done.set()
+        self.thread.join(timeout=self.policy.term_grace_s + 5 if self.killed else 2)
+
+    def _heartbeats(self) -> dict[Path, tuple]:
+        out = {}
+        for p in (self.out / RANKS_DIR).glob(f"rank-*/{HEARTBEAT}"):
+            try:
+                st = p.stat()
+                out[p] = (st.st_size, st.st_mtime_ns, st.st_ino)
+            except OSError:
+                pass
+        return out
+
+    def _is_closed(self, p: Path) -> bool:
+        try:
+            with open(p, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                lines = f.read().rstrip(b"\n").split(b"\n")
+            return b'"event":"close"' in lines[-1]
+        except OSError:
+            return False
+
+    def _run(self) -> None:
+        last_progress = None
+        fired = False
+        while not self.job_done.wait(self.poll_s):
+            try:
+                cur = self._heartbeats()
+                changed = [p for p, st in cur.items() if self._sizes.get(p) != st]
+                if changed:
+                    self._sizes = cur
+                    last_progress, fired = time.monotonic(), False
+                    self._closed.update(p for p in changed if self._is_closed(p))
+                if last_progress is None or fired or (cur and set(cur) <= self._closed):
+                    continue
+                stalled = time.monotonic() - last_progress
+                if stalled >= self.policy.timeout_s:
+                    fired = True
+                    self._on_hang(stalled, [p for p in cur if p not in self._closed])
+                    if self.killed:
+                        return
+            except Exception as e:  # noqa: BLE001 - the watchdog must not take wrap down
+                self.log(f"hang watchdog error: {type(e).__name__}: {e}")
+
+    def _on_hang(self, stalled: float, live: list[Path]) -> None:
+        self._events += 1
+        event = {"id": f"watchdog-{self._events}", "t_ns": time.time_ns(),
+                 "stalled_s": round(stalled, 3),
+                 "timeout_s": self.policy.timeout_s, "action": self.policy.action,
+                 "ranks_live": sorted(_rank_of(p) for p in live)}
+        self.log(f"no rank made progress for {stalled:.1f} s (--hang-timeout "
+                 f"{self.policy.timeout_s:g}); asking {len(live)} rank(s) to dump stacks")
+        write_json_atomic(self.out / HANG_TRIGGER, event)
+        deadline = time.monotonic() + self.policy.dump_wait_s
+        pending = {_rank_of(p): p.parent / HANG_DUMP for p in live}
+        while pending and time.monotonic() < deadline and not self.job_done.is_set():
+            for r, dump in list(pending.items()):
+                d = _read_json_quiet(dump)
+                if d and d.get("trigger_id") == event["id"] and d.get("complete"):
+                    del pending[r]
+            if pending:
+                time.sleep(0.1)
+        event["ranks_dumped"] = sorted(set(event["ranks_live"]) - set(pending))
+        event["ranks_not_dumped"] = sorted(pending)
+        event["dump_s"] = round((time.time_ns() - event["t_ns"]) / 1e9, 3)
+        self.log(f"{len(event['ranks_dumped'])}/{len(live)} rank(s) dumped to "
+                 f"{self.out / RANKS_DIR}/rank-*/{HANG_DUMP}; see `trainprof hang {self.out}`")
+        if self.policy.action == "kill" and not self.job_done.is_set():
+            self.killed = True
+            event["killed_ns"] = time.time_ns()
+            self.log(f"terminating the hung job (--on-hang kill, exit code {HANG_EXIT_CODE})")
+            self._terminate()
+        self.manifest.setdefault("hangs", []).append(event)
+        self.save_manifest()
+
+    def _terminate(self) -> None:
+        _killpg(self.pgid, signal.SIGTERM)
+        end = time.monotonic() + self.policy.term_grace_s
+        while time.monotonic() < end:
+            if not _group_alive(self.pgid):
+                return
+            time.sleep(0.1)
+        _killpg(self.pgid, signal.SIGKILL)
+
+
+def _rank_of(heartbeat: Path) -> int:
+    return int(heartbeat.parent.name[5:])
+
+
+def _read_json_quiet(path: Path):
+    try:
+        return read_json(path)
+    except RunDirError:
+        return None
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def _now() -> dict:
     return {"iso": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             "ns": time.time_ns()}
 
 
 def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
-            env_extra: dict | None = None, config: dict | None = None) -> tuple[int, int | None]:
+            env_extra: dict | None = None, config: dict | None = None,
+            hang: HangPolicy | None = None) -> tuple[int, int | None]:
     """Run cmd to completion with probes active. Returns (exit_code, signal_or_None), where
-    exit_code follows the shell convention (128+N when the job died of signal N)."""
+    exit_code follows the shell convention (128+N when the job died of signal N), or
+    HANG_EXIT_CODE when the hang watchdog terminated the job."""
+    config = dict(config or {})
+    env_extra = dict(env_extra or {})
+    if hang is not None:
+        config.update(hang_timeout_s=hang.timeout_s, on_hang=hang.action)
+        fr_vars = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+        if not any(k in os.environ for k in fr_vars):
+            env_extra.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # flight recorder for the dumps
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "kind": "trainprof-run",
@@ -79,7 +251,7 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
         "python": sys.version.split()[0],
         "launcher_pid": os.getpid(),
         "start_time": _now(),
-        "config": {"profile_steps": profile_steps, **(config or {})},
+        "config": {"profile_steps": profile_steps, **config},
         "env": {k: v for k, v in os.environ.items() if k.startswith(RELEVANT_ENV_PREFIXES)},
         "status": "running",
     }
@@ -100,8 +272,17 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
         except ProcessLookupError:
             pass
 
+    lock = threading.Lock()
+
+    def save_manifest():
+        with lock:
+            write_json_atomic(out / MANIFEST, manifest)
+
+    watch = HangWatch(out, hang, proc.pid, manifest, save_manifest) if hang else None
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     try:
+        if watch:
+            watch.start()
         while True:
             try:
                 rc = proc.wait()
@@ -111,16 +292,24 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        if watch:
+            watch.finish()
     sig = -rc if rc < 0 else None
     code = 128 + sig if sig else rc
     manifest.update(end_time=_now(), exit_code=code, signal=sig,
                     signal_name=signal.Signals(sig).name if sig else None,
                     status="ok" if rc == 0 else ("killed" if sig else "failed"))
+    if watch and watch.killed:  # we ended it: say so, whatever the job's leader returned
+        if _group_alive(proc.pid):
+            _killpg(proc.pid, signal.SIGKILL)  # workers orphaned by their launcher
+        manifest.update(status="hung", exit_code=HANG_EXIT_CODE, signal=None, signal_name=None,
+                        job_exit_code=code, job_signal=sig)
+        code, sig = HANG_EXIT_CODE, None
     try:  # every rank's identity and mesh coordinates, gathered from the ranks' meta.json
         manifest.update(collect_rank_entries(out))
     except Exception as e:  # noqa: BLE001
         manifest["rank_entries_error"] = str(e)
-    write_json_atomic(out / MANIFEST, manifest)
+    save_manifest()
     return code, sig
 
 

@@ -134,6 +134,17 @@ def collect_rank_entries(run: str | os.PathLike) -> dict:
 # --------------------------------------------------------------------------- reading
 
 
+SNAPSHOT_SUFFIXES = (".pickle", ".pkl")
+
+
+def _rank_from_name(name: str) -> int | None:
+    """rank-00003_x.pickle, rank3.pickle, snapshot_rank_3.pickle -> 3; else None."""
+    import re
+
+    m = re.search(r"rank[-_]?(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
 class RunDirError(Exception):
     """A run directory (or a file in it) cannot be read; the message names the file."""
 
@@ -183,17 +194,60 @@ class RunDir:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        # Bare allocator snapshots (torch.cuda.memory._dump_snapshot pickles), given as one file
+        # or a folder of them, are analysed as a "run" that holds nothing else.
+        self.bare_snapshots: list[Path] = []
         if not self.path.exists():
             raise RunDirError(f"{self.path}: no such directory")
-        if not self.path.is_dir():
-            raise RunDirError(f"{self.path}: not a directory")
-        if not (self.path / MANIFEST).exists() and not (self.path / RANKS_DIR).is_dir() \
+        if self.path.is_file():
+            if not self.path.name.endswith(SNAPSHOT_SUFFIXES):
+                raise RunDirError(f"{self.path}: not a directory (nor an allocator snapshot "
+                                  f"*.pickle written by torch.cuda.memory._dump_snapshot)")
+            self.bare_snapshots = [self.path]
+            self.path = self.path.parent
+        elif not (self.path / MANIFEST).exists() and not (self.path / RANKS_DIR).is_dir() \
                 and not (self.path / PROFILER_DIR).is_dir():
-            raise RunDirError(
-                f"{self.path}: not a trainprof run directory (no {MANIFEST}, {RANKS_DIR}/ or "
-                f"{PROFILER_DIR}/); create one with `trainprof wrap --out {self.path} -- CMD`")
+            self.bare_snapshots = sorted(p for p in self.path.iterdir()
+                                         if p.is_file() and p.name.endswith(SNAPSHOT_SUFFIXES))
+            if not self.bare_snapshots:
+                raise RunDirError(
+                    f"{self.path}: not a trainprof run directory (no {MANIFEST}, {RANKS_DIR}/ or "
+                    f"{PROFILER_DIR}/) and no allocator snapshots (*.pickle); create one with "
+                    f"`trainprof wrap --out {self.path} -- CMD`")
         self.problems: list[str] = []
         self._cache: dict[str, Any] = {}
+
+    @property
+    def snapshot_only(self) -> bool:
+        """True when this "run" is bare allocator snapshots (no ranks, streams or traces)."""
+        return bool(self.bare_snapshots)
+
+    # -- allocator snapshots
+    def snapshot_files(self) -> list[tuple[int | None, Path]]:
+        """(rank or None, path) of every allocator snapshot: the bare files, or the ones the
+        memory probe wrote into ranks/rank-N/ (memory_snapshot.pickle, oom_snapshot.pickle)."""
+        if self.bare_snapshots:
+            return [(_rank_from_name(p.name), p) for p in self.bare_snapshots]
+        out = []
+        for r in self.ranks:
+            d = rank_dir(self.path, r)
+            if d.is_dir():
+                out += [(r, p) for p in sorted(d.iterdir()) if p.name.endswith(SNAPSHOT_SUFFIXES)]
+        return out
+
+    def snapshot(self, path: Path):
+        """The parsed snapshot (trainprof.snapshot.Snapshot), loaded once with the restricted
+        unpickler; None (and a problem naming the file) when it cannot be read."""
+        key = f"snapshot:{path}"
+        if key not in self._cache:
+            from trainprof.snapshot import SnapshotError, load_snapshot
+
+            try:
+                self._cache[key] = load_snapshot(path)
+            except SnapshotError as e:
+                self.problems.append(str(e))
+                self._cache[key] = None
+        return self._cache[key]
 
     # -- manifest and ranks
     @property
@@ -221,6 +275,9 @@ class RunDir:
     @property
     def ranks(self) -> list[int]:
         if "ranks" not in self._cache:
+            if self.bare_snapshots:
+                self._cache["ranks"] = []
+                return []
             found: set[int] = set()
             rd = self.path / RANKS_DIR
             if rd.is_dir():

@@ -27,6 +27,11 @@ def _bars(per_rank: list) -> str:
     return kit.figure(fig, "Per-rank breakdown of the profiled steps")
 
 
+def _step_label(per_step: list, step) -> str:
+    run = {r.get("run_step") for r in per_step if r["step"] == step} - {None}
+    return f"{step} (job step {run.pop()})" if len(run) == 1 else str(step)
+
+
 def _heatmaps(per_step: list) -> str:
     ranks = sorted({r["rank"] for r in per_step})
     steps = sorted({r["step"] for r in per_step})
@@ -34,9 +39,9 @@ def _heatmaps(per_step: list) -> str:
         return ""
     at = {(r["rank"], r["step"]): r for r in per_step}
     out = []
-    for key, title in (("compute_ms", "compute (ms)"), ("exposed_comm_ms", "waiting in communication (ms)")):
+    for key, title in (("compute_ms", "compute (ms)"), ("exposed_comm_ms", "exposed communication / wait (ms)")):
         matrix = [[(at.get((r, s)) or {}).get(key) for s in steps] for r in ranks]
-        out.append(kit.heatmap(matrix, [str(r) for r in ranks], [str(s) for s in steps],
+        out.append(kit.heatmap(matrix, [str(r) for r in ranks], [_step_label(per_step, s) for s in steps],
                                f"{title}, rank × profiled step", cbar_label="ms"))
     return "".join(out)
 
@@ -72,11 +77,31 @@ def render(metrics: dict, summary: dict) -> str:
                                    fmt={"ms per step (mean over ranks)": kit.fmt_ms}))
     dims = metrics.get("by_mesh_dim") or []
     if dims:
-        agg: dict[str, list] = {}
+        agg: dict[str, dict[str, list]] = {}
         for d in dims:
-            agg.setdefault(d["mesh_dim"], []).append(d["blocked_ms_per_step"])
-        parts.append(kit.para("Time blocked in collectives per mesh dimension (collective log, all steps):"))
-        parts.append(kit.table([{"mesh dim": k, "blocked ms/step (mean rank)": sum(v) / len(v),
-                                 "worst rank": max(v)} for k, v in sorted(agg.items())],
-                               fmt={"blocked ms/step (mean rank)": kit.fmt_ms, "worst rank": kit.fmt_ms}))
+            a = agg.setdefault(str(d["mesh_dim"]), {"comm": [], "exposed": [], "blocked": []})
+            for key, col in (("comm", "comm_ms_per_step"), ("exposed", "exposed_ms_per_step"),
+                             ("blocked", "blocked_ms_per_step")):
+                if d.get(col) is not None:
+                    a[key].append(d[col])
+        mean = lambda v: sum(v) / len(v) if v else None  # noqa: E731
+        parts.append(kit.para("Per mesh dimension, ms per profiled step (mean over ranks): "
+                              "communication and its exposed part from the traces; time blocked "
+                              "in collectives from the always-on collective log (all steps but 0)."))
+        parts.append(kit.table(
+            [{"mesh dim": k, "comm": mean(v["comm"]), "exposed": mean(v["exposed"]),
+              "worst rank exposed": max(v["exposed"]) if v["exposed"] else None,
+              "blocked (log)": mean(v["blocked"])} for k, v in sorted(agg.items())],
+            fmt={c: kit.fmt_ms for c in ("comm", "exposed", "worst rank exposed", "blocked (log)")}))
+    stalls = [r for r in per_rank if r.get("sync_calls_per_step")]
+    if stalls:
+        parts.append(kit.para("Host-side stalls (GPU): blocking synchronizations and device-to-host "
+                              "copies inside the profiled steps."))
+        parts.append(kit.table([{"rank": r["rank"], "sync calls/step": r["sync_calls_per_step"],
+                                 "sync ms/step": r["sync_ms_per_step"], "share of step": r["sync_fraction"],
+                                 "D2H copies/step": r.get("d2h_copies_per_step")} for r in stalls],
+                               fmt={"sync ms/step": kit.fmt_ms, "share of step": kit.fmt_pct}))
+    warm = job.get("warmup_steps") or []
+    if warm:
+        parts.append(kit.para(f"Warm-up profiled steps left out of the fractions: {', '.join(map(str, warm))}."))
     return "".join(parts)

@@ -10,7 +10,7 @@ from trainprof.rundir import RunDirError
 
 
 @click.command()
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", metavar="RUN_DIR|SNAPSHOT", type=click.Path(path_type=Path))
 @click.option("--out", "-o", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where summary.json and report.html go (default: RUN_DIR).")
 @click.option("--json", "as_json", is_flag=True, help="Print summary.json to stdout.")
@@ -21,6 +21,11 @@ def analyze(run_dir, out, as_json, no_report, quiet):
 
     Writes RUN_DIR/summary.json (machine-readable findings and metrics) and RUN_DIR/report.html
     (one self-contained file, opens offline), and prints a short summary.
+
+    RUN_DIR may also be a CUDA allocator snapshot (a *.pickle written by
+    torch.cuda.memory._dump_snapshot) or a folder of them: the memory and fragmentation
+    analyses run on them (loaded without executing code), and FILE.summary.json /
+    FILE.report.html are written beside the file (summary.json / report.html in a folder).
     """
     from trainprof.cli._output import analyze_and_print
 

@@ -1,36 +1,48 @@
 """Profiler-trace parsing: each rank's Chrome trace parsed once into columnar frames.
 
-    traces, errors = load_traces({0: path0, 1: path1})   # in parallel across ranks
+    traces, errors = load_traces({0: path0, 1: path1})   # parallel processes across ranks
     tr = load_trace(path)                                 # one file; raises TraceError
 
-``Trace`` (one rank):
+``Trace`` (one rank) — the schema other modules code against:
 
-- ``rank``: from ``distributedInfo.rank`` (JSON field, never a regex over raw text), else the
-  rank the caller gave, else None.
-- ``meta``: every top-level key except traceEvents (distributedInfo, deviceProperties,
-  baseTimeNanoseconds, schemaVersion, ...), plus ``"path"``.
-- ``events``: pandas DataFrame, one row per complete ('X') event, sorted by ts_ns:
-    name (category), cat (category: cpu_op, user_annotation, kernel, gpu_memcpy, gpu_memset,
-    cuda_runtime, cuda_driver, gpu_user_annotation, python_function, ...),
-    ts_ns / dur_ns / end_ns (int64; absolute epoch ns when the trace has baseTimeNanoseconds,
-    whose ts are µs relative to it; older traces carry absolute µs),
-    pid, tid (int64; -1 when not an integer), stream (int64 GPU stream, -1 on the host),
-    is_gpu (bool), step (int64 index N of the ProfilerStep#N that contains the event — host
-    events by time, GPU events through their launch's correlation id; -1 outside any step),
-    correlation, external_id (int64, -1 when absent),
-    input_dims, input_types (object: lists, or None; present when record_shapes was on).
-- ``comm``: DataFrame of collective arguments, one row per event that has them (PyTorch's
-    record_param_comms / nccl: / gloo: annotations and NCCL kernels): ``row`` (index into
-    events), collective, in_nelems, out_nelems, group_size, dtype, pg_name, pg_desc, pg_ranks
-    (object list), seq (int64, -1).
-- ``memory``: DataFrame of ``[memory]`` instant events: ts_ns, bytes, total_allocated,
-    total_reserved, device_type, device_id, addr.
-- ``steps``: DataFrame of ProfilerStep spans: step, start_ns, end_ns.
+- ``rank`` (int | None): ``distributedInfo.rank`` read as a JSON field (never a regex over raw
+  text), else the rank the caller gave, else None. ``world_size`` property likewise.
+- ``meta`` (dict): the trace's top-level keys except traceEvents (distributedInfo with rank,
+  world_size, backend, pg_config; deviceProperties; baseTimeNanoseconds; schemaVersion;
+  displayTimeUnit; traceName; record_shapes; profile_memory; ...), plus ``path`` (str) and
+  ``span_ns`` ([first event start, last event end] in absolute ns, or None when empty).
+- ``events`` (DataFrame), one row per complete ('X') event, sorted by ts_ns (stable):
+    name, cat            category dtype (cat: cpu_op, user_annotation, python_function,
+                         cuda_runtime, cuda_driver, kernel, gpu_memcpy, gpu_memset,
+                         gpu_user_annotation, ...)
+    ts_ns, dur_ns, end_ns  int64 ns. Absolute epoch ns when the trace has baseTimeNanoseconds
+                         (its ts are µs relative to it); otherwise ts*1000 (Kineto's older traces
+                         carry absolute epoch µs, so those are absolute too)
+    pid, tid             int64 (-1 when not an integer)
+    stream               int64 CUDA stream for GPU events, -1 on the host
+    is_gpu               bool: cat in kernel/gpu_memcpy/gpu_memset/gpu_user_annotation
+    step                 int64 N of the ProfilerStep#N containing the event: host events by
+                         their start time, GPU events through the correlation id of the runtime
+                         call that launched them (else by time); -1 outside every step
+    correlation, external_id  int64, -1 when absent
+    input_dims, input_types   object (lists as recorded, or None; present when record_shapes)
+- ``comm`` (DataFrame): collective arguments, one row per event that carries them (PyTorch's
+    record_param_comms cpu_op, and on newer traces the NCCL kernels themselves):
+    row (int64 index into events), and where present collective (str, e.g. "allreduce"),
+    in_nelems, out_nelems, group_size, dtype, pg_name (str), pg_desc (str), pg_ranks (list of
+    int; the trace's "[0, 1]" string parsed), seq (int64, -1 when absent), coll_rank, src_rank,
+    dst_rank.
+- ``memory`` (DataFrame): the ``[memory]`` instant events: ts_ns, bytes, total_allocated,
+    total_reserved, device_type, device_id, addr (all int64).
+- ``steps`` (DataFrame): ProfilerStep spans: step, start_ns, end_ns (int64), sorted.
+- ``stats`` (dict): events (all traceEvents), complete ('X' rows), malformed, decoder.
+
+Helpers: ``Trace.host_events()``, ``Trace.gpu_events()``, ``name_mask(series, pred)`` (a boolean
+mask computed once per distinct name of a categorical column: use it instead of ``.str``).
 """
 
 from __future__ import annotations
 
-import gzip
 import os
 import zlib
 from concurrent.futures import ProcessPoolExecutor
@@ -40,11 +52,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
-_COMM_KEYS = (("Collective name", "collective"), ("In msg nelems", "in_nelems"),
-              ("Out msg nelems", "out_nelems"), ("Group size", "group_size"), ("dtype", "dtype"),
-              ("Process Group Name", "pg_name"), ("Process Group Description", "pg_desc"),
-              ("Process Group Ranks", "pg_ranks"), ("Seq", "seq"))
+from trainprof.trace import _decode
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
 
 
 class TraceError(Exception):
@@ -73,175 +83,183 @@ class Trace:
         return self.events[self.events["is_gpu"]]
 
 
+def name_mask(col: pd.Series, pred) -> np.ndarray:
+    """pred(str) -> bool evaluated once per category instead of once per row."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        cats = np.fromiter((bool(pred(str(c))) for c in col.cat.categories), bool,
+                           len(col.cat.categories))
+        codes = col.cat.codes.to_numpy()
+        return np.where(codes >= 0, cats[np.clip(codes, 0, None)] if len(cats) else False, False)
+    return np.fromiter((bool(pred(str(v))) for v in col), bool, len(col))
+
+
 # --------------------------------------------------------------------------- reading
 def _read_bytes(path: Path) -> bytes:
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            return zlib.decompress(raw, wbits=31)
-        except zlib.error:
-            try:  # concatenated gzip members
-                return gzip.decompress(raw)
-            except (OSError, EOFError, zlib.error) as e:
-                raise TraceError(f"{path}: corrupt or truncated gzip ({e})") from None
-    return raw
-
-
-def _loads(path: Path, data: bytes):
+    if raw[:2] != b"\x1f\x8b":
+        return raw
+    d = zlib.decompressobj(wbits=31)
     try:
-        import orjson
-
-        return orjson.loads(data)
-    except ImportError:  # pragma: no cover - orjson is a dependency
-        import json
-
-        return json.loads(data)
-    except Exception as e:  # noqa: BLE001 - orjson.JSONDecodeError is a ValueError subclass
-        raise TraceError(f"{path}: not valid JSON ({e}); truncated trace?") from None
-
-
-def _int(v, default=-1) -> int:
-    if isinstance(v, int):
-        return v
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return default
+        out = [d.decompress(raw)]
+        while d.unused_data:  # concatenated gzip members
+            rest = d.unused_data
+            d = zlib.decompressobj(wbits=31)
+            out.append(d.decompress(rest))
+    except zlib.error as e:
+        raise TraceError(f"{path}: corrupt gzip data ({e})") from None
+    if not d.eof:
+        raise TraceError(f"{path}: truncated gzip file (ends before the end of the stream)")
+    return b"".join(out)
 
 
-def parse_trace(path: str | os.PathLike, rank: int | None = None) -> Trace:
+def parse_trace(path: str | os.PathLike, rank: int | None = None, fast: bool = True) -> Trace:
     path = Path(path)
-    doc = _loads(path, _read_bytes(path))
-    if isinstance(doc, list):  # the bare-array form of the Chrome trace format
-        doc = {"traceEvents": doc}
-    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
-        raise TraceError(f"{path}: not a Chrome trace (no traceEvents list)")
-    events = doc.pop("traceEvents")
-    meta = doc
-    meta["path"] = str(path)
-    dist = meta.get("distributedInfo") or {}
-    if isinstance(dist.get("rank"), int):
+    data = _read_bytes(path)
+    if not data or (len(data) < 4096 and not data.strip()):
+        raise TraceError(f"{path}: empty file")
+    try:
+        cols = _decode.decode(data, fast=fast)
+    except _decode.DecodeError as e:
+        raise TraceError(f"{path}: not valid JSON ({e}); truncated or corrupt trace?") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise TraceError(f"{path}: not a Chrome trace ({e})") from None
+    del data
+    meta = cols.meta
+    dist = meta.get("distributedInfo")
+    if isinstance(dist, dict) and isinstance(dist.get("rank"), int):
         rank = dist["rank"]
     base = meta.get("baseTimeNanoseconds")
-    base = int(base) if isinstance(base, (int, float)) else 0
+    base = int(base) if isinstance(base, (int, float)) and not isinstance(base, bool) else 0
 
-    names, cats, ts, dur, pid, tid, stream, corr, ext, dims, types = ([] for _ in range(11))
-    comm_rows: list[dict] = []
-    mem_rows: list[tuple] = []
-    n_bad = 0
-    for e in events:
-        if not isinstance(e, dict):
-            n_bad += 1
-            continue
-        ph = e.get("ph")
-        if ph == "X":
-            args = e.get("args") or {}
-            names.append(e.get("name", ""))
-            cats.append(e.get("cat", ""))
-            ts.append(e.get("ts", 0))
-            dur.append(e.get("dur", 0))
-            p, t = e.get("pid"), e.get("tid")
-            pid.append(p if type(p) is int else _int(p))
-            tid.append(t if type(t) is int else _int(t))
-            if args:
-                stream.append(args.get("stream", -1))
-                corr.append(args.get("correlation", -1))
-                ext.append(args.get("External id", -1))
-                d = args.get("Input Dims")
-                dims.append(d)
-                types.append(args.get("Input type") if d is not None else None)
-                if "Collective name" in args or "Process Group Name" in args:
-                    row = {"row": len(names) - 1}
-                    for k, col in _COMM_KEYS:
-                        if k in args:
-                            row[col] = args[k]
-                    comm_rows.append(row)
-            else:
-                stream.append(-1)
-                corr.append(-1)
-                ext.append(-1)
-                dims.append(None)
-                types.append(None)
-        elif ph == "i" and e.get("name") == "[memory]":
-            a = e.get("args") or {}
-            mem_rows.append((e.get("ts", 0), a.get("Bytes", 0), a.get("Total Allocated", -1),
-                             a.get("Total Reserved", -1), a.get("Device Type", -1),
-                             a.get("Device Id", -1), a.get("Addr", 0)))
-
-    def ns(values) -> np.ndarray:
-        arr = np.asarray(values, dtype=np.float64)
-        return np.rint(arr * 1000.0).astype(np.int64)
-
-    ts_ns = ns(ts) + base
-    dur_ns = ns(dur)
-    cat_arr = pd.Categorical(cats)
-    is_gpu = np.asarray(cat_arr.isin(list(GPU_CATS)))
-    frame = pd.DataFrame({
-        "name": pd.Categorical(names), "cat": cat_arr, "ts_ns": ts_ns, "dur_ns": dur_ns,
-        "end_ns": ts_ns + dur_ns, "pid": np.asarray(pid, dtype=np.int64),
-        "tid": np.asarray(tid, dtype=np.int64),
-        "stream": np.asarray([s if type(s) is int else -1 for s in stream], dtype=np.int64),
-        "is_gpu": is_gpu, "correlation": np.asarray(corr, dtype=np.int64),
-        "external_id": np.asarray([x if type(x) is int else -1 for x in ext], dtype=np.int64),
-        "input_dims": pd.Series(dims, dtype=object), "input_types": pd.Series(types, dtype=object),
-    })
-    frame.loc[~frame["is_gpu"], "stream"] = -1
-    steps = _steps(frame)
-    frame["step"] = _assign_steps(frame, steps)
-    order = np.argsort(frame["ts_ns"].to_numpy(), kind="stable")
+    events = _events_frame(cols, base)
+    steps = _steps(events)
+    events["step"] = _assign_steps(events, steps)
+    order = np.argsort(events["ts_ns"].to_numpy(), kind="stable")
+    events = events.take(order).reset_index(drop=True)
     remap = np.empty_like(order)
     remap[order] = np.arange(len(order))
-    frame = frame.iloc[order].reset_index(drop=True)
-    comm = pd.DataFrame(comm_rows)
-    if len(comm):
-        comm["row"] = remap[comm["row"].to_numpy()]
-        comm["seq"] = [_int(v) for v in comm.get("seq", pd.Series([-1] * len(comm)))]
-    memory = pd.DataFrame(mem_rows, columns=["ts", "bytes", "total_allocated", "total_reserved",
-                                             "device_type", "device_id", "addr"])
-    memory.insert(0, "ts_ns", ns(memory.pop("ts")) + base if len(memory) else np.array([], np.int64))
-    return Trace(path=path, rank=rank, meta=meta, events=frame, comm=comm, memory=memory,
-                 steps=steps, stats={"events": len(events), "complete": len(frame),
-                                     "malformed": n_bad})
+    meta["path"] = str(path)
+    meta["span_ns"] = ([int(events["ts_ns"].iloc[0]), int(events["end_ns"].max())]
+                       if len(events) else None)
+    return Trace(path=path, rank=rank, meta=meta, events=events, comm=_comm_frame(cols.comm, remap),
+                 memory=_memory_frame(cols.mem, base), steps=steps,
+                 stats={"events": cols.n_events, "complete": len(events), "malformed": cols.n_bad,
+                        "decoder": "msgspec" if fast and _decode.msgspec is not None else "orjson"})
 
 
-def _steps(frame: pd.DataFrame) -> pd.DataFrame:
-    names = frame["name"].astype(str)
-    m = names.str.startswith("ProfilerStep#") & ~frame["is_gpu"]
-    s = frame.loc[m, ["name", "ts_ns", "end_ns"]]
-    out = pd.DataFrame({"step": s["name"].astype(str).str[len("ProfilerStep#"):].astype(np.int64),
-                        "start_ns": s["ts_ns"], "end_ns": s["end_ns"]})
+def _ints(values) -> np.ndarray:
+    """Lists of int/None (rarely str) -> int64 with -1 for missing/non-numeric."""
+    if isinstance(values, np.ndarray) and values.dtype == np.int64:
+        return values
+    try:
+        a = np.array(values, dtype=np.float64)
+    except (TypeError, ValueError):  # a few strings ("Spans", "Traces" pids)
+        obj = np.array(values, dtype=object)
+        ok = np.array(list(map(type, values)), dtype=object) == int
+        out = np.full(len(obj), -1, dtype=np.int64)
+        out[ok] = obj[ok].astype(np.int64)
+        return out
+    a[~np.isfinite(a)] = -1
+    return a.astype(np.int64)
+
+
+def _us_to_ns(values) -> np.ndarray:
+    """µs floats -> int64 ns without losing the ns digits of large absolute µs values."""
+    a = np.asarray(values, dtype=np.float64)
+    whole = np.floor(a)
+    return whole.astype(np.int64) * 1000 + np.rint((a - whole) * 1000.0).astype(np.int64)
+
+
+def _events_frame(c, base: int) -> pd.DataFrame:
+    ts_ns = _us_to_ns(c.ts) + base
+    dur_ns = np.maximum(_us_to_ns(c.dur), 0)
+    cat = pd.Categorical(c.cat)
+    is_gpu = np.asarray(cat.isin(GPU_CATS), dtype=bool)
+    stream = _ints(c.stream)
+    stream[~is_gpu] = -1
+    return pd.DataFrame({
+        "name": pd.Categorical(c.name), "cat": cat, "ts_ns": ts_ns, "dur_ns": dur_ns,
+        "end_ns": ts_ns + dur_ns, "pid": _ints(c.pid), "tid": _ints(c.tid), "stream": stream,
+        "is_gpu": is_gpu, "correlation": _ints(c.corr), "external_id": _ints(c.ext),
+        "input_dims": pd.Series(c.dims, dtype=object), "input_types": pd.Series(c.types, dtype=object),
+    })
+
+
+def _ranks(v):
+    if isinstance(v, list):
+        return [int(x) for x in v if isinstance(x, (int, float))]
+    if isinstance(v, str):
+        try:
+            return [int(x) for x in v.strip("[] ").split(",") if x.strip()]
+        except ValueError:
+            return None
+    return None
+
+
+def _comm_frame(rows: list, remap: np.ndarray) -> pd.DataFrame:
+    if not rows:
+        return pd.DataFrame({"row": np.empty(0, np.int64)})
+    comm = pd.DataFrame(rows)
+    comm["row"] = remap[comm["row"].to_numpy()]
+    if "pg_ranks" in comm:
+        comm["pg_ranks"] = [_ranks(v) for v in comm["pg_ranks"]]
+    for col in ("pg_name", "pg_desc", "collective", "dtype"):
+        if col in comm:
+            comm[col] = [None if v is None or v != v else str(v) for v in comm[col]]
+    comm["seq"] = _ints(comm["seq"]) if "seq" in comm else -1
+    return comm.sort_values("row", kind="stable").reset_index(drop=True)
+
+
+def _memory_frame(rows: list, base: int) -> pd.DataFrame:
+    cols = ("ts", "bytes", "total_allocated", "total_reserved", "device_type", "device_id", "addr")
+    arr = list(zip(*rows)) if rows else [[] for _ in cols]
+    out = {"ts_ns": _us_to_ns(arr[0]) + base}
+    for k, v in zip(cols[1:], arr[1:]):
+        out[k] = _ints(v)
+    return pd.DataFrame(out)
+
+
+def _steps(events: pd.DataFrame) -> pd.DataFrame:
+    m = name_mask(events["name"], lambda n: n.startswith("ProfilerStep#")) & ~events["is_gpu"].to_numpy()
+    s = events.loc[m, ["name", "ts_ns", "end_ns"]]
+    num = pd.to_numeric(s["name"].astype(str).str[len("ProfilerStep#"):], errors="coerce")
+    out = pd.DataFrame({"step": num, "start_ns": s["ts_ns"], "end_ns": s["end_ns"]}).dropna()
+    out["step"] = out["step"].astype(np.int64)
     return out.sort_values("start_ns").drop_duplicates("step").reset_index(drop=True)
 
 
-def _assign_steps(frame: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
+def _assign_steps(events: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
     """Host events by the ProfilerStep span that contains their start; GPU events by the step of
     the runtime call that launched them (same correlation id), else by time."""
-    n = len(frame)
+    n = len(events)
     out = np.full(n, -1, dtype=np.int64)
     if steps.empty or n == 0:
         return out
     starts, ends, ids = (steps[c].to_numpy() for c in ("start_ns", "end_ns", "step"))
-    ts = frame["ts_ns"].to_numpy()
+    ts = events["ts_ns"].to_numpy()
     i = np.searchsorted(starts, ts, side="right") - 1
     ok = (i >= 0) & (ts < ends[np.clip(i, 0, None)])
     out[ok] = ids[i[ok]]
-    gpu = frame["is_gpu"].to_numpy()
-    corr = frame["correlation"].to_numpy()
+    gpu = events["is_gpu"].to_numpy()
+    corr = events["correlation"].to_numpy()
     if gpu.any():
-        host_with_corr = (~gpu) & (corr >= 0)
-        lookup = pd.Series(out[host_with_corr], index=corr[host_with_corr])
-        lookup = lookup[~lookup.index.duplicated()]
+        host = np.flatnonzero(~gpu & (corr >= 0))
+        hc = corr[host]
+        order = np.argsort(hc, kind="stable")
+        hc, hstep = hc[order], out[host][order]
         g = np.flatnonzero(gpu & (corr >= 0))
-        via = lookup.reindex(corr[g]).to_numpy()
-        has = ~np.isnan(via)
-        out[g[has]] = via[has].astype(np.int64)
+        j = np.searchsorted(hc, corr[g])
+        found = j < len(hc)
+        found[found] = hc[j[found]] == corr[g][found]
+        out[g[found]] = hstep[j[found]]
     return out
 
 
 def load_trace(path: str | os.PathLike, rank: int | None = None) -> Trace:
+    """Parse one trace file. Raises TraceError naming the file and what is wrong."""
     return parse_trace(path, rank)
 
 
@@ -256,20 +274,22 @@ def _load_one(item):
 
 
 def load_traces(paths: dict, progress=None, workers: int | None = None):
-    """Parse every rank's trace once, in parallel processes. Returns ({rank: Trace}, [errors])."""
+    """Parse every rank's trace once, in parallel processes (frames come back pickled as numpy
+    columns). Returns ({rank: Trace}, [error strings]); a bad file costs only its own rank."""
     items = sorted(paths.items())
     traces, errors = {}, []
     if not items:
         return traces, errors
-    workers = workers or min(len(items), os.cpu_count() or 1)
-    if workers <= 1 or len(items) == 1:
-        results = map(_load_one, items)
-    else:
+    workers = min(workers or os.cpu_count() or 1, len(items))
+    pool = None
+    if workers > 1:
         import multiprocessing as mp
 
         ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
         pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
         results = pool.map(_load_one, items)
+    else:
+        results = map(_load_one, items)
     try:
         for i, (rank, trace, err) in enumerate(results):
             if progress:
@@ -279,6 +299,6 @@ def load_traces(paths: dict, progress=None, workers: int | None = None):
             else:
                 traces[rank] = trace
     finally:
-        if workers > 1 and len(items) > 1:
+        if pool is not None:
             pool.shutdown()
     return traces, errors

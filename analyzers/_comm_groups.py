@@ -1,0 +1,141 @@
+"""Which process group — and so which mesh dimension (dp/pp/tp) — a communication event served.
+
+Group -> dimension, first source that knows: the collective log's ``groups.jsonl`` (mesh_dim
+recorded by the probe), the trace's own ``distributedInfo.pg_config`` / collective args
+(DeviceMesh names its groups ``mesh_<dim>``), else the group's ranks against the ranks' mesh
+coordinates from meta.json (the one coordinate that varies inside the group).
+
+Event -> group: NCCL kernels of recent PyTorch carry "Process Group Name" in their args. gloo
+events carry nothing, so they are matched by time and op to this rank's collective log: a gloo
+event belongs to the logged collective of the same op whose [enqueue, end] contains it; each gloo
+worker thread serves one group, so ambiguous events take their thread's majority group.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pandas as pd
+
+from trainprof.trace import name_mask
+
+MATCH_SLACK_NS = 500_000  # kineto's and time.time_ns() clocks agree far better than this
+
+
+def coll_type(name: str) -> str:
+    n = name.lower().replace("_", "")
+    for key, canon in (("allreduce", "all_reduce"), ("allgather", "all_gather"),
+                       ("reducescatter", "reduce_scatter"), ("alltoall", "all_to_all"),
+                       ("broadcast", "broadcast"), ("sendrecv", "send_recv"), ("send", "send"),
+                       ("recv", "recv"), ("barrier", "barrier"), ("scatter", "scatter"),
+                       ("gather", "gather"), ("reduce", "reduce")):
+        if key in n:
+            return canon
+    return "other"
+
+
+def dim_of_ranks(ranks, coords: dict, world_size: int | None) -> str | None:
+    ranks = [int(r) for r in ranks or []]
+    if not ranks:
+        return None
+    if world_size and len(ranks) == world_size and len(ranks) > 1:
+        return "world"
+    if not all(r in coords and coords[r] for r in ranks):
+        return None
+    names = list(coords[ranks[0]])
+    varying = [d for d in names if len({coords[r].get(d) for r in ranks}) > 1]
+    return "+".join(varying) if varying else None
+
+
+def group_dims(run, traces: dict) -> dict[str, str]:
+    """pg name -> mesh dimension label ('dp', 'tp', 'pp', 'dp+pp', 'world', ...)."""
+    coords, world = {}, None
+    try:
+        world = run.world_size
+        for r in run.ranks:
+            coords[r] = run.coords(r) or {}
+    except Exception:  # noqa: BLE001 - a run directory without meta still has traces
+        pass
+    out: dict[str, str] = {}
+    try:
+        groups = run.frame("groups")
+    except Exception:  # noqa: BLE001
+        groups = pd.DataFrame()
+    if not groups.empty and "pg" in groups:
+        for g in groups.itertuples():
+            dim = getattr(g, "mesh_dim", None)
+            if not isinstance(dim, str) or not dim:
+                dim = dim_of_ranks(getattr(g, "ranks", None), coords, world)
+            if dim:
+                out.setdefault(str(g.pg), dim)
+    for tr in traces.values():
+        world = world or tr.world_size
+        cfgs = list((tr.meta.get("distributedInfo") or {}).get("pg_config") or [])
+        if len(tr.comm) and "pg_name" in tr.comm:
+            cfgs += [{"pg_name": n, "pg_desc": d, "ranks": rk} for n, d, rk in
+                     tr.comm.reindex(columns=["pg_name", "pg_desc", "pg_ranks"]).drop_duplicates(
+                         "pg_name").itertuples(index=False)]
+        for c in cfgs:
+            name = c.get("pg_name")
+            if name is None or str(name) in out:
+                continue
+            desc = str(c.get("pg_desc") or "")
+            dim = desc[len("mesh_"):] if desc.startswith("mesh_") else None
+            if desc == "default_pg" and (c.get("pg_size") or len(c.get("ranks") or [])) != 1:
+                dim = "world"
+            dim = dim or dim_of_ranks(c.get("ranks"), coords, world)
+            if dim:
+                out[str(name)] = dim
+    return out
+
+
+def gpu_event_groups(trace, rows: np.ndarray) -> np.ndarray:
+    """pg name (or None) of each events row in ``rows``, from the collective args on the row."""
+    out = np.full(len(rows), None, dtype=object)
+    comm = trace.comm
+    if not len(comm) or "pg_name" not in comm:
+        return out
+    lookup = pd.Series(comm["pg_name"].to_numpy(), index=comm["row"].to_numpy())
+    lookup = lookup[~lookup.index.duplicated()]
+    got = lookup.reindex(rows).to_numpy(dtype=object)
+    ok = pd.notna(got)
+    out[ok] = got[ok].astype(str)
+    return out
+
+
+def gloo_event_groups(events: pd.DataFrame, log: pd.DataFrame) -> np.ndarray:
+    """pg name (or None) of each gloo event row, matched to this rank's collective log."""
+    out = np.full(len(events), None, dtype=object)
+    if events.empty or log is None or log.empty or not {"pg", "op", "enqueue_ns", "end_ns"} <= set(log):
+        return out
+    log = log.dropna(subset=["enqueue_ns", "end_ns"])
+    lo, hi = events["ts_ns"].min() - MATCH_SLACK_NS, events["end_ns"].max() + MATCH_SLACK_NS
+    log = log[(log["end_ns"] >= lo) & (log["enqueue_ns"] <= hi)]
+    if log.empty:
+        return out
+    ltype = np.array([coll_type(str(o)) for o in log["op"]], dtype=object)
+    lpg = log["pg"].astype(str).to_numpy(dtype=object)
+    enq = log["enqueue_ns"].to_numpy(np.int64) - MATCH_SLACK_NS
+    end = log["end_ns"].to_numpy(np.int64) + MATCH_SLACK_NS
+    etype = np.array([coll_type(str(n)) for n in events["name"].astype(str)], dtype=object)
+    starts, ends = events["ts_ns"].to_numpy(), events["end_ns"].to_numpy()
+    for t in set(etype):
+        ei = np.flatnonzero(etype == t)
+        li = np.flatnonzero(ltype == t)
+        if not len(li):
+            continue
+        inside = (enq[li][None, :] <= starts[ei][:, None]) & (end[li][None, :] >= ends[ei][:, None])
+        for k, row in zip(ei, inside):
+            pgs = set(lpg[li][row])
+            if len(pgs) == 1:
+                out[k] = pgs.pop()
+    # a gloo worker thread serves one group: settle ambiguous events by their thread's majority
+    tids = events["tid"].to_numpy()
+    main_like = name_mask(events["name"], lambda n: n.startswith(("gloo:send", "gloo:recv")))
+    for tid in np.unique(tids):
+        sel = (tids == tid) & ~main_like
+        votes = Counter(v for v in out[sel] if v is not None)
+        if votes:
+            out[sel & pd.isna(out)] = votes.most_common(1)[0][0]
+    return out

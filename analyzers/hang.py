@@ -1,0 +1,489 @@
+"""Hang post-mortem: which ranks are stuck where, in which collective, who never arrived, whether
+the ranks desynchronized, and the culprit rank with its frame.
+
+Inputs (every one optional; a kill -9 leaves some missing or torn):
+  manifest.json                 status "hung" and hangs[] events from `wrap --hang-timeout`
+  ranks/rank-N/heartbeat.jsonl  progress records (probes/heartbeat.py; torn last line tolerated)
+  ranks/rank-N/hang-dump.json   all-thread stacks + in-flight collectives (probes/hang_watchdog.py)
+  ranks/rank-N/flight-recorder.pkl|json  torch's flight recorder (read by _flight_recorder)
+  ranks/rank-N/collectives.jsonl, groups.jsonl  the collectives probe's log
+  ranks/rank-N/steps.jsonl      last step closed
+
+A hang is present when the launcher said so (status "hung", hangs[] events), when ranks dumped,
+or when every rank's progress stopped long before the job ended (stall > max(5 s, 3x the usual
+gap between heartbeats, 2x the longest step)) without the ranks closing their heartbeat. A
+desynchronization (different op or size at one sequence number of a group) is reported even if
+the job crashed instead of hanging. Clean runs (every heartbeat closed) are silent.
+
+Two collective sources are analyzed side by side and never mixed, as their sequence numbers
+differ: "probe" (collectives probe: 0-based seq per group) and "flight_recorder" (torch's
+collective_seq_id, 1-based, from dumps or the heartbeats' fr counters).
+"""
+
+from __future__ import annotations
+
+import json
+from trainprof.analyzers import _flight_recorder as fr
+from trainprof.findings import AnalyzerResult, Finding
+from trainprof.rundir import RunDirError, rank_dir, read_json
+
+NAME = "hang"
+DUMP = "hang-dump.json"       # written by probes/hang_watchdog.py
+HEARTBEAT, HEARTBEAT_PREV = "heartbeat", "heartbeat.prev"
+MIN_STALL_S = 5.0
+P2P_OPS = fr.P2P_OPS
+SIZE_STRICT_OPS = {"all_reduce", "allreduce", "broadcast", "reduce", "all_gather",
+                   "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "barrier"}
+
+
+def analyze(run) -> AnalyzerResult:
+    pm = postmortem(run)
+    if pm is None:
+        return AnalyzerResult()
+    if not pm["hung"] and not pm["desync"]:
+        keys = ("hung", "ranks_with_heartbeat", "stalled_s", "stall_threshold_s")
+        return AnalyzerResult(metrics={k: pm[k] for k in keys})
+    return AnalyzerResult(metrics=pm, findings=[finding(pm)])
+
+
+# --------------------------------------------------------------------------- per rank
+
+
+def _read_dump(run, r):
+    p = rank_dir(run.path, r) / DUMP
+    if not p.exists():
+        return None
+    try:
+        d = read_json(p)
+    except RunDirError as e:
+        run.problems.append(f"{e} (hang dump ignored)")
+        return None
+    if not isinstance(d, dict):
+        run.problems.append(f"{p}: expected a JSON object, hang dump ignored")
+        return None
+    if not d.get("complete"):
+        run.problems.append(f"{p}: dump incomplete (rank died while dumping?); stacks used")
+    return d
+
+
+def _read_fr(run, r):
+    for name in fr.FILES:
+        p = rank_dir(run.path, r) / name
+        if p.exists():
+            try:
+                return fr.load(p)
+            except fr.FlightRecorderError as e:
+                run.problems.append(str(e))
+    return None
+
+
+def _main_stack(dump) -> list[dict] | None:
+    if not dump:
+        return None
+    threads = [t for t in dump.get("threads") or [] if isinstance(t, dict)]
+    main = [t for t in threads if t.get("main")] or [t for t in threads if not t.get("trainprof")]
+    return main[0].get("frames") or [] if main else None
+
+
+def _is_lib(f: dict) -> bool:
+    if "lib" in f:
+        return bool(f["lib"])
+    path = str(f.get("file") or "")  # dumps from older probes: guess from the path
+    return ("/torch/" in path or "/probes/" in path or path.startswith("<frozen")
+            or ("/lib/python3" in path and "-packages/" not in path))
+
+
+def fmt_frame(f: dict | None) -> str | None:
+    if not f:
+        return None
+    path = str(f.get("file") or "?")
+    short = "/".join(path.split("/")[-2:])
+    return f"{short}:{f.get('line')} in {f.get('function')}"
+
+
+def _torn_tail(path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, 2)
+            return f.read(1) != b"\n"
+    except OSError:
+        return False
+
+
+def _blocked_in_c10d(stack) -> bool:
+    return any("torch/distributed" in str(f.get("file") or "") for f in stack or [])
+
+
+class RankView:
+    def __init__(self, run, r):
+        self.rank = r
+        self.heartbeats = run.stream(r, HEARTBEAT) or run.stream(r, HEARTBEAT_PREV)
+        self.torn = _torn_tail(run.stream_path(r, HEARTBEAT))
+        if self.torn:  # its newest state was lost: never accuse it on stale data alone
+            run.problems.append(f"{run.stream_path(r, HEARTBEAT)}: last line torn (process killed "
+                                f"mid-write); rank {r}'s latest state is unknown")
+        self.last_hb = self.heartbeats[-1] if self.heartbeats else None
+        self.closed = bool(self.last_hb and self.last_hb.get("event") == "close")
+        self.dump = _read_dump(run, r)
+        self.fr = _read_fr(run, r)
+        self.steps = run.stream(r, "steps")
+        self.collectives = run.stream(r, "collectives")
+        self.present = bool(self.heartbeats or self.dump or self.fr or self.steps
+                            or run.rank_meta(r))
+        progress = [h.get("t_ns") for h in self.heartbeats if h.get("event") != "close"]
+        progress += [s.get("end_ns") for s in self.steps[-1:]]
+        progress += [c.get("end_ns") for c in self.collectives[-1:]]
+        self.last_progress_ns = max((int(t) for t in progress if t), default=None)
+        src = self.dump if self.dump else (self.last_hb or {})
+        steps = [src.get("step")] + [s["step"] + 1 for s in self.steps[-1:] if "step" in s]
+        self.step = max((s for s in steps if isinstance(s, int)), default=None)
+        self.last_collective = src.get("last_collective")
+        self.inflight = [c for c in src.get("inflight") or [] if isinstance(c, dict)]
+        self.stack = _main_stack(self.dump)
+        self.frame = self.stack[-1] if self.stack else None
+        user = [f for f in self.stack or [] if not _is_lib(f)]
+        self.user_frame = user[-1] if user else None
+        self.fr_inflight = fr.inflight(self.fr) if self.fr else []
+
+    @property
+    def blocked(self) -> bool:
+        """Waiting in a collective: its main thread sits in torch.distributed (when dumped),
+        or it has in-flight collectives (heartbeat / flight recorder only)."""
+        if self.stack is not None:
+            return _blocked_in_c10d(self.stack)
+        counters = ((self.last_hb or {}).get("fr") or {}).values()
+        return bool(self.inflight or self.fr_inflight
+                    or any(e is not None and e > (d or 0) for e, d in counters))
+
+    def waiting_in(self) -> dict | None:
+        if self.inflight:
+            c = min(self.inflight, key=lambda c: c.get("enqueue_ns") or 0)
+            return {"source": "probe", **{k: c.get(k) for k in ("pg", "seq", "op", "bytes",
+                                                                "dtype", "enqueue_ns", "step")}}
+        if self.fr_inflight:
+            e = self.fr_inflight[0]
+            return {"source": "flight_recorder", "pg": e["pg"], "seq": e["seq"], "op": e["op"],
+                    "input_sizes": e["input_sizes"], "enqueue_ns": e["time_created_ns"]}
+        return None
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def _probe_ledger(run, views) -> tuple[dict, dict]:
+    """{pg: {rank: {seq: (op, bytes, step, inflight)}}} and {pg: members} from the probe."""
+    ledger: dict = {}
+    for v in views.values():
+        recs = list(v.collectives)
+        if v.last_collective:
+            recs.append(v.last_collective)
+        recs += [{**c, "_inflight": True} for c in v.inflight]
+        for c in recs:
+            if c.get("pg") is None or c.get("seq") is None:
+                continue
+            slot = ledger.setdefault(str(c["pg"]), {}).setdefault(v.rank, {})
+            prev = slot.get(int(c["seq"]))
+            slot[int(c["seq"])] = {
+                "op": c.get("op"), "bytes": c.get("bytes"), "step": c.get("step"),
+                "inflight": bool(c.get("_inflight")) or bool(prev and prev["inflight"])}
+    members: dict = {}
+    for r in run.ranks:
+        for g in run.stream(r, "groups"):
+            if g.get("pg") is not None and isinstance(g.get("ranks"), list):
+                members.setdefault(str(g["pg"]), set()).update(int(x) for x in g["ranks"])
+    return ledger, members
+
+
+def _desync_probe(ledger) -> list[dict]:
+    out = []
+    for pg, by_rank in sorted(ledger.items()):
+        if any(e["op"] in P2P_OPS for recs in by_rank.values() for e in recs.values()):
+            continue  # p2p pairs legitimately differ (send vs recv)
+        seqs = sorted({s for recs in by_rank.values() for s in recs})
+        for seq in seqs:
+            here = {r: recs[seq] for r, recs in by_rank.items() if seq in recs}
+            if len(here) < 2:
+                continue
+            sigs: dict = {}
+            for r, e in sorted(here.items()):
+                key = (e["op"], e["bytes"] if e["op"] in SIZE_STRICT_OPS else None)
+                sigs.setdefault(key, []).append(r)
+            if len(sigs) > 1:
+                out.append({"source": "probe", "pg": pg, "seq": seq,
+                            "variants": [{"op": op, "bytes": b, "ranks": rs,
+                                          "steps": sorted({here[r]["step"] for r in rs
+                                                           if here[r]["step"] is not None})}
+                                         for (op, b), rs in sigs.items()]})
+                break  # every later seq is shifted by the first desync
+    return out
+
+
+def _desync_fr(cmp) -> list[dict]:
+    return [{"source": "flight_recorder", "pg": m["pg"], "seq": m["seq"],
+             "variants": [{"op": s["op"], "input_sizes": s["input_sizes"], "ranks": s["ranks"]}
+                          for s in m["by_signature"].values()]}
+            for m in cmp.get("mismatches", [])]
+
+
+def _missing_probe(ledger, members, views) -> list[dict]:
+    out = []
+    for pg, by_rank in sorted(ledger.items()):
+        waiting = {r: max(s for s, e in recs.items() if e["inflight"])
+                   for r, recs in by_rank.items() if any(e["inflight"] for e in recs.values())}
+        waiting = {r: s for r, s in waiting.items() if views[r].blocked}
+        if not waiting:
+            continue
+        top = max(waiting.values())
+        group = members.get(pg) or set(by_rank)
+        behind = sorted(r for r in group if max(by_rank.get(r, {}) or {-1: None}) < top)
+        if behind:
+            op = next((by_rank[r][top]["op"] for r in waiting if waiting[r] == top), None)
+            out.append({"source": "probe", "pg": pg, "seq": top, "op": op,
+                        "waiting_ranks": sorted(r for r, s in waiting.items() if s == top),
+                        "missing_ranks": behind,
+                        "missing_last_seq": {str(r): max(by_rank.get(r, {}) or {-1: None})
+                                             for r in behind}})
+    return out
+
+
+def _missing_fr_heartbeats(views) -> list[dict]:
+    """Without dumps: the heartbeats' flight-recorder counters {pg: [enqueued, completed]}."""
+    groups: dict = {}
+    for v in views.values():
+        for pg, (enq, done) in ((v.last_hb or {}).get("fr") or {}).items():
+            groups.setdefault(pg, {})[v.rank] = (enq, done)
+    out = []
+    for pg, by_rank in sorted(groups.items()):
+        enq = {r: e for r, (e, _) in by_rank.items() if e is not None}
+        if not enq:
+            continue
+        top = max(enq.values())
+        waiting = sorted(r for r, (e, d) in by_rank.items() if e == top and (d or 0) < top)
+        behind = sorted(r for r, e in enq.items() if e < top)
+        if waiting and behind:
+            out.append({"source": "flight_recorder", "pg": pg, "seq": top, "op": None,
+                        "waiting_ranks": waiting, "missing_ranks": behind,
+                        "missing_last_seq": {str(r): enq[r] for r in behind}})
+    return out
+
+
+# --------------------------------------------------------------------------- stacks
+
+
+def _stack_groups(views) -> list[dict]:
+    groups: dict = {}
+    for v in views.values():
+        if v.stack is None:
+            continue
+        key = json.dumps([(f.get("file"), f.get("line"), f.get("function")) for f in v.stack])
+        groups.setdefault(key, []).append(v)
+    out = []
+    for i, vs in enumerate(sorted(groups.values(), key=lambda vs: (-len(vs), vs[0].rank))):
+        v = vs[0]
+        out.append({"id": i, "ranks": sorted(x.rank for x in vs),
+                    "majority": i == 0 and len(groups) > 1,
+                    "frame": fmt_frame(v.frame), "user_frame": fmt_frame(v.user_frame),
+                    "code": (v.user_frame or v.frame or {}).get("code"),
+                    "in_collective": _blocked_in_c10d(v.stack),
+                    "frames": [{k: f.get(k) for k in ("file", "line", "function", "code")}
+                               for f in reversed(v.stack[-12:])]})  # innermost first
+    if len(out) == 1:
+        out[0]["majority"] = True
+    return out
+
+
+# --------------------------------------------------------------------------- detection
+
+
+def _detect(run, views) -> dict:
+    man = run.launcher
+    reasons = []
+    if man.get("status") == "hung":
+        reasons.append("the hang watchdog terminated the job (manifest status 'hung')")
+    elif man.get("hangs"):
+        reasons.append(f"the hang watchdog fired {len(man['hangs'])} time(s)")
+    dumped = sorted(v.rank for v in views.values() if v.dump)
+    if dumped and not man.get("hangs"):
+        reasons.append(f"hang dumps present on {len(dumped)} rank(s)")
+    gaps = []
+    for v in views.values():
+        ts = [h["t_ns"] for h in v.heartbeats[1:] if h.get("event") != "close" and h.get("t_ns")]
+        gaps += [(b - a) / 1e9 for a, b in zip(ts, ts[1:])]
+    gaps.sort()
+    p90_gap = gaps[int(0.9 * (len(gaps) - 1))] if gaps else 0.0
+    longest_step = max(((s.get("dur_ms") or 0) / 1e3 for v in views.values() for s in v.steps
+                        if s.get("step", 0) >= 1), default=0.0)  # step 0 includes set-up
+    threshold = max(MIN_STALL_S, 3 * p90_gap, 2 * longest_step)
+    end_ns = (man.get("end_time") or {}).get("ns")
+    if end_ns is None:
+        ended = [run.rank_meta(r).get("ended_ns") for r in views]
+        end_ns = max((e for e in ended if e), default=None)
+    last = max((v.last_progress_ns for v in views.values() if v.last_progress_ns), default=None)
+    stalled = (end_ns - last) / 1e9 if end_ns and last else None
+    live = [v for v in views.values() if v.heartbeats and not v.closed]
+    if stalled is not None and stalled > threshold and live and not reasons:
+        reasons.append(f"no rank progressed during the last {stalled:.1f} s before the job ended "
+                       f"(threshold {threshold:.1f} s) and {len(live)} rank(s) never closed")
+    recovered = bool(reasons) and man.get("status") == "ok" and not live
+    return {"reasons": reasons, "end_ns": end_ns, "last_progress_ns": last,
+            "stalled_s": None if stalled is None else round(stalled, 3),
+            "threshold_s": round(threshold, 3), "recovered": recovered}
+
+
+# --------------------------------------------------------------------------- assembly
+
+
+def postmortem(run) -> dict | None:
+    """The whole post-mortem as a JSON-able dict, or None when the run holds no hang data."""
+    ranks = list(range(run.world_size)) if run.world_size else list(run.ranks)
+    ranks = sorted(set(ranks) | set(run.ranks))
+    views = {r: RankView(run, r) for r in ranks}
+    if not any(v.heartbeats or v.dump or v.fr for v in views.values()) \
+            and run.launcher.get("status") != "hung":
+        return None
+    det = _detect(run, views)
+    ledger, members = _probe_ledger(run, views)
+    fr_dumps = {r: v.fr for r, v in views.items() if v.fr}
+    cmp = fr.compare(fr_dumps) if fr_dumps else {}
+    desync = _desync_probe(ledger) + _desync_fr(cmp)
+    missing = _missing_probe(ledger, members, views)
+    missing += [{"source": "flight_recorder", **m} for m in cmp.get("missing", [])] if cmp \
+        else _missing_fr_heartbeats(views)
+    for m in missing:  # a torn heartbeat lost its rank's newest state: unknown, not missing
+        unknown = [r for r in m["missing_ranks"] if views[r].torn and not views[r].dump]
+        if unknown and len(unknown) < len(m["missing_ranks"]):
+            m["missing_ranks"] = [r for r in m["missing_ranks"] if r not in unknown]
+            m["unknown_ranks"] = unknown
+    hung = bool(det["reasons"])
+    stacks = _stack_groups(views)
+    culprit = _culprit(views, desync, missing, stacks, hung)
+    rows = []
+    for r, v in views.items():
+        w = v.waiting_in()
+        state = ("no_data" if not v.present else "exited" if v.closed else
+                 "unknown (heartbeat torn)" if v.torn and v.stack is None else
+                 "in_collective" if v.blocked else "outside_collective" if v.stack is not None
+                 or v.heartbeats else "unknown")
+        rows.append({
+            "rank": r, "state": state, "step": v.step, "last_progress_ns": v.last_progress_ns,
+            "stalled_s": round((det["end_ns"] - v.last_progress_ns) / 1e9, 3)
+            if det["end_ns"] and v.last_progress_ns else None,
+            "waiting_in": w, "last_collective": v.last_collective, "dumped": bool(v.dump),
+            "flight_recorder": bool(v.fr), "frame": fmt_frame(v.frame),
+            "user_frame": fmt_frame(v.user_frame),
+            "code": (v.user_frame or {}).get("code"),
+            "stack_group": next((g["id"] for g in stacks if r in g["ranks"]), None)})
+    pm = {
+        "hung": hung, "recovered": det["recovered"], "detected_by": det["reasons"],
+        "desync": desync, "never_arrived": missing, "stack_groups": stacks, "culprit": culprit,
+        "ranks": rows, "job": {k: run.launcher.get(k) for k in ("status", "exit_code",
+                                                                  "job_exit_code", "hangs")},
+        "last_progress_ns": det["last_progress_ns"], "stalled_s": det["stalled_s"],
+        "stall_threshold_s": det["threshold_s"],
+        "ranks_with_heartbeat": sum(1 for v in views.values() if v.heartbeats),
+        "ranks_without_data": [r for r, v in views.items() if not v.present],
+        "flight_recorder": {"ranks": sorted(fr_dumps), "groups": cmp.get("groups", {}),
+                            "inflight": cmp.get("inflight", {})} if fr_dumps else None,
+    }
+    pm["message"] = _message(pm)
+    return pm
+
+
+def _culprit(views, desync, missing, stacks, hung) -> dict | None:
+    def describe(ranks, reason, how):
+        v = views[ranks[0]]
+        return {"ranks": ranks, "reason": reason, "how": how,
+                "frame": fmt_frame(v.user_frame or v.frame), "innermost_frame": fmt_frame(v.frame),
+                "code": (v.user_frame or v.frame or {}).get("code"), "step": v.step}
+
+    if desync:
+        d = desync[0]
+        variants = sorted(d["variants"], key=lambda x: len(x["ranks"]))
+        if len(variants[0]["ranks"]) < len(variants[-1]["ranks"]):
+            minority = variants[0]
+            others = ", ".join(f"{x['op']} on ranks {_ranks(x['ranks'])}" for x in variants[1:])
+            return describe(minority["ranks"], "desync",
+                            f"issued {minority['op']} as collective #{d['seq']} of group {d['pg']} "
+                            f"while the others issued {others}")
+    if missing:
+        behind = sorted({r for m in missing for r in m["missing_ranks"]})
+        sure = [r for r in behind if not views[r].torn] or behind
+        free = [r for r in sure if not views[r].blocked and views[r].present]
+        chosen = free or sure
+        m = next(m for m in missing if chosen[0] in m["missing_ranks"])
+        op = f"{m['op']} " if m.get("op") else ""
+        return describe(chosen, "never_arrived",
+                        f"never reached collective {op}#{m['seq']} of group {m['pg']}")
+    present = [r for r, v in views.items() if v.present]
+    if hung and len(present) == 1:
+        return describe(present, "only_rank", "stopped progressing (the only rank)")
+    if hung and len(stacks) > 1:
+        outside = [g for g in stacks if not g["in_collective"]]
+        if len(outside) == 1 and len(outside[0]["ranks"]) < sum(len(g["ranks"]) for g in stacks):
+            return describe(outside[0]["ranks"], "stack_outlier",
+                            "is the only stack group outside a collective")
+    if hung:
+        lp = {r: v.last_progress_ns for r, v in views.items() if v.last_progress_ns}
+        if len(lp) > 1:
+            oldest = min(lp.values())
+            rest = sorted(lp.values())[1]
+            if rest - oldest > 2e9:
+                r = min(lp, key=lp.get)
+                return describe([r], "oldest_progress", f"stopped progressing "
+                                f"{(rest - oldest) / 1e9:.1f} s before any other rank")
+    return None
+
+
+def _ranks(rs) -> str:
+    rs = sorted(rs)
+    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
+        return f"{rs[0]}-{rs[-1]}"
+    return ",".join(str(r) for r in rs)
+
+
+def _message(pm) -> str:
+    parts = []
+    c = pm["culprit"]
+    head = "Hang" if pm["hung"] else "Collective desynchronization"
+    if pm["recovered"]:
+        head = "Stall (the job recovered)"
+    if c:
+        where = f"; it is at {c['frame']}" if c["frame"] else ""
+        code = f" (`{c['code']}`)" if c["frame"] and c.get("code") else ""
+        parts.append(f"{head}: rank {_ranks(c['ranks'])} {c['how']}{where}{code}")
+    else:
+        parts.append(f"{head}: no culprit could be singled out")
+    if pm["desync"] and not (c and c["reason"] == "desync"):
+        d = pm["desync"][0]
+        vs = "; ".join(f"{v['op']} on ranks {_ranks(v['ranks'])}" for v in d["variants"])
+        parts.append(f"desynchronized at collective #{d['seq']} of group {d['pg']}: {vs}")
+    by_wait: dict = {}  # (op, pg, seq) -> rows of the ranks blocked in it
+    for row in pm["ranks"]:
+        w = row["waiting_in"]
+        if w and row["state"] == "in_collective":
+            by_wait.setdefault((w.get("op"), w.get("pg"), w.get("seq")), []).append(row)
+    if by_wait:
+        (op, pg, seq), rows = max(by_wait.items(), key=lambda kv: len(kv[1]))
+        frame = next((row["user_frame"] for row in rows if row["user_frame"]), None)
+        parts.append(f"ranks {_ranks([row['rank'] for row in rows])} wait in {op} #{seq} of "
+                     f"group {pg}" + (f" at {frame}" if frame else ""))
+    if pm["ranks_without_data"]:
+        parts.append(f"no data from ranks {_ranks(pm['ranks_without_data'])}")
+    return "; ".join(parts)
+
+
+def finding(pm) -> Finding:
+    c = pm["culprit"]
+    ranks = c["ranks"] if c else [r["rank"] for r in pm["ranks"] if r["state"] != "exited"]
+    severity = "warning" if pm["recovered"] else ("critical" if pm["hung"] else "error")
+    evidence = {k: pm[k]
+                for k in ("culprit", "desync", "never_arrived", "detected_by", "stalled_s")}
+    keys = ("ranks", "majority", "frame", "user_frame", "code", "in_collective")
+    evidence["stack_groups"] = [{k: g[k] for k in keys} for g in pm["stack_groups"]]
+    evidence["waiting_in"] = {str(r["rank"]): r["waiting_in"] for r in pm["ranks"]
+                              if r["waiting_in"]}
+    return Finding(kind="hang", severity=severity, ranks=ranks, message=pm["message"],
+                   evidence=evidence)

@@ -1,0 +1,375 @@
+"""Pipeline parallelism: measured bubble per stage beside the schedule's theory, a Gantt chart of
+one step, the critical stage, and stage imbalance — from the F/B/W spans in pipeline.jsonl.
+
+Definitions (docs/stragglers-pipeline.md):
+* A *pipeline* is the set of ranks that differ only in their pp coordinate (one per DP replica
+  and TP index). Its *window* in a step runs from the first span start to the last span end
+  over its ranks (clock-aligned): the optimizer step, data loading and the end-of-step
+  collectives lie outside it.
+* busy(rank) = the union of the rank's F/B/W spans in the window; bubble share = 1 − busy/window
+  (the share of the window the device sat idle); bubble ratio = idle/busy, the "bubble time ÷
+  ideal compute" of the papers. Theory: ratio (p−1)/m for GPipe and 1F1B, (p−1)/(v·m)
+  interleaved; share = ratio/(1+ratio), i.e. (p−1)/(m+p−1) for GPipe/1F1B.
+* compute per micro-batch of a stage = its span time minus the time the rank was blocked in
+  collectives inside those spans (TP all-reduces, FSDP all-gathers: waiting for a slow peer is
+  not the stage's own work), divided by the number of micro-batches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from trainprof.analyzers import _intervals as iv
+from trainprof.analyzers._clock import offsets
+from trainprof.findings import AnalyzerResult, Finding
+
+NAME = "pipeline"
+BUBBLE_MARGIN = 0.10       # finding when measured share > theory + 10 percentage points
+IMBALANCE_RATIO = 1.5      # a stage's compute per micro-batch ≥ 1.5 × the median of the others
+                           # (clean 8-rank CPU runs under contention measured up to 1.26×)
+CONSISTENT = 0.5           # ... in at least half of the analysed steps
+MAX_GANTT_SPANS = 4000
+NEED = ("step", "stage", "kind", "start_ns", "end_ns")
+P2P_OPS = ("send", "recv", "isend", "irecv")
+
+
+def theory(schedule: str | None, p: int | None, m: int | None, v: int = 1) -> dict | None:
+    """Theoretical bubble of a schedule: ratio = bubble ÷ ideal compute, share = of the window."""
+    if not p or not m:
+        return None
+    name = (schedule or "").lower().replace("_", "").replace("-", "")
+    if name in ("gpipe", "1f1b", "schedulegpipe", "schedule1f1b"):
+        ratio, formula = (p - 1) / m, "(p-1)/m"
+    elif "interleaved" in name and "zero" not in name:
+        ratio, formula = (p - 1) / (max(v, 1) * m), "(p-1)/(v*m)"
+    else:
+        return None
+    return {"ratio": ratio, "share": ratio / (1 + ratio), "formula": formula}
+
+
+def _frame(run) -> pd.DataFrame:
+    df = run.frame("pipeline")
+    if df.empty:
+        return df
+    missing = [c for c in NEED if c not in df.columns]
+    if missing:
+        run.problems.append(f"{run.path}/ranks/*/pipeline.jsonl: records lack {missing}; "
+                            "pipeline analysis skipped")
+        return pd.DataFrame()
+    df = df.dropna(subset=list(NEED)).copy()
+    if "microbatch" not in df.columns:
+        df["microbatch"] = -1
+    df["microbatch"] = pd.to_numeric(df["microbatch"], errors="coerce").fillna(-1).astype(int)
+    for c in ("step", "stage"):
+        df[c] = df[c].astype(int)
+    df["start_ns"] = df["start_ns"].astype(np.int64)
+    df["end_ns"] = df["end_ns"].astype(np.int64)
+    bad = df["end_ns"] < df["start_ns"]
+    if bad.any():
+        run.problems.append(f"{run.path}/ranks/*/pipeline.jsonl: {int(bad.sum())} spans end before "
+                            "they start; ignored")
+        df = df[~bad]
+    align = offsets(run)
+    df["a_start"] = df["start_ns"]
+    df["a_end"] = df["end_ns"]
+    for r in df["rank"].unique():
+        m = (df["rank"] == r).to_numpy()
+        df.loc[m, "a_start"] = np.asarray(align[int(r)](df.loc[m, "start_ns"].to_numpy()), np.int64)
+        df.loc[m, "a_end"] = np.asarray(align[int(r)](df.loc[m, "end_ns"].to_numpy()), np.int64)
+    return _device_times(df)
+
+
+def _device_times(df) -> pd.DataFrame:
+    """GPU stages: the host span only covers kernel launches, so where every span of a (rank,
+    step) has CUDA event times, place them on the device timeline instead: device_start_ms is
+    relative to the step's first span on the rank, anchored at that span's (aligned) host start.
+    Positions within a rank are exact; between ranks only the anchors (host launch) line up."""
+    df["device"] = False
+    if "device_start_ms" not in df.columns or "device_ms" not in df.columns:
+        return df
+    ds = pd.to_numeric(df["device_start_ms"], errors="coerce")
+    dd = pd.to_numeric(df["device_ms"], errors="coerce")
+    has = ds.notna() & dd.notna()
+    full = has.groupby([df["rank"], df["step"]]).transform("all")
+    if not full.any():
+        return df
+    base = df.loc[full].groupby(["rank", "step"])["a_start"].transform("min")
+    df.loc[full, "a_start"] = (base + (ds[full] * 1e6).round()).astype(np.int64)
+    df.loc[full, "a_end"] = (df.loc[full, "a_start"] + (dd[full] * 1e6).round()).astype(np.int64)
+    df.loc[full, "device"] = True
+    return df
+
+
+def _blocked(run, ranks) -> tuple[dict[int, iv.Set], dict[tuple[int, int], float]]:
+    """rank -> union of the intervals (local ns) it spent blocked in collectives, and
+    (rank, step) -> ms blocked in point-to-point ops (the stage hand-overs of the schedule)."""
+    out, p2p = {}, {}
+    for r in ranks:
+        s, e = [], []
+        for rec in run.stream(r, "collectives"):
+            try:
+                end, b = rec.get("end_ns"), float(rec.get("blocked_ms") or 0.0)
+            except (TypeError, ValueError):
+                continue
+            if end is None or b <= 0:
+                continue
+            s.append(int(end) - int(b * 1e6))
+            e.append(int(end))
+            if rec.get("op") in P2P_OPS and isinstance(rec.get("step"), int):
+                p2p[(r, rec["step"])] = p2p.get((r, rec["step"]), 0.0) + b
+        out[r] = iv.union(s, e) if s else iv.EMPTY
+    return out, p2p
+
+
+def _overlap(sets: iv.Set, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Length of sets ∩ [start, end) for every span (prefix sums over the disjoint set)."""
+    if sets[0].size == 0:
+        return np.zeros(len(starts))
+    s, e = sets
+    cum = np.concatenate([[0], np.cumsum(e - s)])
+
+    def covered(t):  # length of the set before t
+        i = np.searchsorted(s, t, side="right")  # pieces starting at or before t
+        j = np.maximum(i - 1, 0)
+        return np.where(i > 0, cum[j] + np.clip(np.minimum(t, e[j]) - s[j], 0, None), 0)
+
+    return (covered(ends) - covered(starts)).astype(float)
+
+
+def _pipelines(run, ranks) -> dict[int, str]:
+    """rank -> label of its pipeline: its coordinates other than pp ("dp0 tp1"; "" if unknown)."""
+    out = {}
+    for r in ranks:
+        c = run.coords(r)
+        out[r] = " ".join(f"{k}{v}" for k, v in sorted(c.items()) if k != "pp")
+    return out
+
+
+def _kept_steps(run, steps_in_spans):
+    from trainprof.analyzers.step_time import excluded_steps
+
+    st = run.steps()
+    drop = {0}
+    excluded = {"warmup": [0], "profiler": []}
+    if not st.empty:
+        excluded = excluded_steps(st)
+        drop = set(excluded["warmup"]) | set(excluded["profiler"])
+    kept = sorted(s for s in steps_in_spans if s not in drop)
+    return (kept or sorted(steps_in_spans)), excluded
+
+
+def _config(run, df) -> dict:
+    info = {}
+    for r in run.ranks:
+        info = run.rank_meta(r).get("run_info") or {}
+        if info:
+            break
+    meta_pp = {}
+    for r in run.ranks:
+        meta_pp = run.rank_meta(r).get("pipeline") or {}
+        if meta_pp:
+            break
+    seen_stages = int(df["stage"].nunique())
+    per_rank_stages = int(df.groupby("rank")["stage"].nunique().max())
+    v = int(info.get("virtual_stages") or meta_pp.get("virtual_stages") or per_rank_stages or 1)
+    n_stages = int(meta_pp.get("num_stages") or seen_stages)
+    p = int(info.get("pp") or max(1, n_stages // max(v, 1)))
+    mb_seen = int(df.groupby(["rank", "step", "stage"])["microbatch"].nunique().median())
+    m = int(info.get("micro_batches") or meta_pp.get("micro_batches") or mb_seen)
+    # run_info's name ("1f1b") or the schedule class the probe saw ("Schedule1F1B")
+    schedule = info.get("schedule") or meta_pp.get("schedule")
+    src = ("run_info" if info.get("micro_batches") else
+           "meta.pipeline" if meta_pp.get("micro_batches") else "spans")
+    return {"schedule": schedule, "pp": p, "micro_batches": m, "virtual_stages": v,
+            "num_stages": n_stages, "source": src, "stage_layers": info.get("stage_layers")}
+
+
+def _step_tables(df, blocked, p2p, pipes, kept):
+    """Per (rank, step): window, busy, bubble; per (rank, step, stage): compute per micro-batch."""
+    k = df[df["step"].isin(kept)].copy()
+    k["pipe"] = k["rank"].map(lambda r: pipes[int(r)])
+    w0s = k.groupby(["pipe", "step"])["a_start"].min().to_dict()  # int64 ns: no float rounding
+    w1s = k.groupby(["pipe", "step"])["a_end"].max().to_dict()
+    # device timelines are not aligned across ranks: the pipeline's window is then the longest
+    # one rank spans (stage 0 runs the first forward and the last backward in GPipe/1F1B)
+    own = k.groupby(["rank", "step"]).agg(a0=("a_start", "min"), a1=("a_end", "max"),
+                                          dev=("device", "all"))
+    own["pipe"] = [pipes[int(r)] for r, _ in own.index]
+    own["w"] = own["a1"] - own["a0"]
+    dev_w = own.groupby(["pipe", own.index.get_level_values("step")]).agg(
+        dev=("dev", "all"), w=("w", "max")).to_dict("index")
+    rows, stage_rows = [], []
+    for (r, step), g in k.groupby(["rank", "step"]):
+        key = (pipes[int(r)], step)
+        dw = dev_w[key]
+        window = int(dw["w"]) if dw["dev"] else int(w1s[key]) - int(w0s[key])
+        busy = iv.length(iv.union(g["a_start"].to_numpy(), g["a_end"].to_numpy()))
+        rows.append({"rank": int(r), "step": int(step), "window_ms": window / 1e6,
+                     "busy_ms": busy / 1e6, "p2p_wait_ms": p2p.get((int(r), int(step)), 0.0),
+                     "share": 1 - busy / window if window > 0 else np.nan,
+                     "ratio": (window - busy) / busy if busy > 0 else np.nan})
+        dur = (g["a_end"] - g["a_start"]).to_numpy(dtype=float)
+        # host spans: time blocked in collectives inside them is waiting, not compute; device
+        # spans are kernel time already
+        blk = np.where(g["device"].to_numpy(), 0.0, _overlap(
+            blocked.get(int(r), iv.EMPTY), g["start_ns"].to_numpy(), g["end_ns"].to_numpy()))
+        g = g.assign(compute=dur - blk, span=dur)
+        for stage, gs in g.groupby("stage"):
+            nmb = max(1, gs["microbatch"].nunique())
+            stage_rows.append({"rank": int(r), "step": int(step), "stage": int(stage),
+                               "compute_ms_per_mb": gs["compute"].sum() / 1e6 / nmb,
+                               "span_ms_per_mb": gs["span"].sum() / 1e6 / nmb,
+                               "microbatches": int(nmb)})
+    return pd.DataFrame(rows), pd.DataFrame(stage_rows)
+
+
+def _gantt(df, run, pipes, per, kept) -> dict:
+    """Spans of one representative step (window closest to the median) of rank 0's pipeline."""
+    first = min(pipes, key=lambda r: r)
+    pipe = pipes[first]
+    members = sorted(r for r in pipes if pipes[r] == pipe)
+    pp_of = {r: run.coords(r).get("pp", i) for i, r in enumerate(members)}
+    rows = {}  # one row per pp position: its lowest rank (TP peers run the same spans)
+    for r in members:
+        rows.setdefault(pp_of[r], r)
+    shown = sorted(rows.values(), key=lambda r: pp_of[r])
+    w = per[per["rank"].isin(shown)].groupby("step")["window_ms"].max()
+    if w.empty:
+        return {}
+    step = int((w - w.median()).abs().idxmin())
+    g = df[(df["step"] == step) & df["rank"].isin(shown)]
+    t0 = int(g["a_start"].min())
+    spans = [{"rank": int(x.rank), "pp": int(pp_of[int(x.rank)]), "stage": int(x.stage),
+              "microbatch": int(x.microbatch), "kind": str(x.kind),
+              "start_ms": (int(x.a_start) - t0) / 1e6, "dur_ms": (int(x.a_end) - int(x.a_start)) / 1e6}
+             for x in g.sort_values("a_start").itertuples()][:MAX_GANTT_SPANS]
+    timeline = "device" if bool(g["device"].all()) else "host"
+    return {"step": step, "ranks": shown, "pipeline": pipe, "timeline": timeline,
+            "window_ms": float((g["a_end"].max() - t0) / 1e6), "spans": spans}
+
+
+def _imbalance(stage_df, cfg, stage_ranks) -> tuple[list[dict], list[Finding]]:
+    per_step = stage_df.groupby(["step", "stage"])["compute_ms_per_mb"].median().unstack("stage")
+    stages = []
+    for s in per_step.columns:
+        col = stage_df[stage_df["stage"] == s]
+        stages.append({"stage": int(s), "ranks": stage_ranks.get(int(s), []),
+                       "compute_ms_per_mb": float(col["compute_ms_per_mb"].median()),
+                       "span_ms_per_mb": float(col["span_ms_per_mb"].median())})
+    findings = []
+    if per_step.shape[1] < 2:
+        return stages, findings
+    layers = cfg.get("stage_layers") or []
+    for st in stages:
+        s = st["stage"]
+        others = per_step.drop(columns=[s])
+        ratio = per_step[s] / others.median(axis=1)
+        ratio = ratio.replace([np.inf, -np.inf], np.nan).dropna()
+        st["ratio_to_others"] = float(ratio.median()) if len(ratio) else None
+        if not len(ratio):
+            continue
+        hit = float((ratio >= IMBALANCE_RATIO).mean())
+        if ratio.median() >= IMBALANCE_RATIO and hit >= CONSISTENT:
+            other_med = float(np.median([x["compute_ms_per_mb"] for x in stages if x["stage"] != s]))
+            ev = {"stage": s, "ranks": st["ranks"], "compute_ms_per_mb": st["compute_ms_per_mb"],
+                  "others_median_ms_per_mb": other_med, "ratio": float(ratio.median()),
+                  "steps_over_threshold": hit, "threshold": IMBALANCE_RATIO,
+                  "per_stage": [{k: x[k] for k in ("stage", "compute_ms_per_mb")} for x in stages]}
+            if layers:
+                ev["stage_layers"] = layers
+            lay = f" (layers per stage: {layers})" if layers else ""
+            findings.append(Finding(
+                "stage_imbalance", "warning", st["ranks"],
+                f"pipeline stage {s} (ranks {', '.join(map(str, st['ranks']))}) computes "
+                f"{st['compute_ms_per_mb']:.1f} ms per micro-batch, {ratio.median():.2f}× the median "
+                f"of the other stages ({other_med:.1f} ms) in {100 * hit:.0f} % of steps{lay}; "
+                "every other stage waits for it: move layers off stage "
+                f"{s}", evidence=ev))
+    return stages, findings
+
+
+def analyze(run) -> AnalyzerResult:
+    df = _frame(run)
+    if df.empty:
+        return AnalyzerResult()
+    kept, excluded = _kept_steps(run, set(df["step"].unique().tolist()))
+    ranks = sorted(int(r) for r in df["rank"].unique())
+    pipes = _pipelines(run, ranks)
+    cfg = _config(run, df)
+    blocked, p2p = _blocked(run, ranks)
+    per, stage_df = _step_tables(df, blocked, p2p, pipes, kept)
+    if per.empty:
+        return AnalyzerResult()
+    th = theory(cfg["schedule"], cfg["pp"], cfg["micro_batches"], cfg["virtual_stages"])
+
+    pp_of = {r: run.coords(r).get("pp") for r in ranks}
+    stage_ranks: dict[int, list[int]] = {}
+    for (r, s) in df[["rank", "stage"]].drop_duplicates().itertuples(index=False):
+        stage_ranks.setdefault(int(s), []).append(int(r))
+    stage_ranks = {s: sorted(v) for s, v in stage_ranks.items()}
+
+    # job value per step: idle share of all ranks' windows together; job = median over steps
+    by_step = per.groupby("step").apply(
+        lambda g: 1 - g["busy_ms"].sum() / g["window_ms"].sum(), include_groups=False)
+    bubble = float(by_step.median())
+    ratio = bubble / (1 - bubble) if bubble < 1 else None
+    # the same idle time as a share of the whole step (optimizer, data, end-of-step collectives
+    # included): what the bubble costs the job's throughput
+    st = run.steps()
+    of_step = None
+    if not st.empty and "dur_ms" in st.columns:
+        dur = st.drop_duplicates(["rank", "step"], keep="last").set_index(["rank", "step"])["dur_ms"]
+        j = per.join(dur.rename("step_ms"), on=["rank", "step"]).dropna(subset=["step_ms"])
+        if not j.empty:
+            of_step = float(j.groupby("step").apply(
+                lambda g: (g["window_ms"] - g["busy_ms"]).sum() / g["step_ms"].sum(),
+                include_groups=False).median())
+    per["pp"] = per["rank"].map(lambda r: pp_of.get(r))
+    per_stage = []
+    for key, g in per.groupby(per["pp"].fillna(-1)):
+        rs = sorted(g["rank"].unique().tolist())
+        holds = sorted({s for s, v in stage_ranks.items() if set(v) & set(rs)})
+        per_stage.append({"pp": int(key) if key >= 0 else None, "stages": holds, "ranks": rs,
+                          "bubble_share": float(g["share"].median()),
+                          "bubble_ratio": float(g["ratio"].median()),
+                          "busy_ms": float(g["busy_ms"].median()),
+                          "p2p_wait_ms": float(g["p2p_wait_ms"].median()),
+                          "window_ms": float(g["window_ms"].median())})
+    stages, findings = _imbalance(stage_df, cfg, stage_ranks)
+    critical = max(stages, key=lambda x: x["compute_ms_per_mb"]) if stages else None
+
+    metrics = {
+        "config": cfg, "theory": th, "steps_analysed": kept, "excluded_steps": excluded,
+        "timeline": "device" if bool(df["device"].all()) else
+                    ("mixed" if bool(df["device"].any()) else "host"),
+        "bubble_fraction": bubble, "bubble_ratio": ratio, "bubble_share_of_step": of_step,
+        "bubble_fraction_by_step": {str(int(s)): float(v) for s, v in by_step.items()},
+        "excess_over_theory": (bubble - th["share"]) if th else None,
+        "per_stage": per_stage, "stages": stages,
+        "critical_stage": critical["stage"] if critical else None,
+        "per_rank": [{"rank": int(r), "pp": pp_of.get(int(r)),
+                      "bubble_share": float(g["share"].median()),
+                      "busy_ms": float(g["busy_ms"].median()),
+                      "p2p_wait_ms": float(g["p2p_wait_ms"].median()),
+                      "window_ms": float(g["window_ms"].median())} for r, g in per.groupby("rank")],
+        "gantt": _gantt(df, run, pipes, per, kept),
+    }
+    if th and bubble > th["share"] + BUBBLE_MARGIN:
+        worst = max(per_stage, key=lambda x: x["bubble_share"])
+        imbalanced = [f.evidence["stage"] for f in findings if f.kind == "stage_imbalance"]
+        findings.append(Finding(
+            "pipeline_bubble", "warning", [],
+            f"pipeline devices sit idle {100 * bubble:.0f} % of the pipeline window (median over "
+            f"steps), {100 * (bubble - th['share']):.0f} points above the {100 * th['share']:.0f} % "
+            f"the {cfg['schedule']} schedule implies for p={cfg['pp']}, m={cfg['micro_batches']}"
+            + (f", v={cfg['virtual_stages']}" if cfg["virtual_stages"] > 1 else "")
+            + (f"; stage {imbalanced[0]} is the slow stage (see stage_imbalance): the others "
+               "wait for it" if imbalanced else
+               "; communication between stages or uneven stages stretch the pipeline: more "
+               "micro-batches or an interleaved schedule shrink the bubble"),
+            evidence={"measured_share": bubble, "theory_share": th["share"],
+                      "theory_ratio": th["ratio"], "measured_ratio": ratio,
+                      "formula": th["formula"], "margin": BUBBLE_MARGIN, "worst_pp": worst,
+                      "config": cfg}))
+    return AnalyzerResult(metrics=metrics, findings=findings)

@@ -1,0 +1,283 @@
+"""Roofline position per op class and MFU/HFU per step.
+
+Per op class (from the profiled steps' recorded shapes, analyzers/_opcost.py): FLOPs, bytes,
+time (GPU kernel time of the op's kernels on GPU traces, the op's host time on CPU traces),
+arithmetic intensity AI = FLOPs / bytes, achieved FLOP/s and bytes/s, the bound at that AI —
+memory when AI < ridge = peak FLOP/s ÷ peak bytes/s, else compute — and the share of that
+bound reached: achieved FLOP/s ÷ min(peak FLOP/s, AI × peak bytes/s).
+
+MFU (model FLOPs utilization), PaLM's formula, from run_info (set by the job):
+    model FLOPs per token = 6·N + 12·L·H·Q·T
+    N = n_params_non_embedding, L = layers, H = heads, Q = hidden/heads, T = seq_len;
+    no causal halving of the attention term (as PaLM and most published MFU numbers; the
+    halved variant 6·N + 6·L·H·Q·T is reported as ``mfu_causal``);
+    MFU = model FLOPs per token × tokens_per_step ÷ (step time × Σ peak FLOP/s of the devices).
+Step time is step_time's job median (slowest rank per step, warm-up and profiler steps
+excluded). HFU (hardware FLOPs utilization) adds the recomputed forward under activation
+checkpointing (run_info activation_checkpointing: full recompute = one more forward,
+2·N + 4·L·H·Q·T per token); without checkpointing HFU = MFU.
+Peaks: analyzers/_devices.py (datasheet by device name, dense, in the job's compute dtype;
+calibration for CPUs and unknown devices). CPU ranks sharing a host share its cores: the host's
+peak is the calibrated per-thread matmul rate × min(threads of all its ranks, cores), its
+bandwidth the calibrated copy rate; each rank gets an equal share.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from trainprof.analyzers import _devices
+from trainprof.analyzers._opcost import select_ops
+from trainprof.findings import AnalyzerResult, Finding
+
+NAME = "roofline"
+MEMORY_SHARE_WARN = 0.30     # memory-bound ops hold ≥ 30 % of op time ...
+BANDWIDTH_LOW = 0.20         # ... while reaching < 20 % of peak bandwidth
+COMPUTE_LOW = 0.30           # compute-bound ops below 30 % of peak FLOP/s
+
+
+# --------------------------------------------------------------------------- peaks
+def _calibration_by_host(run) -> dict:
+    out = {}
+    for r in run.ranks:
+        c = run.rank_meta(r).get("calibration")
+        if c:
+            out.setdefault(c.get("host") or run.rank_meta(r).get("host"), c)
+    return out
+
+
+def device_peaks(run, dtype: str) -> dict[int, dict]:
+    """rank -> {flops_per_s, bytes_per_s, basis, ...}: the peak available to that rank."""
+    calib = _calibration_by_host(run)
+    any_calib = next(iter(calib.values()), None)
+    by_host = defaultdict(list)
+    for r in run.ranks:
+        by_host[run.rank_meta(r).get("host")].append(r)
+    out = {}
+    for host, ranks in by_host.items():
+        c = calib.get(host) or any_calib
+        for r in ranks:
+            meta = run.rank_meta(r)
+            is_cpu = str(meta.get("device") or "cpu") == "cpu"
+            p = _devices.peak(None if is_cpu else meta.get("device_name"), dtype,
+                              None if (c and is_cpu != (c.get("device") == "cpu")) else c)
+            if p is None:
+                continue
+            if is_cpu:  # the host's cores are shared by its ranks
+                threads = int(p.get("threads") or 1)
+                cores = int((c or {}).get("cpu_count") or meta.get("cpu_count") or threads)
+                host_flops = p["flops_per_s"] / threads * min(threads * len(ranks), cores)
+                p = dict(p, flops_per_s=host_flops / len(ranks), bytes_per_s=p["bytes_per_s"] / len(ranks),
+                         basis=p["basis"] + f"; host shared by {len(ranks)} rank(s) on {cores} core(s)")
+            out[r] = p
+    return out
+
+
+# --------------------------------------------------------------------------- MFU
+def model_flops_per_token(info: dict) -> dict | None:
+    n = info.get("n_params_non_embedding") or info.get("n_params")
+    L, H, T, hidden = (info.get(k) for k in ("layers", "heads", "seq_len", "hidden"))
+    if not n:
+        return None
+    attn = 12 * L * H * (hidden // H) * T if L and H and T and hidden else 0
+    return {"dense": 6 * n, "attention": attn, "total": 6 * n + attn,
+            "total_causal": 6 * n + attn / 2, "recompute": 2 * n + attn / 3,
+            "n_params_non_embedding": n, "layers": L, "heads": H, "head_dim": (hidden // H) if H and hidden else None,
+            "seq_len": T}
+
+
+def mfu_metrics(run, peaks: dict[int, dict]) -> dict:
+    from trainprof.analyzers import step_time
+
+    info = (run.rank_meta(run.ranks[0]).get("run_info") or {}) if run.ranks else {}
+    per_tok = model_flops_per_token(info)
+    tokens = info.get("tokens_per_step")
+    st = step_time.analyze(run).metrics
+    med = (st.get("job") or {}).get("median_ms")
+    total_peak = sum(p["flops_per_s"] for p in peaks.values())
+    out = {"formula": "MFU = (6·N + 12·L·H·Q·T) · tokens_per_step / (step_time · Σ peak FLOP/s); "
+                      "N = non-embedding parameters, no causal halving",
+           "tokens_per_step": tokens, "step_ms": med, "devices": len(peaks),
+           "peak_flops_per_s_total": total_peak or None}
+    if not per_tok or not tokens or not med or not total_peak:
+        out["missing"] = [k for k, v in (("run_info n_params/layers/heads/seq_len", per_tok),
+                                         ("run_info tokens_per_step", tokens), ("step times", med),
+                                         ("device peak", total_peak)) if not v]
+        return out
+    flops_step = per_tok["total"] * tokens
+    ckpt = bool(info.get("activation_checkpointing"))
+    hw_step = (per_tok["total"] + (per_tok["recompute"] if ckpt else 0)) * tokens
+    out.update({
+        "model_flops_per_token": per_tok, "model_flops_per_step": flops_step,
+        "mfu": flops_step / (med / 1e3 * total_peak),
+        "mfu_causal": per_tok["total_causal"] * tokens / (med / 1e3 * total_peak),
+        "hfu": hw_step / (med / 1e3 * total_peak), "activation_checkpointing": ckpt,
+        "per_step": [{"step": s["step"], "ms": s["max_ms"],
+                      "mfu": flops_step / (s["max_ms"] / 1e3 * total_peak)}
+                     for s in st.get("per_step", []) if s.get("max_ms")],
+    })
+    return out
+
+
+# --------------------------------------------------------------------------- per op
+def _device_time(ev, kept_rows) -> dict:
+    """kept host-op row -> ns of GPU work launched inside it (through External id)."""
+    gpu = ev[ev["is_gpu"] & (ev["external_id"] >= 0)]
+    if gpu.empty or not kept_rows:
+        return {}
+    host = ev[(ev["cat"] == "cpu_op")]
+    kept = ev.loc[kept_rows, ["tid", "ts_ns", "end_ns"]]
+    owner_of_ext = {}
+    for tid, k in kept.groupby("tid"):
+        k = k.sort_values("ts_ns")
+        h = host[host["tid"] == tid]
+        i = np.searchsorted(k["ts_ns"].to_numpy(), h["ts_ns"].to_numpy(), side="right") - 1
+        ok = i >= 0
+        ends = k["end_ns"].to_numpy()
+        ok[ok] &= h["ts_ns"].to_numpy()[ok] < ends[i[ok]]
+        for ext, idx in zip(h["external_id"].to_numpy()[ok], i[ok]):
+            if ext >= 0:
+                owner_of_ext[int(ext)] = int(k.index[idx])
+    out: dict = defaultdict(int)
+    for ext, dur in zip(gpu["external_id"].to_numpy(), gpu["dur_ns"].to_numpy()):
+        row = owner_of_ext.get(int(ext))
+        if row is not None:
+            out[row] += int(dur)
+    return out
+
+
+def op_classes(trace) -> tuple[dict, dict]:
+    """Per class totals over the trace's profiled steps: {class: {count, flops, bytes, time_ns}},
+    and facts about the trace (steps, timing basis, notes)."""
+    ev = trace.events
+    ops = select_ops(ev)
+    gpu = bool(ev["is_gpu"].any()) if len(ev) else False
+    dev_t = _device_time(ev, [r for r, _ in ops]) if gpu else {}
+    agg: dict = defaultdict(lambda: {"count": 0, "flops": 0.0, "bytes": 0.0, "time_ns": 0})
+    notes = set()
+    pos = ev.index.get_indexer([r for r, _ in ops])
+    steps = ev["step"].to_numpy()[pos] if "step" in ev else np.zeros(len(ops), dtype=int)
+    durs = ev["dur_ns"].to_numpy()[pos]
+    for (row, c), st, dur in zip(ops, steps, durs):
+        if st < 0:
+            continue
+        a = agg[c.op_class]
+        a["count"] += 1
+        a["flops"] += c.flops
+        a["bytes"] += c.bytes
+        a["time_ns"] += dev_t.get(row, 0) if gpu else int(dur)
+        if c.note:
+            notes.add(f"{c.op_class}: {c.note}")
+    n_steps = len(trace.steps) if trace.steps is not None else 0
+    span = int((trace.steps["end_ns"] - trace.steps["start_ns"]).sum()) if n_steps else 0
+    return dict(agg), {"steps": n_steps, "step_span_ns": span, "timing": "gpu kernels" if gpu else "host ops",
+                       "notes": sorted(notes)}
+
+
+def position(flops, by, time_ns, peak) -> dict:
+    t = time_ns / 1e9
+    ai = flops / by if by else None
+    row = {"flops": flops, "bytes": by, "time_ms": time_ns / 1e6, "ai": ai,
+           "achieved_flops_per_s": flops / t if t else None, "achieved_bytes_per_s": by / t if t else None}
+    if peak and ai is not None and t:
+        ridge = peak["flops_per_s"] / peak["bytes_per_s"]
+        attainable = min(peak["flops_per_s"], ai * peak["bytes_per_s"])
+        row.update(bound="compute" if ai >= ridge else "memory",
+                   attainable_flops_per_s=attainable,
+                   pct_of_bound=(flops / t) / attainable if attainable else (by / t) / peak["bytes_per_s"],
+                   pct_of_peak_bandwidth=(by / t) / peak["bytes_per_s"])
+    return row
+
+
+def analyze(run) -> AnalyzerResult:
+    if not run.ranks:
+        return AnalyzerResult()
+    info = run.rank_meta(run.ranks[0]).get("run_info") or {}
+    dtype = _devices.compute_dtype(info)
+    peaks = device_peaks(run, dtype)
+    mfu = mfu_metrics(run, peaks)
+    traces = run.traces()
+    job_cls: dict = defaultdict(lambda: {"count": 0, "flops": 0.0, "bytes": 0.0, "time_ns": 0})
+    per_rank, notes, timing, steps_seen, span_total = [], set(), set(), 0, 0
+    trace_flops = []
+    for rank, tr in sorted(traces.items()):
+        cls, facts = op_classes(tr)
+        if not cls:
+            continue
+        notes.update(facts["notes"])
+        timing.add(facts["timing"])
+        steps_seen = max(steps_seen, facts["steps"])
+        span_total += facts["step_span_ns"]
+        for k, a in cls.items():
+            for f in ("count", "flops", "bytes", "time_ns"):
+                job_cls[k][f] += a[f]
+        tot = sum(a["flops"] for a in cls.values())
+        if facts["steps"]:
+            trace_flops.append(tot / facts["steps"])
+        per_rank.append({"rank": rank, "steps": facts["steps"], "flops_per_step": tot / max(facts["steps"], 1),
+                         "op_time_ms": sum(a["time_ns"] for a in cls.values()) / 1e6,
+                         "step_span_ms": facts["step_span_ns"] / 1e6, "timing": facts["timing"]})
+    peak_vals = list(peaks.values())
+    ref_peak = None
+    if peak_vals:
+        ref_peak = {"flops_per_s": float(np.median([p["flops_per_s"] for p in peak_vals])),
+                    "bytes_per_s": float(np.median([p["bytes_per_s"] for p in peak_vals])),
+                    "basis": peak_vals[0]["basis"], "dtype": peak_vals[0].get("dtype")}
+    total_time = sum(a["time_ns"] for a in job_cls.values())
+    classes = []
+    for k, a in sorted(job_cls.items(), key=lambda kv: -kv[1]["time_ns"]):
+        row = {"op_class": k, "count": a["count"], **position(a["flops"], a["bytes"], a["time_ns"], ref_peak),
+               "time_share": a["time_ns"] / total_time if total_time else None}
+        classes.append(row)
+    if trace_flops and mfu.get("model_flops_per_step"):
+        # what the trace counted (all ranks, per step) against the model formula
+        mfu["trace_flops_per_step"] = float(sum(trace_flops))
+        mfu["trace_over_model"] = mfu["trace_flops_per_step"] / mfu["model_flops_per_step"]
+    if not classes and "mfu" not in mfu:
+        return AnalyzerResult()
+    plot = None
+    if ref_peak:
+        plot = {"peak_flops_per_s": ref_peak["flops_per_s"], "peak_bytes_per_s": ref_peak["bytes_per_s"],
+                "ridge_ai": ref_peak["flops_per_s"] / ref_peak["bytes_per_s"],
+                "points": [{"label": c["op_class"], "ai": c["ai"], "flops_per_s": c["achieved_flops_per_s"],
+                            "time_ms": c["time_ms"]} for c in classes if c["ai"] and c["achieved_flops_per_s"]]}
+    metrics = {"job": mfu, "classes": classes, "per_rank": per_rank, "plot": plot,
+               "peak": ref_peak, "peaks_by_rank": {str(r): p for r, p in peaks.items()},
+               "compute_dtype": dtype, "timing": sorted(timing), "notes": sorted(notes),
+               "op_time_over_step_time": total_time / span_total if span_total else None}
+    return AnalyzerResult(metrics=metrics, findings=_findings(classes, timing, ref_peak, run))
+
+
+def _findings(classes, timing, peak, run) -> list[Finding]:
+    # Only where op times are device times: CPU op times of small ops are dominated by
+    # dispatch overhead, and "x % of bandwidth" would say more about Python than hardware.
+    if "gpu kernels" not in timing or not peak:
+        return []
+    out = []
+    ranks = list(run.ranks)
+    mem = [c for c in classes if c.get("bound") == "memory"]
+    share = sum(c["time_share"] or 0 for c in mem)
+    t = sum(c["time_ms"] for c in mem) / 1e3
+    bw = (sum(c["bytes"] for c in mem) / t / peak["bytes_per_s"]) if t else None
+    if mem and share >= MEMORY_SHARE_WARN and bw is not None and bw < BANDWIDTH_LOW:
+        out.append(Finding(
+            kind="roofline", severity="warning", ranks=ranks,
+            message=(f"{share:.0%} of GPU op time is in memory-bound ops ("
+                     + ", ".join(c["op_class"] for c in mem[:4])
+                     + f") reaching {bw:.0%} of peak bandwidth ({peak['basis']}): fuse elementwise "
+                       f"ops (torch.compile), use fused norms/optimizers (foreach/fused AdamW), "
+                       f"or larger tensors per kernel"),
+            evidence={"memory_bound_time_share": share, "bandwidth_fraction": bw,
+                      "classes": [c["op_class"] for c in mem], "peak": peak}))
+    comp = [c for c in classes if c.get("bound") == "compute" and (c["time_share"] or 0) >= 0.2
+            and c.get("pct_of_bound") is not None and c["pct_of_bound"] < COMPUTE_LOW]
+    for c in comp:
+        out.append(Finding(
+            kind="roofline", severity="info", ranks=ranks,
+            message=(f"{c['op_class']} ops take {c['time_share']:.0%} of GPU op time at "
+                     f"{c['pct_of_bound']:.0%} of peak FLOP/s ({peak['basis']}): check the dtype "
+                     f"(bf16/tf32 tensor cores), shapes that are multiples of 64, and batch size"),
+            evidence={"class": c, "peak": peak}))
+    return out

@@ -1,0 +1,66 @@
+"""NaN/Inf origin and loss spikes: where the first non-finite value was created, and the loss curve."""
+
+from __future__ import annotations
+
+from trainprof.reports import kit
+
+TITLE = "NaN/Inf origin and loss"
+
+
+def _loss_plot(loss: dict, spikes: list) -> str:
+    series = {r: [p for p in pts if isinstance(p, list) and len(p) == 2 and p[1] is not None]
+              for r, pts in (loss or {}).items()}
+    series = {r: p for r, p in series.items() if len(p) >= 2}
+    if not series:
+        return ""
+    plt = kit.plt()
+    fig, ax = plt.subplots(figsize=(8, 2.8))
+    for r, pts in sorted(series.items(), key=lambda kv: int(kv[0]))[:8]:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, label=f"rank {r}")
+    sp = [s for s in spikes or [] if isinstance(s, dict)]
+    if sp:
+        ax.plot([s["step"] for s in sp], [s["loss"] for s in sp], "o", color="#e03131", label="spike")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean of backward roots)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return kit.figure(fig, "Per-step loss per rank with detected spikes")
+
+
+def render(metrics: dict, summary: dict) -> str:
+    parts = []
+    o = metrics.get("origin")
+    if o:
+        ev = o.get("evidence") or {}
+        parts.append(kit.kv({
+            "rank": o.get("rank"), "step": o.get("step"), "phase": o.get("phase"),
+            "module": o.get("module"), "op": o.get("op") or "— (no replay reproduced it)",
+            "value": o.get("value"), "created here": o.get("created"),
+            "hidden by": ev.get("hidden_by"), "overflow": ev.get("overflow"),
+            "received by ranks": ", ".join(map(str, o.get("received_by") or [])) or "—",
+            "recovered later": o.get("recovered"),
+        }))
+        ins = ev.get("op_inputs") or ev.get("inputs") or []
+        if ins:
+            parts.append(kit.para("Inputs of the creating " + ("op" if ev.get("op_inputs") else "module")))
+            parts.append(kit.table([i for i in ins if isinstance(i, dict)],
+                                   [("dtype", "dtype"), ("shape", "shape"), ("max_abs", "max |x|"),
+                                    ("min", "min"), ("zeros", "zeros"), ("nan", "NaN"),
+                                    ("posinf", "+inf"), ("neginf", "−inf")]))
+        if o.get("replays"):
+            parts.append(kit.para("Replays of candidate modules (op-level check, innermost first)"))
+            parts.append(kit.table(o["replays"], [("module", "module"), ("op", "creating op"),
+                                                  ("note", "note")]))
+        if o.get("other_ranks"):
+            parts.append(kit.para("Where the other ranks first saw a non-finite value"))
+            parts.append(kit.table(o["other_ranks"], [("rank", "rank"), ("step", "step"), ("phase", "phase"),
+                                                      ("module", "module"), ("role", "where"),
+                                                      ("created", "created")]))
+    else:
+        parts.append(kit.para("No non-finite loss, gradient, parameter or module value was seen."))
+    spikes = metrics.get("spikes") or []
+    parts.append(_loss_plot(metrics.get("loss") or {}, spikes))
+    if spikes:
+        parts.append(kit.table(spikes, [("step", "step"), ("rank", "rank"), ("loss", "loss"),
+                                        ("median", "trailing median"), ("z", "robust z")]))
+    return "".join(parts)

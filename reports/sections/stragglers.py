@@ -1,0 +1,65 @@
+"""Stragglers: busy / wait time per rank and step, and the evidence per rank."""
+
+from __future__ import annotations
+
+import math
+
+from trainprof.reports import kit
+
+TITLE = "Stragglers and input starvation"
+
+
+def _heat(by_rank: dict, steps: list, title: str, alt: str) -> str:
+    rows = sorted(((int(r), v) for r, v in (by_rank or {}).items() if isinstance(v, list)),
+                  key=lambda x: x[0])
+    if not rows or not steps:
+        return ""
+    matrix = [[x if isinstance(x, (int, float)) else math.nan for x in v][:len(steps)]
+              + [math.nan] * max(0, len(steps) - len(v)) for _, v in rows]
+    return kit.heatmap(matrix, [r for r, _ in rows], steps, title, "ms", alt=alt)
+
+
+def render(metrics: dict, summary: dict) -> str:
+    steps = metrics.get("steps") or []
+    parts = []
+    chronic, transient = metrics.get("chronic") or [], metrics.get("transient") or []
+    parts.append(kit.kv({
+        "chronic stragglers": ", ".join(map(str, chronic)) or "none",
+        "transient (single steps)": ", ".join(map(str, transient)) or "none",
+        "median step": kit.fmt_ms(metrics.get("median_step_ms")),
+        "steps analysed": ", ".join(str(s) for s in metrics.get("steps_analysed") or []),
+    }))
+    parts.append(_heat(metrics.get("busy_ms_by_rank"), steps,
+                       "Busy time per rank and step (step − blocked in collectives − data wait)",
+                       "Heatmap of busy time by rank and step"))
+    parts.append(_heat(metrics.get("wait_ms_by_rank"), steps,
+                       "Time blocked in collectives per rank and step",
+                       "Heatmap of collective wait time by rank and step"))
+    data = metrics.get("data_ms_by_rank") or {}
+    if any(isinstance(x, (int, float)) and x > 10 for v in data.values() for x in (v or [])):
+        parts.append(_heat(data, steps, "Data-loader wait per rank and step",
+                           "Heatmap of data wait by rank and step"))
+    rows = []
+    for p in metrics.get("per_rank") or []:
+        if not isinstance(p, dict):
+            continue
+        rows.append({**p, "coords": " ".join(f"{k}{v}" for k, v in (p.get("coords") or {}).items())})
+    rows.sort(key=lambda p: -(p.get("score") if isinstance(p.get("score"), (int, float)) else -1e9))
+    if rows:
+        parts.append("<h3>Evidence per rank (medians over analysed steps)</h3>" + kit.table(
+            rows, [("rank", "rank"), ("coords", "mesh"), ("host", "host"), ("group", "peers"),
+                   ("busy_ms", "busy"), ("peer_busy_ms", "peers' busy"), ("excess_ms", "excess"),
+                   ("score", "score"), ("blocked_ms", "blocked"), ("data_wait_ms", "data wait"),
+                   ("lateness_mean_ms", "mean lateness"), ("last_frac", "arrives last"),
+                   ("status", "status")],
+            fmt={k: kit.fmt_ms for k in ("busy_ms", "peer_busy_ms", "excess_ms", "blocked_ms",
+                                        "data_wait_ms", "lateness_mean_ms")}
+            | {"last_frac": kit.fmt_pct}))
+    th = metrics.get("thresholds") or {}
+    parts.append(kit.para(
+        "Busy = step time − time blocked in collectives − data-loader wait. Peers = ranks of the "
+        "same pipeline stage. Score = median excess over peers ÷ its robust spread across ranks "
+        f"(floor {100 * th.get('floor', 0):.0f} % of the step); chronic straggler at score ≥ "
+        f"{th.get('score')} in ≥ {100 * th.get('chronic', 0):.0f} % of steps. A whole slow stage "
+        "is stage imbalance (Pipeline section), not a straggler.", "note"))
+    return "".join(parts)

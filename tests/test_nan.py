@@ -1,0 +1,238 @@
+"""NaN/Inf origin and loss spikes: single-process scripts with known creations, synthetic loss
+series, and the reference workload's injected faults (ground truth from the spec we inject)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers import run_cli, write_script
+
+from trainprof.analyzers import nan_origin
+from trainprof.rundir import RunDir
+
+SCRIPT_HEAD = """
+import sys, torch, torch.nn as nn, trainprof
+torch.manual_seed(0)
+"""
+
+
+def _run_script(tmp_path: Path, body: str) -> Path:
+    out = tmp_path / "run"
+    script = write_script(tmp_path / "job.py", SCRIPT_HEAD + textwrap.dedent(body))
+    proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _analyze(run: Path):
+    res = nan_origin.analyze(RunDir(run))
+    return res, [f for f in res.findings if f.kind == "nan_origin"], \
+        [f for f in res.findings if f.kind == "loss_spike"]
+
+
+MASKED_LOG = """
+class MaskedLog(nn.Module):
+    def forward(self, x):
+        return torch.where(x > 0, torch.log(x), 0.0)
+
+class Net(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.inp = nn.Linear(8, 8); s.mlog = MaskedLog(); s.out = nn.Linear(8, 1)
+    def forward(s, x):
+        return s.out(s.mlog(torch.clamp(s.inp(x), min=0)))   # exact zeros reach the log
+
+net = Net(); opt = torch.optim.SGD(net.parameters(), lr=0.01)
+with trainprof.session(sys.argv[1], profile_steps="none"):
+    for step in range(3):
+        loss = net(torch.randn(16, 8)).pow(2).mean()
+        loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+
+def test_masked_log_found_in_backward_with_hidden_forward_log(tmp_path):
+    run = _run_script(tmp_path, MASKED_LOG)
+    _, origin, spikes = _analyze(run)
+    assert len(origin) == 1 and not spikes
+    f = origin[0]
+    ev = f.evidence
+    # forward output is finite (where hides log(0) = -inf); the backward's 0/0 makes NaN
+    assert ev["module"] == "mlog" and ev["phase"] == "backward" and ev["step"] == 0
+    assert ev["created"] is True and ev["value"] == "nan"
+    assert ev["op"] == "aten::log" and ev["op_value"] == "-inf"
+    assert ev["hidden_by"] == "aten::where" and ev["backward_op"] == "aten::div"
+    assert ev["op_inputs"][0]["zeros"] > 0 and ev["op_inputs"][0]["min"] == 0.0
+    assert f.ranks == [0]
+
+
+OVERFLOW = """
+dtype = getattr(torch, sys.argv[2])
+big = float(sys.argv[3])
+
+class Square(nn.Module):
+    def forward(self, x):
+        return x * x
+
+class Net(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.inp = nn.Linear(4, 4); s.sq = Square(); s.out = nn.Linear(4, 1)
+    def forward(s, x):
+        h = s.inp(x)
+        return s.out(s.sq(h.to(dtype)).float())
+
+net = Net()
+with trainprof.session(sys.argv[1], profile_steps="none"):
+    for step in range(4):
+        x = torch.randn(8, 4) * (big if step == 2 else 0.1)
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        with torch.no_grad():   # hand-written SGD that, like AMP's GradScaler, skips overflowed steps
+            if all(torch.isfinite(p.grad).all() for p in net.parameters()):
+                for p in net.parameters():
+                    p -= 0.01 * p.grad
+            for p in net.parameters():
+                p.grad = None
+        trainprof.step()        # explicit step boundary (no optimizer)
+"""
+
+
+@pytest.mark.parametrize("dtype,big,limit", [("float16", "1000", "65504"),
+                                             ("bfloat16", "1e21", "3.38953e+38")])
+def test_low_precision_overflow_evidence(tmp_path, dtype, big, limit):
+    body = OVERFLOW.replace("sys.argv[2]", repr(dtype)).replace("sys.argv[3]", repr(big))
+    run = _run_script(tmp_path, body)
+    _, origin, _ = _analyze(run)
+    assert len(origin) == 1
+    ev = origin[0].evidence
+    assert ev["step"] == 2 and ev["phase"] == "forward" and ev["module"] == "sq"
+    assert ev["op"] == "aten::mul" and "inf" in ev["value"]
+    short = {"float16": "fp16", "bfloat16": "bf16"}[dtype]
+    assert ev["overflow"].startswith(f"{short} overflow: ") and ev["overflow"].endswith(f"> {limit}")
+    # the true magnitude, recomputed in fp32, is above the dtype's max
+    true = float(ev["overflow"].split(": ")[1].split(" >")[0])
+    assert true > float(limit)
+    assert ev["op_inputs"][0]["dtype"] == dtype
+    assert ev["recovered"] is True and origin[0].severity == "warning"  # later steps finite
+
+
+CLEAN = """
+net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+with trainprof.session(sys.argv[1], profile_steps="none"):
+    for step in range(12):
+        loss = net(torch.randn(32, 8)).pow(2).mean()
+        loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+
+def test_clean_script_silent_and_records_every_step(tmp_path):
+    run = _run_script(tmp_path, CLEAN)
+    res, origin, spikes = _analyze(run)
+    assert not origin and not spikes
+    steps = [r for r in RunDir(run).stream(0, "nan") if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(12))
+    assert all(r["loss_finite"] and r["grad_finite"] and r["params_finite"] and r["modules_finite"]
+               for r in steps)
+    assert all(r["module_calls"] == 4 for r in steps)  # Sequential + 3 children per step
+
+
+# --------------------------------------------------------------------------- loss spikes
+
+
+def test_spike_z_score_hand_computed():
+    losses = [1.0, 0.98, 0.97, 0.99, 0.96, 0.95, 0.97, 5.0, 0.94]
+    spikes = nan_origin.detect_spikes({3: [[i, x] for i, x in enumerate(losses)]})
+    assert [(s["rank"], s["step"]) for s in spikes] == [(3, 7)]
+    # trailing median 0.97, MAD 0.01 -> z = (5 - 0.97) / (1.4826 * 0.01)
+    assert spikes[0]["median"] == pytest.approx(0.97)
+    assert spikes[0]["mad"] == pytest.approx(0.01)
+    assert spikes[0]["z"] == pytest.approx((5 - 0.97) / 0.014826, rel=1e-6)
+
+
+def test_spike_ignores_smooth_descent_noise_and_drops():
+    import random
+
+    rng = random.Random(1)
+    smooth = [[i, 3.0 * 0.97 ** i + rng.gauss(0, 0.01)] for i in range(80)]
+    smooth[40][1] = 0.2  # a sudden *drop* is not a spike
+    assert nan_origin.detect_spikes({0: smooth}) == []
+
+
+def _write_nan_stream(root: Path, rank: int, losses):
+    d = root / "ranks" / f"rank-{rank:05d}"
+    d.mkdir(parents=True)
+    (d / "meta.json").write_text(json.dumps({"rank": rank, "world_size": 2}))
+    with open(d / "nan.jsonl", "w") as f:
+        for i, x in enumerate(losses):
+            f.write(json.dumps({"kind": "step", "step": i, "t_ns": i, "loss": x, "loss_finite": True,
+                                "grad_finite": True, "params_finite": True, "modules_finite": True}) + "\n")
+
+
+def test_spike_finding_names_steps_and_ranks(tmp_path):
+    base = [2.0 - 0.01 * i for i in range(30)]
+    r0 = list(base)
+    r1 = list(base)
+    r1[12] = 9.0
+    r1[25] = 6.0
+    _write_nan_stream(tmp_path, 0, r0)
+    _write_nan_stream(tmp_path, 1, r1)
+    (tmp_path / "manifest.json").write_text(json.dumps({"ranks": [0, 1]}))
+    res = nan_origin.analyze(RunDir(tmp_path))
+    (f,) = [f for f in res.findings if f.kind == "loss_spike"]
+    assert f.ranks == [1] and f.evidence["steps"] == [12, 25]
+    assert not [f for f in res.findings if f.kind == "nan_origin"]
+
+
+# --------------------------------------------------------------------------- reference
+
+
+REF_ARGS = ["--dp", "1", "--pp", "2", "--tp", "1", "--steps", "4"]
+CASES = [  # rank, step, module, phase, value, op that creates it in faults._corrupt
+    (0, 2, "layers.1.mlp", "forward", "nan", "aten::log"),
+    (1, 2, "layers.2.attn", "forward", "inf", "aten::mul"),
+    (1, 2, "layers.3.mlp", "backward", "nan", "aten::log"),
+    (0, 1, "layers.0.attn", "backward", "inf", "aten::mul"),
+]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("rank,step,module,phase,value,op", CASES,
+                         ids=[f"{c[3]}-{c[4]}-rank{c[0]}" for c in CASES])
+def test_reference_injected_nan_found(reference_run, tmp_path, rank, step, module, phase, value, op):
+    spec = f"nan:rank={rank},step={step},module={module},phase={phase},value={value}"
+    run = reference_run(f"nan-{phase}-{value}-r{rank}", nproc=2, args=REF_ARGS + ["--inject", spec],
+                        wrap_args=["--profile-steps", "none"])
+    injected = json.loads((run / "injected.json").read_text())["injections"][0]
+    assert injected["params"]["module"] == module  # ground truth as the workload recorded it
+    proc = run_cli(["analyze", run, "--out", tmp_path])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (f,) = [f for f in summary["findings"] if f["kind"] == "nan_origin"]
+    ev = f["evidence"]
+    assert f["ranks"] == [rank]
+    assert (ev["step"], ev["phase"], ev["module"], ev["op"]) == (step, phase, module, op)
+    assert value in ev["value"].split("+") and ev["created"] is True
+    assert ev["received_by"] == [1 - rank]   # the other stage inherits it through p2p
+    assert f["severity"] == "critical"       # AdamW spreads it into the weights: no recovery
+
+
+@pytest.mark.multiproc
+def test_reference_clean_run_silent(reference_run, tmp_path):
+    run = reference_run("clean8")
+    proc = run_cli(["analyze", run, "--out", tmp_path])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not [f for f in summary["findings"] if f["kind"] in ("nan_origin", "loss_spike")]
+    m = summary["metrics"]["nan_origin"]
+    assert m["origin"] is None and m["ranks_watched"] == list(range(8))
+    # the last pipeline stage (pp=1: ranks 2, 3, 6, 7) sees the loss at every step
+    assert sorted(int(r) for r in m["loss"]) == [2, 3, 6, 7]
+    assert all(len(v) == 8 and all(x[1] is not None for x in v) for v in m["loss"].values())

@@ -1,0 +1,116 @@
+"""FLOPs and bytes per op from recorded shapes, against torch's FlopCounterMode."""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import profile
+from torch.utils.flop_counter import FlopCounterMode
+
+from trainprof.analyzers._opcost import causal_fraction, op_cost, select_ops
+from trainprof.trace import load_trace
+
+
+def _profiled_ops(fn, tmp_path, with_concrete=True):
+    """Run fn under the profiler (record_shapes) and cost the trace's ops. The trace parser may
+    not expose "Concrete Inputs" (stride/padding, is_causal); add them by External id here."""
+    with profile(record_shapes=True) as p:
+        fn()
+    path = tmp_path / "t.json"
+    p.export_chrome_trace(str(path))
+    tr = load_trace(path)
+    ev = tr.events
+    if with_concrete and "concrete_inputs" not in ev:
+        raw = json.loads(path.read_text())["traceEvents"]
+        by_ext = {e["args"]["External id"]: e["args"].get("Concrete Inputs")
+                  for e in raw if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+        ev = ev.assign(concrete_inputs=[by_ext.get(x) for x in ev["external_id"]])
+    flops = collections.Counter()
+    by = collections.Counter()
+    for row, c in select_ops(ev):
+        flops[c.op_class] += c.flops
+        by[c.op_class] += c.bytes
+    return flops, by, ev
+
+
+def _counter_flops(fn) -> dict:
+    fc = FlopCounterMode(display=False)
+    with fc:
+        fn()
+    return {str(k): v for k, v in fc.get_flop_counts().get("Global", {}).items()}
+
+
+def test_matmul_linear_conv_agree_with_flop_counter(tmp_path):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96)
+    x = torch.randn(4, 32, 64, requires_grad=True)
+    conv_w = torch.randn(8, 3, 3, 3, requires_grad=True)
+
+    def work():
+        y = lin(x)                                                     # linear on a 3-D input
+        torch.bmm(torch.randn(8, 16, 24), torch.randn(8, 24, 40))
+        torch.baddbmm(torch.randn(8, 16, 40), torch.randn(8, 16, 24), torch.randn(8, 24, 40))
+        torch.addmm(torch.randn(40), torch.randn(30, 20), torch.randn(20, 40))
+        torch.randn(50, 60) @ torch.randn(60, 70)                     # matmul -> mm
+        torch.matmul(torch.randn(3, 5, 6), torch.randn(6, 7))         # broadcast matmul
+        c = F.conv2d(torch.randn(2, 3, 16, 16), conv_w, stride=2, padding=1)
+        (y.sum() + c.sum()).backward()                                 # mm / conv backward
+
+    ref = _counter_flops(work)
+    flops, by, _ = _profiled_ops(work, tmp_path)
+    matmul_ref = sum(v for k, v in ref.items() if k in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"))
+    assert flops["matmul"] == matmul_ref > 0
+    conv_ref = sum(v for k, v in ref.items() if "convolution" in k)
+    assert flops["conv"] == conv_ref > 0
+    assert by["matmul"] > 0 and by["conv"] > 0
+
+
+def test_attention_counted_on_cpu_where_flop_counter_counts_zero(tmp_path):
+    b, h, s, d = 2, 4, 32, 16
+    q = torch.randn(b, h, s, d, requires_grad=True)
+
+    def work(causal):
+        return lambda: F.scaled_dot_product_attention(q, q, q, is_causal=causal).sum().backward()
+
+    assert sum(v for k, v in _counter_flops(work(False)).items() if "attention" in k) == 0  # torch 2.13 CPU
+    full = 4 * b * h * s * s * d                        # 2·BHSS·D (QKᵀ) + 2·BHSS·D (PV)
+    flops, by, _ = _profiled_ops(work(False), tmp_path)
+    assert flops["attention"] == full * 3              # forward + backward (2× forward)
+    flops, _, _ = _profiled_ops(work(True), tmp_path)
+    assert flops["attention"] == pytest.approx(full * 3 * (s + 1) / (2 * s))  # causal: 528 of 1024 scores
+    flops, _, _ = _profiled_ops(work(True), tmp_path, with_concrete=False)
+    assert flops["attention"] == full * 3              # is_causal not recorded: full count, said so
+    unit = b * h * s * d * 4  # one fp32 (B, H, S, D) tensor
+    assert by["attention"] == 4 * unit + 8 * unit  # fwd: q,k,v,out; bwd: dout,q,k,v,out + dq,dk,dv
+
+
+def test_nested_ops_count_once(tmp_path):
+    x = torch.randn(8, 64)
+    w = torch.randn(32, 64)
+    flops, _, ev = _profiled_ops(lambda: F.linear(x, w, torch.randn(32)), tmp_path)
+    assert flops["matmul"] == 2 * 8 * 64 * 32
+    assert "memory" not in flops or flops["memory"] == 0   # addmm's bias copy is part of addmm
+
+
+def test_elementwise_norm_softmax_embedding_by_hand():
+    f4 = "float"
+    c = op_cost("aten::add", [[4, 8], [8], []], [f4, f4, "Scalar"])
+    assert (c.op_class, c.flops, c.bytes) == ("elementwise", 32, (32 + 8 + 32) * 4)
+    c = op_cost("aten::mul_", [[4, 8], [4, 8]], [f4, f4])
+    assert (c.flops, c.bytes) == (32, (32 + 32 + 32) * 4)  # in place: read both, write self
+    c = op_cost("aten::native_layer_norm", [[4, 32, 64], [], [64], [64], []],
+                [f4, "ScalarList", f4, f4, "Scalar"])
+    assert (c.op_class, c.flops, c.bytes) == ("norm", 5 * 8192, 2 * 8192 * 4 + 2 * 64 * 4)
+    c = op_cost("aten::_softmax", [[128, 256], [], []], ["c10::BFloat16", "Scalar", "Scalar"])
+    assert (c.op_class, c.flops, c.bytes) == ("softmax", 5 * 32768, 2 * 32768 * 2)
+    c = op_cost("aten::embedding", [[256, 64], [4, 32], [], [], []], [f4, "long int", "Scalar", "Scalar", "Scalar"])
+    assert (c.op_class, c.flops, c.bytes) == ("embedding", 0, 2 * 128 * 64 * 4 + 128 * 8)
+    c = op_cost("aten::_foreach_add_", [[[10, 3], [5]], [[10, 3], [5]], []], ["TensorList", "TensorList", "Scalar"])
+    assert (c.flops, c.bytes) == (35, 2 * 35 * 4)
+    assert op_cost("aten::mm", None, None) is None and op_cost("aten::view", [[1]], [f4]) is None
+    assert causal_fraction(4, 4) == 10 / 16 and causal_fraction(2, 4) == 3 / 8

@@ -1,0 +1,123 @@
+"""`trainprof hang RUN_DIR`: the hang post-mortem on its own (the same analysis runs inside
+`trainprof analyze`), optionally asking a live job to dump first."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from trainprof.rundir import RunDirError
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the post-mortem as JSON.")
+@click.option("--dump", "request_dump", is_flag=True,
+              help="The job is still running: ask every rank to dump its stacks, collectives and "
+                   "flight recorder now, wait for the dumps, then show the post-mortem.")
+@click.option("--wait", "wait_s", type=float, default=15.0, show_default=True, metavar="SECONDS",
+              help="With --dump: how long to wait for the ranks' dumps.")
+def hang(run_dir, as_json, request_dump, wait_s):
+    """Who is stuck where: per-rank state, the collective each waits in, ranks that never
+    arrived, desynchronized collectives, stacks grouped across ranks, and the culprit.
+
+    Works on a run that is still hanging (with --dump), one ended by `wrap --on-hang kill`, and
+    one killed with SIGKILL (from heartbeats alone; some ranks' files may be missing).
+    """
+    from trainprof.analyzers.hang import postmortem
+    from trainprof.rundir import RunDir
+
+    try:
+        if request_dump:
+            _request_dump(run_dir, wait_s)
+        run = RunDir(run_dir)
+        pm = postmortem(run)
+    except RunDirError as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps({"postmortem": pm, "problems": list(dict.fromkeys(run.problems))},
+                              indent=2, default=str))
+        return
+    render(pm, run)
+
+
+def _request_dump(run_dir: Path, wait_s: float) -> None:
+    from trainprof.probes.hang_watchdog import DUMP, TRIGGER
+    from trainprof.rundir import RANKS_DIR, read_json, write_json_atomic
+
+    ranks = sorted((run_dir / RANKS_DIR).glob("rank-*"))
+    if not ranks:
+        raise RunDirError(f"{run_dir}: no ranks/ yet; is the job running under trainprof wrap?")
+    tid = f"manual-{time.time_ns()}"
+    write_json_atomic(run_dir / TRIGGER, {"id": tid, "t_ns": time.time_ns(), "action": "dump",
+                                          "requested_by": "trainprof hang --dump"})
+    deadline = time.monotonic() + wait_s
+    pending = set(ranks)
+    while pending and time.monotonic() < deadline:
+        for d in list(pending):
+            try:
+                dump = read_json(d / DUMP)
+            except RunDirError:
+                continue
+            if dump.get("trigger_id") == tid and dump.get("complete"):
+                pending.discard(d)
+        time.sleep(0.2)
+    if pending:
+        click.echo(f"trainprof: {len(pending)} rank(s) did not dump within {wait_s:g} s: "
+                   f"{', '.join(p.name for p in sorted(pending))}", err=True)
+
+
+def render(pm: dict | None, run) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console()
+    if pm is None:
+        console.print(f"{run.path}: no hang data (no heartbeats, dumps or flight recorder).")
+        return
+    if not pm["hung"] and not pm["desync"]:
+        console.print(f"[green]No hang[/green] in {run.path}: "
+                      f"{pm['ranks_with_heartbeat']} rank(s) with heartbeats"
+                      + (f", last progress {pm['stalled_s']:.1f} s before the end"
+                         if pm.get("stalled_s") is not None else ""))
+        return
+    console.print(f"[bold red]{escape(pm['message'])}[/bold red]", highlight=False)
+    for reason in pm["detected_by"]:
+        console.print(f"  detected: {reason}", highlight=False, markup=False)
+    job = pm["job"]
+    if job.get("status"):
+        console.print(f"  job: status {job['status']}, exit code {job.get('exit_code')}",
+                      highlight=False, markup=False)
+
+    t = Table(title="ranks", show_lines=False)
+    for col in ("rank", "state", "step", "waiting in", "frame", "stalled"):
+        t.add_column(col)
+    for r in pm["ranks"]:
+        w = r["waiting_in"]
+        wait = f"{w['op']} #{w['seq']} pg {w['pg']}" if w else ""
+        t.add_row(str(r["rank"]), r["state"], "" if r["step"] is None else str(r["step"]), wait,
+                  r["user_frame"] or r["frame"] or "",
+                  "" if r["stalled_s"] is None else f"{r['stalled_s']:.1f} s")
+    console.print(t)
+    for d in pm["desync"]:  # plain text: ops and sizes contain brackets
+        console.print(f"desync ({d['source']}): group {d['pg']} collective #{d['seq']}: "
+                      + "; ".join(f"{v['op']} on ranks {v['ranks']}" for v in d["variants"]),
+                      highlight=False, markup=False)
+    for m in pm["never_arrived"]:
+        console.print(f"never arrived ({m['source']}): ranks {m['missing_ranks']} at "
+                      f"{m.get('op') or 'collective'} #{m['seq']} of group {m['pg']} "
+                      f"(ranks {m['waiting_ranks']} wait in it)", highlight=False)
+    for g in pm["stack_groups"]:
+        label = "majority" if g["majority"] else "minority"
+        ranks = escape(str(g["ranks"]))
+        console.print(f"\n[bold]stack group {g['id']} ({label}): ranks {ranks}[/bold]")
+        for f in g["frames"][:8]:
+            console.print(f"    {f['file']}:{f['line']} in {f['function']}"
+                          + (f"  | {f['code']}" if f.get("code") else ""), highlight=False,
+                          markup=False)
+    for p in dict.fromkeys(run.problems):
+        console.print(f"[yellow]problem:[/yellow] {escape(p)}", highlight=False)
