@@ -81,60 +81,70 @@ def analyze(run) -> AnalyzerResult:
 # --------------------------------------------------------------------------- origin
 
 
+DETECTIONS = ("nonfinite", "origin")
+EVIDENCE_KEYS = ("evidence", "inputs", "output", "grad", "grad_output_finite", "first_params",
+                 "params_nonfinite", "op_phase", "op_module", "op_inputs", "op_output", "op_value",
+                 "overflow", "hidden_by", "backward_op", "backward_value", "ops_checked", "detected_by",
+                 "notes", "replay_ms", "replayed", "root_calls", "at")
+
+
 def find_origin(recs: dict, align: dict) -> dict | None:
-    nonfinite = [(r, i, x) for r, v in recs.items() for i, x in enumerate(v)
-                 if x.get("kind") == "nonfinite" and _int(x.get("step")) is not None]
-    if not nonfinite:
+    det = [(r, i, x) for r, v in recs.items() for i, x in enumerate(v)
+           if x.get("kind") in DETECTIONS and _int(x.get("step")) is not None]
+    if not det:
         return None
-    s0 = min(_int(x["step"]) for _, _, x in nonfinite)
-    at = [(r, i, x) for r, i, x in nonfinite if _int(x["step"]) == s0]
+    s0 = min(_int(x["step"]) for _, _, x in det)
+    at = [(r, i, x) for r, i, x in det if _int(x["step"]) == s0]
 
     def t(r, x):
-        ns = _int(x.get("t_ns"), 0)
+        ns = _int(x.get("t_ns"))
+        if ns is None:
+            return None
         f = align.get(r)
         return f(ns) if f else ns
 
+    # a rank's detection time at s0: its earliest record (the replay's "origin" carries the time
+    # of the detection that triggered it)
+    t_rank = {}
+    for r, _, x in at:
+        tx = t(r, x)
+        if tx is not None:
+            t_rank[r] = min(t_rank.get(r, tx), tx)
     created = [(r, i, x) for r, i, x in at if x.get("created")]
     pool = created or at
-    # per rank, its earliest record (file order is execution order); then across ranks, time
-    per_rank = {}
-    for r, i, x in pool:
-        if r not in per_rank or i < per_rank[r][0]:
-            per_rank[r] = (i, x)
-    rank = min(per_rank, key=lambda r: (t(r, per_rank[r][1]), r))
-    first = per_rank[rank][1]
-    ops = [x for x in recs[rank] if x.get("kind") == "op" and _int(x.get("step")) == s0]
+    ranks = sorted({r for r, _, _ in pool})
+    rank = min(ranks, key=lambda r: (t_rank.get(r, float("inf")), r))
+    mine = [(i, x) for r, i, x in pool if r == rank]
+    # the replay verdict if there is one, else the first record in execution order
+    rec = next((x for _, x in mine if x.get("kind") == "origin"), min(mine, key=lambda e: e[0])[1])
+    ops = [x for x in recs[rank] if x.get("kind") == "op" and _int(x.get("step")) == s0]  # flags mode
     op = next((x for x in ops if x.get("op")), None)
-    rec = first
-    if op is not None:  # the replay that reproduced the creation names the module
+    if op is not None and rec.get("kind") != "origin":
         rec = next((x for x in recs[rank] if x.get("kind") == "nonfinite" and x.get("created")
-                    and _int(x.get("step")) == s0 and x.get("module") == op.get("module")), first)
-    module = clean_path(op["module"] if op is not None else rec.get("module"))
+                    and _int(x.get("step")) == s0 and x.get("module") == op.get("module")), rec)
+    src = op if (op is not None and rec.get("kind") != "origin") else rec
     out = {
-        "rank": rank, "step": s0, "phase": (op or rec).get("phase") or rec.get("phase"),
-        "module": module, "module_class": rec.get("module_class"),
-        "op": op.get("op") if op else None, "value": rec.get("value"),
-        "created": bool(rec.get("created")), "role": rec.get("role"),
-        "evidence": {k: rec.get(k) for k in ("evidence", "inputs", "output", "grad", "grad_output_finite",
-                                            "first_params", "params_nonfinite") if rec.get(k) is not None},
+        "rank": rank, "step": s0, "phase": src.get("phase") or rec.get("phase"),
+        "module": clean_path(src.get("module")), "module_class": rec.get("module_class"),
+        "op": src.get("op"), "value": rec.get("value"), "created": bool(rec.get("created")),
+        "role": rec.get("role"), "method": "replay" if rec.get("kind") == "origin" else "module flags",
+        "evidence": {k: rec.get(k) for k in EVIDENCE_KEYS if rec.get(k) not in (None, [], "")},
     }
-    if op is not None:
-        out["evidence"].update({k: op.get(k) for k in ("op_phase", "op_inputs", "op_output", "op_value",
-                                                       "overflow", "hidden_by", "backward_op",
-                                                       "backward_value", "ops_checked")
-                                if op.get(k) is not None})
+    if src is op:
+        out["evidence"].update({k: op.get(k) for k in EVIDENCE_KEYS if op.get(k) is not None})
+    if out["evidence"].get("op_module"):
+        out["evidence"]["op_module"] = clean_path(out["evidence"]["op_module"])
     out["replays"] = [{"module": clean_path(x.get("module")), "op": x.get("op"), "note": x.get("note")}
                       for x in ops]
-    # ranks that saw it later (same step through p2p/collectives, or the next steps through
-    # the weights); each one's first detection
-    firsts = {}
-    for r, i, x in sorted(nonfinite, key=lambda e: (e[0], _int(e[2]["step"]), e[1])):
-        if r != rank and r not in firsts:
-            firsts[r] = x
-    out["received_by"] = sorted(firsts)
+    # every other rank: its first detection (and its replay's verdict: received how)
+    others = {}
+    for r, i, x in sorted(det, key=lambda e: (e[0], _int(e[2]["step"]), e[2].get("kind") != "origin", e[1])):
+        if r != rank and r not in others:
+            others[r] = x
+    out["received_by"] = sorted(others)
     out["other_ranks"] = [{"rank": r, "step": _int(x.get("step")), "phase": x.get("phase"),
                            "module": clean_path(x.get("module")), "created": bool(x.get("created")),
-                           "role": x.get("role")} for r, x in sorted(firsts.items())]
+                           "role": x.get("role"), "detected_ns": t(r, x)} for r, x in sorted(others.items())]
     out["creating_ranks"] = sorted({r for r, _, _ in created})
     out["recovered"] = _recovered(recs, s0)
     return out
@@ -174,14 +184,22 @@ def origin_finding(o: dict) -> Finding:
     if o.get("received_by"):
         msg += f". Ranks {', '.join(map(str, o['received_by']))} received it."
     if not o["created"]:
-        msg += " No rank showed a module creating it from finite inputs (created outside the" \
-               " watched modules, or on a rank without probes)."
+        msg += " No rank showed it being created from finite values (the replay was refused or" \
+               " did not reproduce it, or it was created on a rank without probes)."
+        if ev.get("notes"):
+            msg += " " + "; ".join(map(str, ev["notes"][:2])) + "."
+        if o["module"] in ("<loss>", "<parameters>", None):
+            # the default watch could not replay the step: on CUDA it keeps no inputs unless a
+            # flag read per step is allowed, and DTensor/FSDP modules cannot be replayed alone
+            msg += (" To name the module and op, rerun with TRAINPROF_NAN_SYNC=1 (CUDA: one flag"
+                    " read per step, then the step is replayed) or TRAINPROF_NAN_MODULES=all"
+                    " (module-level flags on every call; also for TP/FSDP modules).")
     if o.get("recovered"):
         msg += " Later steps were finite again (transient)."
     sev = "warning" if o.get("recovered") else "critical"
     evidence = dict(ev)
     evidence.update({k: o[k] for k in ("step", "phase", "module", "module_class", "op", "value", "role",
-                                       "created", "received_by", "creating_ranks", "replays",
+                                       "created", "method", "received_by", "creating_ranks", "replays",
                                        "other_ranks", "recovered") if o.get(k) is not None})
     return Finding("nan_origin", sev, [o["rank"]], msg, evidence)
 

@@ -95,8 +95,10 @@ def _device_times(df) -> pd.DataFrame:
     if not full.any():
         return df
     base = df.loc[full].groupby(["rank", "step"])["a_start"].transform("min")
-    df.loc[full, "a_start"] = (base + (ds[full] * 1e6).round()).astype(np.int64)
-    df.loc[full, "a_end"] = (df.loc[full, "a_start"] + (dd[full] * 1e6).round()).astype(np.int64)
+    # int64 throughout: epoch ns in float64 would lose ~256 ns
+    start = base.astype(np.int64) + (ds[full] * 1e6).round().astype(np.int64)
+    df.loc[full, "a_start"] = start
+    df.loc[full, "a_end"] = start + (dd[full] * 1e6).round().astype(np.int64)
     df.loc[full, "device"] = True
     return df
 

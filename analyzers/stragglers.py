@@ -280,8 +280,10 @@ def analyze(run) -> AnalyzerResult:
         findings.append(Finding(
             "straggler", "warning", [p["rank"]],
             f"rank {p['rank']} ({_coords_text(p['coords'])}, host {p['host']}) is a chronic "
-            f"straggler: {p['busy_ms']:.0f} ms of work per step vs {p['peer_busy_ms']:.0f} ms for "
-            f"the other ranks of {p['group']} (+{p['excess_ms']:.0f} ms, score {p['score']:.1f}) in "
+            f"straggler: {p['busy_ms']:.0f} ms of work per step vs a median of "
+            f"{p['peer_busy_ms']:.0f} ms in its peer group ({p['group']}: ranks "
+            f"{', '.join(map(str, sorted([p['rank']] + ev['peers'])))}; +{p['excess_ms']:.0f} ms, "
+            f"score {p['score']:.1f}) in "
             f"{len(p['straggling_steps'])} of {p['steps']} analysed steps; its peers spend that "
             f"time waiting for it in collectives{late}", evidence=ev))
 

@@ -6,7 +6,9 @@
 One process, one trainprof session (the other probes stay attached in every variant). The
 training step of the reference transformer (micro-batched forward/backward, AdamW) runs in
 alternating blocks of `--steps` steps with the watch detached ("off"), with loss + gradient
-checks only ("loss+grads", TRAINPROF_NAN_MODULES=off), with flags on leaf modules only
+checks only ("loss+grads", TRAINPROF_NAN_MODULES=off), in the default mode that also keeps
+references to each root module call's inputs for a replay after a detection ("replay"), with
+flags on leaf modules only
 ("leaf") and with module-level flags on every module ("full"),
 `--rounds` times, so machine noise hits every variant alike. Per variant: median step time over
 all its steps; overhead = median(variant) / median(off) - 1. The step time is taken around the
@@ -60,7 +62,9 @@ def main() -> int:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    times = {"off": [], "loss+grads": [], "leaf": [], "full": []}
+    times = {"off": [], "loss+grads": [], "replay": [], "leaf": [], "full": []}
+    if dev.type == "cuda":
+        times["replay+sync"] = []  # TRAINPROF_NAN_SYNC=1: one flag read per step (CUDA only)
     with tempfile.TemporaryDirectory() as d, trainprof.session(d, profile_steps="none") as s:
         watch = s.state.pop("nan_watch", None)
         if watch is not None:
@@ -71,10 +75,13 @@ def main() -> int:
             for variant in times:
                 w = None
                 if variant != "off":
-                    os.environ[nan_watch.ENV_MODULES] = {"full": "all", "leaf": "leaf"}.get(variant, "off")
+                    os.environ[nan_watch.ENV_MODULES] = {"full": "all", "leaf": "leaf", "replay": "replay",
+                                                         "replay+sync": "replay"}.get(variant, "off")
+                    os.environ[nan_watch.ENV_SYNC] = "1" if variant == "replay+sync" else "0"
                     nan_watch.attach(s)
                     w = s.state.pop("nan_watch")
-                    step()  # first step registers the per-module hooks: not timed
+                    step()  # first steps register the per-module / per-root hooks: not timed
+                    step()
                 for _ in range(a.steps):
                     sync()
                     t0 = time.perf_counter()
@@ -86,6 +93,7 @@ def main() -> int:
                     s._step_listeners.remove(w._on_step)
                     s._close_listeners.remove(w.close)
         os.environ.pop(nan_watch.ENV_MODULES, None)
+        os.environ.pop(nan_watch.ENV_SYNC, None)
     base = statistics.median(times["off"])
     print(f"device {dev}  layers {a.layers}  hidden {a.hidden}  seq {a.seq_len}  batch {a.batch}"
           f"  micro-batches {a.micro_batches}  ({a.rounds} rounds x {a.steps} steps per variant)")

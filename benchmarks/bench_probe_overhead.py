@@ -9,6 +9,7 @@ Step times come from this script's own optimizer-step hook (identical in both va
 the comparison does not depend on the probes being measured. Variants alternate to spread
 machine noise; the job step time of a run is the median over steps (warm-up steps dropped) of
 the slowest rank's step. Prints per-run numbers, the medians and the overhead in %.
+For each probes run it also times `trainprof analyze` on the captured run (summary + report).
 
 Without `python -m trainprof.reference` (module missing), a built-in FSDP2 + TP + PP job on
 gloo is used. On a shared, busy machine the numbers are noisy: read them with the spread.
@@ -129,6 +130,12 @@ def run_once(variant: str, nproc: int, module: str, args: list[str], tmp: Path, 
     if proc.returncode != 0:
         raise SystemExit(f"{variant} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     res = {"variant": variant, "step_ms": job_step_ms(out), "wall_s": time.monotonic() - t0}
+    if variant == "probes":  # analyze time of the captured run (summary + report)
+        t1 = time.monotonic()
+        a = subprocess.run([sys.executable, "-m", "trainprof", "analyze", str(out / "run"), "--quiet"],
+                           env=env, capture_output=True, text=True)
+        if a.returncode == 0:
+            res["analyze_s"] = time.monotonic() - t1
     coll = list((out / "run" / "ranks").glob("rank-*/collectives.jsonl"))
     if coll:
         n = sum(1 for p in coll for _ in open(p))
@@ -168,7 +175,8 @@ def main() -> None:
                 print(f"  {variant:6s} run {i}: median step {r['step_ms']:.2f} ms "
                       f"(wall {r['wall_s']:.1f} s"
                       + (f", {r['collective_records_per_rank']:.0f} collective records/rank"
-                         if "collective_records_per_rank" in r else "") + ")", flush=True)
+                         if "collective_records_per_rank" in r else "")
+                      + (f", analyze {r['analyze_s']:.1f} s" if "analyze_s" in r else "") + ")", flush=True)
     probes = [r["step_ms"] for r in results if r["variant"] == "probes"]
     bare = [r["step_ms"] for r in results if r["variant"] == "bare"]
     mp, mb = statistics.median(probes), statistics.median(bare)

@@ -110,20 +110,28 @@ def flight_recorder_dump(dir_: Path) -> dict:
         from torch._C import _distributed_c10d as c10d
     except Exception as e:  # noqa: BLE001
         return {"error": f"torch.distributed unavailable: {e}"}
-    errors = []
-    for name, fname in (("_dump_fr_trace", FR_PICKLE), ("_dump_nccl_trace", FR_PICKLE),
-                        ("_dump_fr_trace_json", FR_JSON), ("_dump_nccl_trace_json", FR_JSON)):
-        fn = getattr(c10d, name, None)
-        if fn is None:
-            continue
-        try:
-            data = fn()
-            if isinstance(data, str):
-                data = data.encode()
+    # torch >= 2.8 keeps two recorders: _dump_fr_trace holds the gloo (CPU event) one,
+    # _dump_nccl_trace the NCCL (CUDA event) one; the other is an empty dump. Take every dump
+    # there is and keep the fullest (the one with entries).
+    errors, best = [], None
+    for group in ((("_dump_fr_trace", FR_PICKLE), ("_dump_nccl_trace", FR_PICKLE)),
+                  (("_dump_fr_trace_json", FR_JSON), ("_dump_nccl_trace_json", FR_JSON))):
+        for name, fname in group:
+            fn = getattr(c10d, name, None)
+            if fn is None:
+                continue
+            try:
+                data = fn()
+                if isinstance(data, str):
+                    data = data.encode()
+                if best is None or len(data) > len(best[2]):
+                    best = (name, fname, data)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"{name}: {type(e).__name__}: {e}")
+        if best is not None:
+            name, fname, data = best
             write_bytes_atomic(dir_ / fname, data)
             return {"file": fname, "api": name, "bytes": len(data)}
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"{name}: {type(e).__name__}: {e}")
     return {"error": "; ".join(errors) or "no flight-recorder dump function in this torch"}
 
 

@@ -19,6 +19,7 @@ import math
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Ops whose outputs are uninitialized memory or metadata: never a "creation".
@@ -29,6 +30,7 @@ MASK_OPS = {"masked_fill", "masked_fill_", "fill", "fill_", "full", "full_like",
             "scalar_tensor", "index_fill", "index_fill_", "where", "masked_scatter", "clamp", "clamp_min"}
 COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "fsdp"}
 MAX_OPS_RECORDED = 4
+TAG = "trainprof_module"  # autograd-node metadata key: the module whose forward made the node
 
 
 class ReplayRefused(RuntimeError):
@@ -112,12 +114,22 @@ class OpCheckMode(TorchDispatchMode):
     """Records, per phase, the ops that created non-finite values from finite inputs, and the
     ops that consumed a non-finite value yet produced a finite one (masking)."""
 
-    def __init__(self):
+    def __init__(self, tracker=None):
         super().__init__()
         self.phase = "forward"
         self.created: list[dict] = []
         self.masked: list[dict] = []
         self.n_ops = 0
+        self.quiet = 0          # >0 while the replay's own bookkeeping runs ops
+        self.tracker = tracker  # module attribution (forward: module stack; backward: node tag)
+
+    def _where(self):
+        if self.tracker is None:
+            return None
+        if self.phase == "forward":
+            return self.tracker.stack[-1] if self.tracker.stack else None
+        node = torch._C._current_autograd_node()
+        return node.metadata.get(TAG) if node is not None else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -125,7 +137,7 @@ class OpCheckMode(TorchDispatchMode):
         if ns in COLLECTIVE_NAMESPACES:
             raise ReplayRefused(f"replay reached collective {_op_name(func)}")
         short = _short(func)
-        if short in SKIP_OPS:
+        if short in SKIP_OPS or self.quiet:
             return func(*args, **kwargs)
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         in_ok = all(_finite(t) for t in ins)  # before the op: in-place ops overwrite inputs
@@ -140,12 +152,13 @@ class OpCheckMode(TorchDispatchMode):
             if not (short in MASK_OPS and neg_inf_only):
                 rec = {"op": _op_name(func), "phase": self.phase, "inputs": in_stats,
                        "output": o[0] if o else None, "value": value_kind(o[0]) if o else None,
-                       "index": self.n_ops}
+                       "index": self.n_ops, "module": self._where()}
                 if any((s.get("posinf") or s.get("neginf")) and not s.get("nan") for s in o):
                     rec["overflow"] = _overflow(func, args, kwargs, outs)
                 self.created.append(rec)
         elif not in_ok and out_ok and outs and len(self.masked) < MAX_OPS_RECORDED:
-            self.masked.append({"op": _op_name(func), "phase": self.phase, "index": self.n_ops})
+            self.masked.append({"op": _op_name(func), "phase": self.phase, "index": self.n_ops,
+                                "module": self._where()})
         return out
 
 
@@ -217,4 +230,314 @@ def summarize(result: dict, phase: str) -> dict:
         if in_phase:
             out["backward_op"] = in_phase[0]["op"]
             out["backward_value"] = in_phase[0].get("value")
+    return out
+
+
+# --------------------------------------------------------------------------- step replay
+# Used by the default ("replay") mode of nan_watch: the always-on watch keeps only references to
+# each root module call's inputs (and its output-gradients); on the first detection, before the
+# optimizer changes the parameters, those calls are re-run here with module-level and op-level
+# checks. Everything below runs only after a detection, so its cost does not matter.
+
+
+def _floats(x, acc):
+    if isinstance(x, torch.Tensor):
+        if is_float(x):
+            acc.append(x)
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            _floats(y, acc)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _floats(y, acc)
+    return acc
+
+
+def _tensors(x, acc):
+    if isinstance(x, torch.Tensor):
+        acc.append(x)
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            _tensors(y, acc)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _tensors(y, acc)
+    return acc
+
+
+def _within(path, module) -> bool:
+    """path is module or one of its descendants."""
+    return isinstance(path, str) and (path == module or path.startswith(module + "."))
+
+
+class _TagMode(TorchFunctionMode):
+    """Tags the autograd nodes each forward creates with the module running (innermost), so a
+    backward op can be attributed to the module whose forward made its node."""
+
+    def __init__(self, tracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        where = self.tracker.stack[-1] if self.tracker.stack else None
+        if where is not None:
+            todo = [t.grad_fn for t in tree_flatten(out)[0]
+                    if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            seen = 0
+            while todo and seen < 10_000:  # the nodes this call created, back to tagged ones
+                n = todo.pop()
+                seen += 1
+                if n is None or TAG in n.metadata or type(n).__name__ == "AccumulateGrad":
+                    continue
+                n.metadata[TAG] = where
+                todo.extend(f for f, _ in n.next_functions)
+        return out
+
+
+class _Tracker:
+    """Module-level verdicts during a replay. Forward: a module whose floating inputs were finite
+    and whose output is not created the value (children finish first: innermost first).
+    Backward: one gradient hook per tensor, re-registered so it runs after every hook added since
+    (e.g. by a module's forward pre-hook on its input); a module whose output-gradients were
+    finite and whose forward was finite, but whose input-gradient is not, created it."""
+
+    def __init__(self, name_of):
+        self.name_of = name_of
+        self.stack: list[str] = []
+        self.handles: list = []
+        self.hooked: set = set()
+        self.slots: dict = {}
+        self.mode = None
+        self.fwd: list[dict] = []       # forward creations (first few)
+        self.bwd: list[list[dict]] = []  # per gradient-hook call: the modules it convicts
+
+    def __enter__(self):
+        from torch.nn.modules import module as nnm
+
+        self.handles.append(nnm.register_module_forward_pre_hook(self._pre))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        for s in self.slots.values():
+            if s[1] is not None:
+                s[1].remove()
+        self.handles, self.slots = [], {}
+
+    def _name(self, mod):
+        return self.name_of(mod) or f"<{type(mod).__name__}>"
+
+    def _pre(self, mod, args):
+        self.stack.append(self._name(mod))
+        if id(mod) not in self.hooked:  # appended now: runs after the module's own forward hooks
+            self.hooked.add(id(mod))
+            self.handles.append(mod.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+
+    def _post(self, mod, args, kwargs, out):
+        name = self.stack.pop() if self.stack else self._name(mod)
+        self.mode.quiet += 1
+        try:
+            ins = _floats(kwargs, _floats(args, []))
+            outs = _floats(out, [])
+            info = {"module": name, "module_class": type(mod).__name__,
+                    "in_ok": all(_finite(t) for t in ins), "out_ok": all(_finite(t) for t in outs),
+                    "gout_ok": True}
+            if info["in_ok"] and not info["out_ok"] and len(self.fwd) < MAX_OPS_RECORDED:
+                bad = next(t for t in outs if not _finite(t))
+                self.fwd.append({**info, "inputs": [stats(t) for t in ins[:4]], "output": stats(bad)})
+            if torch.is_grad_enabled():
+                for t in outs:
+                    if t.requires_grad:
+                        self._slot(t).append(("gout", info))
+                for t in ins:
+                    if t.requires_grad:
+                        self._slot(t).append(("gin", info))
+        finally:
+            self.mode.quiet -= 1
+
+    def _slot(self, t):
+        s = self.slots.get(id(t))
+        if s is None or s[2] is not t:
+            s = self.slots[id(t)] = [[], None, t]
+        elif s[1] is not None:
+            s[1].remove()
+        s[1] = t.register_hook(lambda g, entries=s[0]: self._grad(entries, g))
+        return s[0]
+
+    def _grad(self, entries, g):
+        self.mode.quiet += 1
+        try:
+            ok = _finite(g)
+            convicted = []
+            for kind, info in sorted(entries, key=lambda e: e[0] != "gin"):  # gin: this module's backward made g
+                if kind == "gin":
+                    if not ok and info["gout_ok"] and info["in_ok"] and info["out_ok"]:
+                        convicted.append(info)
+                else:
+                    info["gout_ok"] &= ok
+            if convicted and len(self.bwd) < MAX_OPS_RECORDED:
+                s = stats(g)
+                self.bwd.append([{**c, "grad": s} for c in convicted])
+        finally:
+            self.mode.quiet -= 1
+        return None
+
+
+def _pick_backward(convicted: list[dict], op: dict | None) -> dict:
+    """Modules sharing an input tensor share its gradient (attn and its q/k/v): pick the
+    innermost one whose forward made the autograd node the creating op ran in; if the op ran in
+    a gradient hook on the input (its node belongs to the producer), the outermost."""
+    where = op.get("module") if op else None
+    mine = [c for c in convicted if _within(where, c["module"])]
+    if mine:
+        return max(mine, key=lambda c: c["module"].count("."))
+    return min(convicted, key=lambda c: c["module"].count("."))
+
+
+def _op_fields(op: dict | None) -> dict:
+    if op is None:
+        return {"op": None}
+    return {"op": op["op"], "op_phase": op["phase"], "op_module": op.get("module"),
+            "op_inputs": op.get("inputs"), "op_output": op.get("output"), "op_value": op.get("value"),
+            "overflow": op.get("overflow")}
+
+
+def replay_call(call, name_of) -> dict:
+    """Re-run one root module call (forward, then backward with the saved output-gradients) with
+    module- and op-level checks. Returns {"ops", "forward_finite", "verdict": None | {...}}."""
+    module = call.module
+    if type(module).__name__ == "DistributedDataParallel":
+        module = module.module  # DDP's own forward may broadcast buffers: replay the wrapped model
+    _refuse_distributed(module)
+    floats = _floats(call.kwargs or {}, _floats(call.args, []))
+    if call.versions is not None and [t._version for t in _tensors(call.kwargs or {}, _tensors(call.args, []))] != call.versions:
+        raise ReplayRefused("the call's inputs were modified in place after the call")
+
+    def fresh(x):
+        if isinstance(x, torch.Tensor):
+            y = x.detach().clone()
+            return y.requires_grad_(x.requires_grad) if is_float(y) else y
+        return x
+
+    args, kwargs = tree_map(fresh, call.args), tree_map(fresh, call.kwargs or {})
+    tracker = _Tracker(name_of)
+    mode = tracker.mode = OpCheckMode(tracker)
+    devs = sorted({t.device.index for t in floats if t.device.type == "cuda" and t.device.index is not None})
+    verdict = None
+    with torch.random.fork_rng(devices=devs), tracker:
+        if call.rng is not None:
+            torch.set_rng_state(call.rng)
+        if call.cuda_rng is not None:
+            torch.cuda.set_rng_state(call.cuda_rng)
+        with torch.enable_grad(), _TagMode(tracker), mode:
+            out = module(*args, **kwargs)
+        ins = _floats(kwargs, _floats(args, []))
+        outs = _floats(out, [])
+        fwd_finite = all(_finite(t) for t in outs)
+        fwd_ops = [c for c in mode.created if c["phase"] == "forward"]
+        if tracker.fwd:  # a module turned finite inputs into a non-finite output
+            m = tracker.fwd[0]
+            op = next((c for c in fwd_ops if _within(c.get("module"), m["module"])), fwd_ops[0] if fwd_ops else None)
+            verdict = {"created": True, "phase": "forward", "role": "output", "module": m["module"],
+                       "module_class": m["module_class"], "inputs": m["inputs"], "output": m["output"],
+                       "value": value_kind(m["output"]), **_op_fields(op)}
+        elif not fwd_finite:
+            bad = [stats(t) for t in ins if not _finite(t)][:4]
+            verdict = {"created": False, "phase": "forward", "role": "inputs", "module": tracker._name(module),
+                       "inputs": bad, "value": value_kind(bad[0]) if bad else None,
+                       "evidence": "the call's inputs were already non-finite (received)"}
+        elif call.grads:
+            pairs = [(t, call.grads.get(i)) for i, t in enumerate(outs) if t.requires_grad]
+            pairs = [(t, g) for t, g in pairs if g is not None]
+            bad = [g for _, g in pairs if not _finite(g)]
+            if bad:
+                s = stats(bad[0])
+                if call.grad_explicit:  # handed to backward by another rank (pipeline p2p)
+                    verdict = {"created": False, "phase": "backward", "role": "grad_output",
+                               "module": tracker._name(module), "grad": s, "value": value_kind(s),
+                               "evidence": "the gradient w.r.t. the call's output arrived non-finite"}
+                else:  # from this rank's loss, whose backward made it
+                    verdict = {"created": True, "phase": "backward", "role": "grad_output",
+                               "module": "<loss>", "grad": s, "value": value_kind(s), "op": None,
+                               "evidence": "finite model output, the loss's gradient w.r.t. it is not: "
+                                           "created by the loss computation's backward"}
+            elif pairs:
+                params = [p for p in module.parameters() if p.requires_grad]
+                wrt = [t for t in ins if t.requires_grad] + params
+                mode.phase = "backward"
+                with _TagMode(tracker), mode:
+                    gs = torch.autograd.grad([t for t, _ in pairs], wrt, grad_outputs=[g for _, g in pairs],
+                                             allow_unused=True)
+                bwd_ops = [c for c in mode.created if c["phase"] == "backward"]
+                pgrads = gs[len(wrt) - len(params):]
+                bad_p = [p for p, g in zip(params, pgrads) if g is not None and not _finite(g)]
+                op = bwd_ops[0] if bwd_ops else None
+                if tracker.bwd:
+                    m = _pick_backward(tracker.bwd[0], op)
+                    verdict = {"created": True, "phase": "backward", "role": "grad_input",
+                               "module": m["module"], "module_class": m["module_class"], "grad": m["grad"],
+                               "value": value_kind(m["grad"]),
+                               "evidence": "gradient w.r.t. the module's outputs finite, w.r.t. its inputs not"}
+                elif bad_p or op is not None:
+                    where = op.get("module") if op else None
+                    verdict = {"created": True, "phase": "backward", "role": "parameter_grads",
+                               "module": where or tracker._name(module), "params_nonfinite": len(bad_p),
+                               "evidence": "input-gradients finite, parameter gradients not"}
+                    if bad_p:
+                        verdict["grad"] = stats(pgrads[[id(p) for p in params].index(id(bad_p[0]))])
+                        verdict["value"] = value_kind(verdict["grad"])
+                if verdict is not None:
+                    # a creation hidden by masking in the forward of this module is the root cause
+                    hidden = [c for c in fwd_ops if _within(c.get("module"), verdict["module"])]
+                    if hidden:
+                        h = hidden[0]
+                        masked = [x for x in mode.masked if x["phase"] == "forward" and x["index"] > h["index"]]
+                        verdict.update(_op_fields(h))
+                        verdict["hidden_by"] = masked[0]["op"] if masked else None
+                        if op is not None:
+                            verdict["backward_op"], verdict["backward_value"] = op["op"], op.get("value")
+                    else:
+                        verdict.update(_op_fields(op))
+    return {"ops": mode.n_ops, "forward_finite": fwd_finite, "verdict": verdict}
+
+
+def locate_step(calls, name_of, loss_bad: bool, grads_bad: bool, max_calls: int = 32) -> dict:
+    """Replay this step's root calls in execution order (each forward, then its backward) until
+    one shows where the value was created or that it arrived from elsewhere."""
+    out = {"created": False, "phase": None, "module": None, "op": None, "replayed": 0, "ops_checked": 0,
+           "notes": []}
+    all_fwd_finite = bool(calls)
+    for i, c in enumerate(calls[:max_calls]):
+        try:
+            r = replay_call(c, name_of)
+        except ReplayRefused as e:
+            out["notes"].append(f"call {i}: replay refused: {e}")
+            all_fwd_finite = False
+            continue
+        except Exception as e:  # noqa: BLE001 - a failing replay must not hide the detection
+            out["notes"].append(f"call {i}: replay failed: {type(e).__name__}: {e}")
+            all_fwd_finite = False
+            continue
+        out["replayed"] += 1
+        out["ops_checked"] += r["ops"]
+        all_fwd_finite &= r["forward_finite"]
+        if r["verdict"] is not None:
+            out.update(r["verdict"])
+            out["call"] = i
+            return out
+    if len(calls) > max_calls:
+        out["notes"].append(f"only the first {max_calls} of {len(calls)} calls replayed")
+    if not calls:
+        out["notes"].append("no root module call captured this step")
+    elif loss_bad and all_fwd_finite:
+        out.update(created=True, phase="forward", role="loss", module="<loss>",
+                   evidence="every module output finite, the loss not: created by the loss computation")
+    elif grads_bad and out["replayed"] == min(len(calls), max_calls):
+        out.update(phase="backward", role="parameter_grads",
+                   evidence="the replayed forward and backward are finite: the non-finite gradients "
+                            "arrived through a gradient reduction (data parallel) or outside the module calls")
+    else:
+        out["notes"].append("the replay did not reproduce the non-finite value")
     return out

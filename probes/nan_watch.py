@@ -35,8 +35,14 @@ import weakref
 from trainprof.probes import runtime
 
 STREAM = "nan"
-ENV_MODULES = "TRAINPROF_NAN_MODULES"  # "all" (default) | "leaf" | "off": module-level flags
+# "replay" (default): loss + gradient checks always on, root module calls kept by reference and
+# replayed with module/op checks after a detection. "all" | "leaf": module-level flags always on
+# (also on CUDA without a sync; costly). "off": loss + gradient checks only.
+ENV_MODULES = "TRAINPROF_NAN_MODULES"
+ENV_SYNC = "TRAINPROF_NAN_SYNC"        # "1": on CUDA read the flags at the optimizer pre-step hook
+ENV_KEEP_MB = "TRAINPROF_NAN_KEEP_MB"  # cap on output-gradients kept per step for a replay
 MAX_CANDIDATES = 8
+MAX_ROOT_CALLS = 64
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 _WATCH: "NanWatch | None" = None
 _orig_backward = None
@@ -64,6 +70,21 @@ class _Call:
         self.in_ok = self.out_ok = True
         self.gout_ok = True
         self.gouts: dict = {}
+
+
+class _Root:
+    """One root module call of the current step (a module called outside any other module): what
+    a replay needs, by reference (no copies in the hot path)."""
+
+    __slots__ = ("module", "args", "kwargs", "versions", "rng", "cuda_rng", "grads", "outs",
+                 "grad_explicit")
+
+    def __init__(self, module, args, kwargs, versions, rng, cuda_rng):
+        self.module, self.args, self.kwargs, self.versions = module, args, kwargs, versions
+        self.rng, self.cuda_rng = rng, cuda_rng
+        self.grads: dict = {}    # floating output index -> gradient w.r.t. it (from a tensor hook)
+        self.outs: list = []     # weakrefs to the floating outputs
+        self.grad_explicit = False  # an output was a backward root with an explicit gradient (p2p)
 
 
 class _NoHandle:
@@ -103,12 +124,12 @@ class _Resolver:
             phase, role = "backward", "grad_input"
         elif kind == "loss":
             bad = not _finite(vals[0])
-            created = bad and not self.fwd_bad
+            created = bad and not self.fwd_bad and self.w.modules_on
             self.fwd_bad |= bad
             phase, role = "forward", "loss"
         elif kind == "grads":
             bad = not _finite(vals[0])
-            created = bad and self.first is None
+            created = bad and self.first is None and self.w.modules_on
             phase, role = "backward", "parameter_grads"
         else:  # params after the optimizer step
             bad = not _finite(vals[0])
@@ -145,8 +166,22 @@ class NanWatch:
         self._pnames: dict[int, tuple] = {}          # id(param) -> (weakref, path)
         self._off = 0                                 # >0 during a replay
         self._cache: dict = {}                        # id(tensor) -> (weakref, version, stat)
-        self.modules_mode = os.environ.get(ENV_MODULES, "all")
-        self.modules_on = self.modules_mode != "off"
+        self.modules_mode = os.environ.get(ENV_MODULES, "replay")
+        self.modules_on = self.modules_mode in ("all", "leaf")
+        self.replay_on = self.modules_mode == "replay"
+        self.sync = os.environ.get(ENV_SYNC) == "1"
+        try:
+            self.keep_bytes = float(os.environ.get(ENV_KEEP_MB, "1024")) * 2**20
+        except ValueError:
+            self.keep_bytes = 2**30
+        self.roots_known: weakref.WeakSet = weakref.WeakSet()   # modules seen as roots
+        self._replayable = weakref.WeakKeyDictionary()          # module -> None | refusal reason
+        self._root_handles = []
+        self._root_hooked: weakref.WeakSet = weakref.WeakSet()
+        self._discover_handles = []
+        self._depth = 0
+        self.located = False
+        self._bwd_seen = False
         self._pending = []   # deferred (CUDA) steps awaiting their copy
         self._reset_step()
         self.detected_step = None
@@ -161,6 +196,9 @@ class NanWatch:
         self.optimizers = []
         self.resolver = _Resolver(self, self.s.clock.step)
         self.calls = 0
+        self.roots: list = []     # this step's root calls (replay mode)
+        self.kept_bytes = 0
+        self.detect_t_ns = None   # first non-finite loss/gradient seen this step (host clock)
         for slot in getattr(self, "slots", ()):
             slot[0].clear()  # drop this step's calls (and their input references)
             if slot[1] is not None:
@@ -188,6 +226,8 @@ class NanWatch:
         _quiet_pipeline_inference()
         if self.modules_on:
             self.handles.append(nnm.register_module_forward_pre_hook(self._pre))
+        elif self.replay_on:
+            self._discover(True)
         self.handles.append(register_optimizer_step_pre_hook(self._pre_step))
         self.s.on_step(self._on_step)
         self.s.on_close(self.close)
@@ -196,8 +236,9 @@ class NanWatch:
         global _WATCH
         if _WATCH is self:
             _WATCH = None
-        for h in self.handles:
+        for h in self.handles + self._root_handles + self._discover_handles:
             h.remove()
+        self._root_handles, self._discover_handles = [], []
         for h in list(self._hooked.values()):
             h.remove()
         self._hooked = weakref.WeakKeyDictionary()
@@ -352,6 +393,154 @@ class NanWatch:
             self._fail(e)
         return None
 
+    # -- root module calls (replay mode): global hooks only until the roots are known
+    def _discover(self, on):
+        from torch.nn.modules import module as nnm
+
+        if on and not self._discover_handles:
+            self._depth = 0
+            self._discover_handles = [
+                nnm.register_module_forward_pre_hook(self._g_pre),
+                nnm.register_module_forward_hook(self._g_post, always_call=True, with_kwargs=True)]
+        elif not on:
+            for h in self._discover_handles:
+                h.remove()
+            self._discover_handles = []
+
+    def _g_pre(self, mod, args):
+        self._depth += 1
+        if self._depth == 1:
+            self._root_start(mod, args, None)
+
+    def _g_post(self, mod, args, kwargs, out):
+        self._depth -= 1
+        if self._depth == 0:
+            if self.roots and self.roots[-1].module is mod and self.roots[-1].kwargs is None and kwargs:
+                self.roots[-1].kwargs = kwargs
+            self._root_end(mod, out)
+
+    def _install_roots(self):
+        """Per-root hooks replace the global ones: module calls inside the roots pay nothing."""
+        for m in list(self.roots_known):
+            if m in self._root_hooked:
+                continue
+            self._root_hooked.add(m)
+            self._root_handles.append(m.register_forward_pre_hook(self._r_pre, with_kwargs=True, prepend=True))
+            self._root_handles.append(m.register_forward_hook(self._r_post, always_call=True))
+        self._discover(False)
+        self._depth = 0
+
+    def _r_pre(self, mod, args, kwargs):
+        self._depth += 1
+        if self._depth == 1:
+            self._root_start(mod, args, kwargs)
+
+    def _r_post(self, mod, args, out):
+        self._depth -= 1
+        if self._depth == 0:
+            self._root_end(mod, out)
+
+    def _refusal(self, mod) -> str | None:
+        m = mod.module if type(mod).__name__ == "DistributedDataParallel" else mod
+        for t in list(m.parameters()) + list(m.buffers()):
+            if hasattr(t, "_local_tensor") or hasattr(t, "device_mesh"):
+                return "DTensor parameters (tensor parallel / FSDP2): a one-rank replay would need collectives"
+        for x in m.modules():
+            if type(x).__name__.startswith("FSDP") or type(x).__name__ == "FullyShardedDataParallel":
+                return "FSDP-managed: a one-rank replay would need all-gathers"
+        return None
+
+    def _root_start(self, mod, args, kwargs):
+        if self._off:
+            return
+        try:
+            torch = self.torch
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+                return  # eval / no_grad calls, and checkpoint recomputation inside the backward
+            why = self._replayable.get(mod, False)
+            if why is False:
+                why = self._replayable[mod] = self._refusal(mod)
+                self._name(mod)
+                self.roots_known.add(mod)
+                self._write({"kind": "root", "step": self.s.clock.step, "module": self._names.get(mod),
+                             "module_class": type(mod).__name__, "replayable": why is None, "reason": why})
+            if why is not None or len(self.roots) >= MAX_ROOT_CALLS:
+                return
+            ts = self._tensors(args, [])
+            if kwargs:
+                self._tensors(kwargs, ts)
+            cuda = any(t.is_cuda for t in ts)
+            if cuda and not self.sync:
+                return  # the detection arrives steps later on CUDA: nothing to replay with
+            self.roots.append(_Root(mod, args, kwargs, [t._version for t in ts], torch.get_rng_state(),
+                                    torch.cuda.get_rng_state() if cuda else None))
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    def _root_end(self, mod, out):
+        c = self.roots[-1] if self.roots else None
+        if c is None or c.module is not mod or c.outs or self._off:
+            return
+        try:
+            if not self.torch.is_grad_enabled():
+                return
+            for i, t in enumerate(self._floats(out, [])):
+                c.outs.append(weakref.ref(t))
+                if t.requires_grad:
+                    t.register_hook(functools.partial(self._root_grad, c, i))
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    def _root_grad(self, c, i, g):
+        if not self._off and g is not None:
+            nb = g.numel() * g.element_size()
+            if self.kept_bytes + nb <= self.keep_bytes:
+                c.grads[i] = g  # a reference: autograd does not modify a gradient it handed out
+                self.kept_bytes += nb
+        return None
+
+    def _tensors(self, x, acc):
+        T = self.torch.Tensor
+        if isinstance(x, T):
+            acc.append(x)
+        elif isinstance(x, (tuple, list)):
+            for y in x:
+                self._tensors(y, acc)
+        elif isinstance(x, dict):
+            for y in x.values():
+                self._tensors(y, acc)
+        return acc
+
+    def _locate(self, where):
+        """First detection on this rank: replay the step's root calls with module- and op-level
+        checks (nan_locate), before the optimizer changes the parameters."""
+        from trainprof.probes import nan_locate
+
+        self.located = True
+        first = self.resolver.first or {}
+        loss_bad = any(not math.isfinite(float(x)) for x in self.losses)
+        grads_bad = self.grad_info is not None and not math.isfinite(float(self.grad_info[0]))
+        t0 = time.perf_counter()
+        self._off += 1
+        try:
+            res = nan_locate.locate_step(self.roots, self._names.get, loss_bad, grads_bad)
+        except Exception as e:  # noqa: BLE001
+            res = {"notes": [f"locate failed: {type(e).__name__}: {e}"]}
+        finally:
+            self._off -= 1
+        rec = {"kind": "origin", "step": self.resolver.step, "t_ns": first.get("t_ns"),
+               "detected_by": first.get("role"), "at": where, "root_calls": len(self.roots),
+               "loss_nonfinite": loss_bad, "grads_nonfinite": grads_bad}
+        rec.update(res)
+        rec["replay_ms"] = (time.perf_counter() - t0) * 1e3
+        self._write(rec)
+
+    def _maybe_locate(self, where):
+        first = self.resolver.first
+        if (self.replay_on and not self.located and first is not None
+                and first.get("role") in ("loss", "parameter_grads")):
+            self._locate(where)
+
     def on_backward(self, tensors, grad_tensors):
         if self._off:
             return
@@ -359,13 +548,18 @@ class NanWatch:
             T = self.torch.Tensor
             roots = [tensors] if isinstance(tensors, T) else list(tensors or ())
             grads = [grad_tensors] if isinstance(grad_tensors, T) or grad_tensors is None else list(grad_tensors)
+            self._bwd_seen = True
             for i, r in enumerate(roots):
                 g = grads[i] if i < len(grads) else None
+                if g is not None and self.roots:
+                    for c in self.roots:  # a root call's output handed a gradient from elsewhere
+                        if any(w() is r for w in c.outs):
+                            c.grad_explicit = True
                 if isinstance(r, T) and g is None and r.numel() == 1 and r.is_floating_point():
                     lt = getattr(r, "_local_tensor", None)
                     d = (lt if lt is not None else r).detach().reshape(())
                     self.losses.append(d)
-                    v = float(d) if d.device.type == "cpu" else d.abs()
+                    v = float(d) if d.device.type == "cpu" or self.sync else d.abs()
                     self._emit("loss", None, [v], [d])
         except Exception as e:  # noqa: BLE001
             self._fail(e)
@@ -383,9 +577,10 @@ class NanWatch:
                 total = torch.linalg.vector_norm(torch.stack(norms))
                 info = (total, norms, params)
                 self.grad_info = info if self.grad_info is None else self.grad_info
-                v = float(total) if total.device.type == "cpu" else total
+                v = float(total) if total.device.type == "cpu" or self.sync else total
                 self._emit("grads", info, [v])
             self._maybe_replay()  # before the optimizer changes the parameters
+            self._maybe_locate("optimizer pre-step")
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
@@ -408,13 +603,23 @@ class NanWatch:
         grad = self.grad_info[0] if self.grad_info else None
         entry = {"step": step, "t_ns": rec.get("end_ns") or time.time_ns(), "loss": loss,
                  "grad": grad, "params": params_v, "events": self.events,
-                 "resolver": self.resolver, "calls": self.calls}
+                 "resolver": self.resolver, "calls": self.calls, "roots": len(self.roots)}
         if self.events or any(x is not None and not isinstance(x, float) and x.device.type != "cpu"
                               for x in (loss, grad, params_v)):
             self._queue(entry)
         else:
             self._write_step(entry)
         self._maybe_replay()
+        try:
+            self._maybe_locate("step boundary")  # no optimizer (explicit markers): the job may
+            if self.replay_on:                   # have updated the parameters already
+                if self._discover_handles and len(self.roots_known):
+                    self._install_roots()
+                elif not self._discover_handles and not self.roots and self._bwd_seen:
+                    self._discover(True)  # a backward without any captured root call: look again
+            self._bwd_seen = False
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
         self._reset_step()
         self._resolve_pending()
 
@@ -508,7 +713,7 @@ class NanWatch:
                "params_finite": math.isfinite(params) if params is not None else None,
                "modules_finite": res.first is None or res.first.get("role") in
                ("loss", "parameter_grads", "parameters"),
-               "module_calls": e["calls"]}
+               "module_calls": e["calls"], "root_calls": e.get("roots", 0), "mode": self.modules_mode}
         if res.first is not None:
             rec["first_nonfinite"] = {k: res.first.get(k) for k in ("phase", "module", "role", "value")}
         self._write(rec)

@@ -29,6 +29,7 @@ SCHEDULE_MODULE = "torch.distributed.pipelining.schedules"
 STREAM = "pipeline"
 MAX_BUFFER = 100_000  # spans held between flushes at most (a job that never steps)
 MAX_PENDING_STEPS = 8  # steps whose CUDA events are not complete yet, at most
+CLOSE_WAIT_S = 5.0     # at close, how long to wait for the GPU to pass the last events
 
 _REC: "SpanRecorder | None" = None
 _patched: set = set()  # modules patched
@@ -88,20 +89,25 @@ class SpanRecorder:
 
     def _resolve(self, wait):
         """Write the spans of steps whose CUDA events the GPU has passed (Event.query(): never a
-        host-device sync in the hot path; at close ``wait`` synchronizes)."""
+        host-device sync in the hot path). At close ``wait`` polls for up to CLOSE_WAIT_S; a GPU
+        that does not get there (hung, or far behind) leaves host times only."""
+        deadline = time.monotonic() + CLOSE_WAIT_S
         while self._pending:
             spans = self._pending[0]
-            last_end = spans[-1][7][1]
-            if wait:
-                last_end.synchronize()
-            elif not last_end.query():
-                if len(self._pending) <= MAX_PENDING_STEPS:
-                    return
-                self._pending.pop(0)  # the GPU is far behind: keep the host times only
+            try:
+                done = spans[-1][7][1].query()  # one stream: the last end passed, all did
+                while wait and not done and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                    done = spans[-1][7][1].query()
+            except Exception:  # noqa: BLE001 - a broken CUDA context: host times only
+                done = None
+            if done is False and not wait and len(self._pending) <= MAX_PENDING_STEPS:
+                return
+            self._pending.pop(0)
+            if not done:  # the GPU is far behind, or the run ends without it
                 for x in spans:
                     self._write(x)
                 continue
-            self._pending.pop(0)
             anchor = min(spans, key=lambda x: x[4])[7][0]  # the step's first span on this rank
             for x in spans:
                 ev_start, ev_end = x[7]

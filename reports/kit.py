@@ -137,6 +137,9 @@ def plt():
     import matplotlib
 
     matplotlib.use("Agg", force=False)
+    # Text stays <text> in the SVG (the page's own fonts): a fraction of the size and the
+    # rendering time of glyphs drawn as paths.
+    matplotlib.rcParams["svg.fonttype"] = "none"
     import matplotlib.pyplot as pyplot
 
     return pyplot

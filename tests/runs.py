@@ -23,6 +23,25 @@ CONFIGS: dict[str, dict] = {
 }
 
 
+def straggler_delay_ms(reference_run) -> int:
+    """≈20 % of a clean step as measured now: on a shared 2-core machine the clean step grows
+    with the load (1.1 s idle, 1.4-2.9 s measured), and a fixed delay would shrink against it."""
+    from trainprof.analyzers import step_time
+    from trainprof.rundir import RunDir
+
+    clean = step_time.analyze(RunDir(reference_run("clean8"))).metrics["job"]["median_ms"]
+    return max(300, int(round(0.2 * clean, -1)))
+
+
+def straggler_run(reference_run, rank: int) -> Path:
+    """clean8's mesh with `straggler:rank=R` (≈20 % of a clean step), 16 steps, no profiler;
+    shared by the straggler and the regression-gate tests."""
+    delay = straggler_delay_ms(reference_run)
+    return reference_run(f"straggler-r{rank}", nproc=8,
+                         args=MESH8 + ["--steps", "16", "--inject", f"straggler:rank={rank},delay_ms={delay}"],
+                         wrap_args=["--profile-steps", "none"])
+
+
 class ReferenceRuns:
     def __init__(self, root: Path):
         self.root = root

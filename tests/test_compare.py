@@ -224,17 +224,18 @@ def needs_reference():
         pytest.skip("reference workload (python -m trainprof.reference) not available in this build")
 
 
-E2E = ["--dp", "2", "--pp", "1", "--tp", "1", "--steps", "14", "--layers", "2", "--hidden", "64",
-       "--seq-len", "32"]
+TINY2 = ["--dp", "2", "--pp", "1", "--tp", "1", "--steps", "9", "--layers", "2", "--hidden", "64",
+         "--seq-len", "32"]
 
 
 @pytest.mark.multiproc
 def test_straggler_run_is_a_step_time_regression(reference_run, tmp_path):
     needs_reference()
-    clean = reference_run("compare-clean2", nproc=2, args=E2E)
-    # a 150 ms delay on rank 1 every step: far more than 30 % of a tiny model's step
-    slow = reference_run("compare-straggler2", nproc=2,
-                         args=E2E + ["--inject", "straggler:rank=1,delay_ms=150"])
+    # 9 steps without a profiler window: 8 samples per side after the warm-up step (the gate
+    # needs 6); a 150 ms delay on rank 1 is several times a tiny model's step
+    clean = reference_run("compare-clean2", nproc=2, args=TINY2, wrap_args=["--profile-steps", "none"])
+    slow = reference_run("compare-straggler2", nproc=2, wrap_args=["--profile-steps", "none"],
+                         args=TINY2 + ["--inject", "straggler:rank=1,delay_ms=150"])
     injected = json.loads((slow / "injected.json").read_text())
     assert "straggler" in json.dumps(injected)
     proc = run_cli(["compare", clean, slow, "--json"], timeout=600)
@@ -248,9 +249,9 @@ def test_straggler_run_is_a_step_time_regression(reference_run, tmp_path):
 @pytest.mark.multiproc
 def test_three_step_runs_are_inconclusive(reference_run):
     needs_reference()
-    short = ["--dp", "2", "--pp", "1", "--tp", "1", "--steps", "3", "--layers", "2", "--hidden", "64",
-             "--seq-len", "32"]
-    a = reference_run("compare-short2", nproc=2, args=short)
+    # a 3-step run shared with the memory tests
+    a = reference_run("dp2", nproc=2, args=["--dp", "2", "--steps", "3"],
+                      wrap_args=["--profile-steps", "none"])
     proc = run_cli(["compare", a, a], timeout=600)
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "insufficient data" in proc.stdout

@@ -189,18 +189,20 @@ class Session:  # the parts of ProbeSession the probe uses
     def on_close(s, f): s.closes.append(f)
     def update_meta(s, **k): s.meta.update(k)
 
-d = sys.argv[1]
+d, device = sys.argv[1], torch.device(sys.argv[2])
 session = Session(d)
 pipeline_spans.attach(session)  # before pipelining is imported: the import hook patches it
-dist.init_process_group("gloo", init_method=f"file://{d}/pg", rank=0, world_size=1)
+dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                        init_method=f"file://{d}/pg", rank=0, world_size=1)
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble
 # two stages on this one rank (v=2): zero-bubble splits B into input-grad B and weight-grad W
-stages = [PipelineStage(torch.nn.Linear(4, 4), i, 2, torch.device("cpu")) for i in range(2)]
+n = 4 if device.type == "cpu" else 2048  # on a GPU: enough work that kernels outlast launches
+stages = [PipelineStage(torch.nn.Linear(n, n).to(device), i, 2, device) for i in range(2)]
 sched = ScheduleInterleavedZeroBubble(stages, n_microbatches=2,
                                       loss_fn=lambda o, t: ((o - t) ** 2).mean())
 for step in range(2):
     Clock.step = step
-    sched.step(torch.randn(4, 4), target=torch.randn(4, 4))
+    sched.step(torch.randn(2 * n, n, device=device), target=torch.randn(2 * n, n, device=device))
     for f in session.steps:
         f({"step": step})
 for f in session.closes:
@@ -210,19 +212,23 @@ dist.destroy_process_group()
 """
 
 
-def test_probe_records_zero_bubble_spans(tmp_path):
+def _run_probe_script(tmp_path, device):
     import subprocess
     import sys
 
     script = tmp_path / "probe.py"
     script.write_text(PROBE_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), device],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+    return [json.loads(x) for x in (tmp_path / "pipeline.jsonl").read_text().splitlines()]
+
+
+def test_probe_records_zero_bubble_spans(tmp_path):
+    recs = _run_probe_script(tmp_path, "cpu")
     meta = json.loads((tmp_path / "meta.json").read_text())["pipeline"]
     assert meta == {"stages": [0, 1], "num_stages": 2, "virtual_stages": 2, "group_size": 1,
                     "schedule": "ScheduleInterleavedZeroBubble", "micro_batches": 2}
-    recs = [json.loads(x) for x in (tmp_path / "pipeline.jsonl").read_text().splitlines()]
     got = sorted((r["step"], r["stage"], r["microbatch"], r["kind"], r.get("full", True)) for r in recs)
     # per step, stage and micro-batch: one F, one input-grad B (full: false), one W
     assert got == sorted((s, st, mb, k, k != "B") for s in range(2) for st in range(2)
@@ -235,12 +241,86 @@ def test_probe_records_zero_bubble_spans(tmp_path):
                 t = {r["kind"]: r["start_ns"] for r in recs
                      if (r["step"], r["stage"], r["microbatch"]) == (s, st, mb)}
                 assert t["F"] < t["B"] <= t["W"]
+    assert not any("device_ms" in r for r in recs)  # CPU stages: host times only
+
+
+class FakeEvent:
+    """A CUDA event stand-in: device time t_ms, complete once `done` is set."""
+
+    def __init__(self, t_ms, done=False):
+        self.t, self.done = t_ms, done
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+def test_device_events_resolved_without_sync(tmp_path, monkeypatch):
+    from trainprof.probes import pipeline_spans as ps
+
+    class Session:
+        meta, clock = {}, type("C", (), {"step": 0})()
+
+        def stream(self, n):
+            return JsonlWriter(tmp_path / f"{n}.jsonl")
+
+        def update_meta(self, **k):
+            self.meta.update(k)
+
+    rec = ps.SpanRecorder(Session())
+    stage = type("Stage", (), {"stage_index": 1, "num_stages": 2, "group_size": 2})()
+    (tmp_path / "pipeline.jsonl").touch()
+
+    def lines():
+        return [json.loads(x) for x in (tmp_path / "pipeline.jsonl").read_text().splitlines()]
+
+    ev = [FakeEvent(5.0), FakeEvent(9.0), FakeEvent(12.0), FakeEvent(20.0)]
+    rec.add(stage, 0, "F", 100, 101, events=(ev[0], ev[1]))
+    rec.add(stage, 0, "B", 102, 103, events=(ev[2], ev[3]))
+    rec.flush()
+    assert lines() == []  # the GPU has not got there: nothing written, nothing waited for
+    ev[3].done = True
+    rec.flush()
+    assert [(r["kind"], r["device_start_ms"], r["device_ms"]) for r in lines()] == \
+        [("F", 0.0, 4.0), ("B", 7.0, 8.0)]
+    # a GPU that never gets there: after MAX_PENDING_STEPS steps the oldest keeps host times
+    for step in range(ps.MAX_PENDING_STEPS + 1):
+        Session.clock.step = step + 1
+        rec.add(stage, 0, "F", 200 + step, 201 + step, events=(FakeEvent(0), FakeEvent(1)))
+        rec.flush()
+    late = lines()[2:]
+    assert [r["step"] for r in late] == [1] and "device_ms" not in late[0]
+    monkeypatch.setattr(ps, "CLOSE_WAIT_S", 0.05)
+    rec.close()  # gives up after CLOSE_WAIT_S: every span is written, with host times
+    assert [r["step"] for r in lines()[2:]] == list(range(1, ps.MAX_PENDING_STEPS + 2))
+
+
+def _cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+def test_probe_records_device_times(tmp_path):
+    recs = _run_probe_script(tmp_path, "cuda")
+    assert len(recs) == 2 * 2 * 2 * 3 and all("device_ms" in r for r in recs)
+    for s in range(2):
+        step = [r for r in recs if r["step"] == s]
+        assert min(r["device_start_ms"] for r in step) == 0  # relative to the first span
+        # one device runs the spans one after another: no overlap on the device timeline
+        step.sort(key=lambda r: r["device_start_ms"])
+        for a, b in zip(step, step[1:]):
+            assert a["device_start_ms"] + a["device_ms"] <= b["device_start_ms"] + 1e-3
+        assert all(r["device_ms"] > 0 for r in step)
 
 
 # Balanced p=2 pipeline whose compute per micro-batch (32 sequences, hidden 256: ~0.3-0.5 s on
 # CPU) dwarfs each hand-over between the stages (p2p + waking the blocked rank: a few ms, more
 # on a loaded host), so theory's zero-cost communication nearly holds. Steps 1-3 are analysed.
-BUBBLE_ARGS = ["--dp", "1", "--pp", "2", "--tp", "1", "--hidden", "256", "--layers", "4", "--steps", "4"]
+BUBBLE_ARGS = ["--dp", "1", "--pp", "2", "--tp", "1", "--hidden", "256", "--layers", "4", "--steps", "3"]
 
 
 @pytest.mark.multiproc
@@ -251,7 +331,7 @@ def test_measured_bubble_matches_theory(reference_run, tmp_path, schedule, m):
                         args=BUBBLE_ARGS + ["--schedule", schedule, "--micro-batches", str(m),
                                              "--global-batch", str(32 * m)],
                         wrap_args=["--profile-steps", "none"])
-    proc = run_cli(["analyze", run, "--out", tmp_path])
+    proc = run_cli(["analyze", run, "--out", tmp_path, "--no-report"])
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     pm = summary["metrics"]["pipeline"]

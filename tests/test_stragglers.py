@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import run_cli
+from runs import straggler_delay_ms, straggler_run
 from trainprof.analyzers import stragglers
 from trainprof.rundir import JsonlWriter, RunDir, rank_dir, write_json_atomic
 
@@ -176,7 +177,7 @@ NO_PROFILE = ["--profile-steps", "none"]
 
 
 def _analyze(run, tmp_path):
-    proc = run_cli(["analyze", run, "--out", tmp_path])
+    proc = run_cli(["analyze", run, "--out", tmp_path, "--no-report"])
     assert proc.returncode == 0, proc.stderr
     return json.loads((tmp_path / "summary.json").read_text())
 
@@ -188,14 +189,14 @@ def _kinds(summary, *kinds):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("rank", [5, 2])
 def test_injected_straggler_found(reference_run, tmp_path, rank):
-    run = reference_run(f"straggler-r{rank}", nproc=8,
-                        args=MESH8 + ["--steps", "12", "--inject", f"straggler:rank={rank},delay_ms=300"],
-                        wrap_args=NO_PROFILE)
+    delay = straggler_delay_ms(reference_run)
+    run = straggler_run(reference_run, rank)
     injected = json.loads((run / "injected.json").read_text())["injections"][0]
     s = _analyze(run, tmp_path)
     found = _kinds(s, "straggler")
     per = {p["rank"]: p for p in s["metrics"]["stragglers"]["per_rank"]}
-    print({r: (round(p["excess_ms"] or 0), round(p["score"] or 0, 2)) for r, p in per.items()})
+    print(f"delay {delay} ms, step {s['metrics']['stragglers']['median_step_ms']:.0f} ms:",
+          {r: (round(p["excess_ms"] or 0), round(p["score"] or 0, 2)) for r, p in per.items()})
     assert len(found) == 1, [f["message"] for f in found]
     assert found[0]["ranks"] == [rank]
     assert found[0]["evidence"]["coords"] == injected["coords"]

@@ -135,6 +135,7 @@ def collect_rank_entries(run: str | os.PathLike) -> dict:
 
 
 SNAPSHOT_SUFFIXES = (".pickle", ".pkl")
+NOT_SNAPSHOTS = ("flight-recorder",)  # the hang watchdog's pickles in a rank directory
 
 
 def _rank_from_name(name: str) -> int | None:
@@ -232,7 +233,8 @@ class RunDir:
         for r in self.ranks:
             d = rank_dir(self.path, r)
             if d.is_dir():
-                out += [(r, p) for p in sorted(d.iterdir()) if p.name.endswith(SNAPSHOT_SUFFIXES)]
+                out += [(r, p) for p in sorted(d.iterdir()) if p.name.endswith(SNAPSHOT_SUFFIXES)
+                        and not p.name.startswith(NOT_SNAPSHOTS)]
         return out
 
     def snapshot(self, path: Path):

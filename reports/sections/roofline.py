@@ -27,6 +27,11 @@ def _plot(plot: dict) -> str:
         ax.annotate(p["label"], (p["ai"], p["flops_per_s"]), textcoords="offset points", xytext=(5, 3), fontsize=7)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    from matplotlib.ticker import LogFormatter
+
+    for axis in (ax.xaxis, ax.yaxis):  # plain "1e+12" labels: mathtext costs ~0.7 s to set up
+        axis.set_major_formatter(LogFormatter(labelOnlyBase=True))
+        axis.set_minor_formatter(LogFormatter(labelOnlyBase=True))
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("achieved FLOP/s")
     ax.set_title("Op classes against the roofline (marker area ∝ time)", fontsize=9)

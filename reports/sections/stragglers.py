@@ -48,12 +48,13 @@ def render(metrics: dict, summary: dict) -> str:
     if rows:
         parts.append("<h3>Evidence per rank (medians over analysed steps)</h3>" + kit.table(
             rows, [("rank", "rank"), ("coords", "mesh"), ("host", "host"), ("group", "peers"),
-                   ("busy_ms", "busy"), ("peer_busy_ms", "peers' busy"), ("excess_ms", "excess"),
-                   ("score", "score"), ("blocked_ms", "blocked"), ("data_wait_ms", "data wait"),
+                   ("busy_ms", "busy"), ("peer_busy_ms", "peer-group median"), ("excess_ms", "excess"),
+                   ("score", "score"), ("blocked_ms", "blocked"), ("p2p_ms", "of it in p2p"),
+                   ("data_wait_ms", "data wait"),
                    ("lateness_mean_ms", "mean lateness"), ("last_frac", "arrives last"),
                    ("status", "status")],
             fmt={k: kit.fmt_ms for k in ("busy_ms", "peer_busy_ms", "excess_ms", "blocked_ms",
-                                        "data_wait_ms", "lateness_mean_ms")}
+                                        "p2p_ms", "data_wait_ms", "lateness_mean_ms")}
             | {"last_frac": kit.fmt_pct}))
     th = metrics.get("thresholds") or {}
     parts.append(kit.para(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import torch
@@ -20,7 +21,7 @@ from trainprof.reference.parallel import (allreduce_grads, apply_fsdp, apply_tp,
 def _init_distributed(cfg: Config) -> tuple[torch.device, str]:
     if "RANK" not in os.environ:  # plain `python -m trainprof.reference`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
     want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if want_cuda:
         local = int(os.environ.get("LOCAL_RANK", 0))
@@ -30,6 +31,21 @@ def _init_distributed(cfg: Config) -> tuple[torch.device, str]:
         device, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(backend)
     return device, backend
+
+
+def _usage_error(msg: str):
+    """Bad --inject specs fail like argparse's usage errors: a message and exit status 2."""
+    print(f"python -m trainprof.reference: error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _free_port() -> int:
+    """A port no one listens on now, so that several single-process runs can coexist."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _write_injected(faults, layout, world, cfg, coords_of) -> None:
@@ -43,6 +59,9 @@ def _write_injected(faults, layout, world, cfg, coords_of) -> None:
         d = f.to_dict()
         if "rank" in f.params:
             d["coords"] = coords_of(f.params["rank"])
+        if f.kind == "fragment" and f.performed:
+            d["hole_bytes"] = faultlib.FRAG_SEGMENTS * 2 * faultlib.FRAG_HOLE
+            d["kept_bytes"] = faultlib.FRAG_SEGMENTS * 2 * faultlib.FRAG_KEEP
         if f.kind == "imbalance":
             k = f.params["stage"]
             d["ranks"] = [r for r in range(world) if coords_of(r)["pp"] == k % cfg.pp]
@@ -58,31 +77,40 @@ def main(argv=None) -> int:
     try:
         fault_list = [faultlib.parse(s) for s in cfg.inject]
     except faultlib.FaultSpecError as e:
-        raise SystemExit(f"reference: {e}")
+        _usage_error(str(e))
     device, backend = _init_distributed(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != cfg.dp * cfg.pp * cfg.tp:
         raise SystemExit(f"reference: world size {world} != dp*pp*tp = {cfg.dp * cfg.pp * cfg.tp}")
     faultlib.check_cpu_only(fault_list, device)
-    injector = faultlib.Injector(fault_list, rank, world)
+    try:
+        injector = faultlib.Injector(fault_list, rank, world)
+    except faultlib.FaultSpecError as e:
+        _usage_error(str(e))
 
     mesh = make_mesh(device.type, cfg.dp, cfg.pp, cfg.tp)
     dp_rank, pp_rank, tp_rank = (mesh.get_local_rank(d) for d in ("dp", "pp", "tp"))
 
-    def coords_of(r: int) -> dict:
+    def coords_of(r: int) -> dict:  # init_device_mesh lays ranks out row-major over (dp, pp, tp)
         return {"dp": r // (cfg.pp * cfg.tp), "pp": (r // cfg.tp) % cfg.pp, "tp": r % cfg.tp}
+
+    assert coords_of(rank) == {"dp": dp_rank, "pp": pp_rank, "tp": tp_rank}, "unexpected mesh layout"
 
     n_stages = cfg.pp * cfg.virtual_stages
     extra = {}
     for f in fault_list:
         if f.kind == "imbalance":
             if not 0 <= f.params["stage"] < n_stages:
-                raise SystemExit(f"reference: imbalance stage {f.params['stage']} outside 0..{n_stages - 1}")
+                _usage_error(f"--inject imbalance: stage {f.params['stage']} outside 0..{n_stages - 1}")
             extra[f.params["stage"]] = extra.get(f.params["stage"], 0) + f.params["extra_layers"]
     layout = layer_layout(cfg.layers, n_stages, extra)
     n_layers = sum(len(x) for x in layout)
     full = build_full(cfg, n_layers)
     n_params, n_params_ne = param_counts(full)
+    try:
+        faultlib.validate(fault_list, full, layout, cfg.pp, cfg.steps, world, coords_of)
+    except faultlib.FaultSpecError as e:
+        _usage_error(str(e))
     stage_params = _stage_params(full, layout, n_stages)
     autocast = torch.bfloat16 if (cfg.dtype == "bf16" and device.type == "cuda") else None
 
@@ -95,20 +123,19 @@ def main(argv=None) -> int:
     stage_named = {}
     for m in modules:
         stage_named.update(dict(m.named_modules()))
-    step_ref = [0]
-    try:
-        injector.install_nan_hooks(stage_named, step_ref)  # before TP/FSDP wrap the modules
-    except faultlib.FaultSpecError as e:
-        raise SystemExit(f"reference: {e}")
     for m in modules:
         m.to(device)
         if cfg.tp > 1:
             apply_tp(m, mesh["tp"])
         if cfg.dp > 1 and cfg.dp_mode == "fsdp":
             apply_fsdp(m, mesh["dp"])
+    step_ref = [0]
+    injector.install_nan_hooks(stage_named, step_ref)  # validated above: the module is here
 
     if rank == 0:
         _write_injected(fault_list, layout, world, cfg, coords_of)
+        if cfg.loss_file:
+            open(cfg.loss_file, "w").close()  # one run per loss file
     import trainprof
 
     trainprof.set_run_info(
@@ -118,7 +145,8 @@ def main(argv=None) -> int:
         global_batch=cfg.global_batch, schedule=cfg.schedule if cfg.pp > 1 else None,
         dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, virtual_stages=cfg.virtual_stages, dtype=cfg.dtype,
         dp_mode=cfg.dp_mode, activation_checkpointing=False, optimizer="adamw",
-        stage_layers=[len(x) for x in layout], my_stages=my_stages, stage_params=stage_params,
+        stage_layers=[len(x) for x in layout], stage_layer_ids=layout, my_stages=my_stages,
+        stage_params=stage_params,
         param_dtype="fp32", tp_plan="attn.q/k/v,mlp.up colwise; attn.o,mlp.down rowwise")
 
     params = [p for m in modules for p in m.parameters()]
@@ -163,7 +191,7 @@ def main(argv=None) -> int:
         ms = (time.perf_counter() - t0) * 1e3
         stats = torch.tensor([ms, float(rank)], device=device)
         gathered = torch.empty(2 * world, device=device)
-        _all_gather(gathered, stats, world_group)
+        dist.all_gather_into_tensor(gathered, stats, group=world_group)
         loss_value = float(total) / (cfg.dp * cfg.tp)
         if rank == 0:
             slowest = float(gathered.view(world, 2)[:, 0].max())
@@ -214,8 +242,3 @@ def _make_schedule(cfg, modules, my_stages, n_stages, mesh, device):
         return ScheduleInterleaved1F1B(stages, cfg.micro_batches, loss_fn=loss_fn)
     cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
     return cls(stages[0], cfg.micro_batches, loss_fn=loss_fn)
-
-
-def _all_gather(out, inp, group) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)

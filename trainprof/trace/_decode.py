@@ -151,13 +151,24 @@ def _from_structs(doc) -> Columns:
     return c
 
 
-def _from_dicts(data: bytes) -> Columns:
-    import orjson
-
+def _loads(data: bytes):
     try:
-        doc = orjson.loads(data)
+        import orjson
+    except ImportError:  # a declared dependency, but an install without it still parses
+        import json
+
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise DecodeError(str(e)) from None
+    try:
+        return orjson.loads(data)
     except orjson.JSONDecodeError as e:
         raise DecodeError(str(e)) from None
+
+
+def _from_dicts(data: bytes) -> Columns:
+    doc = _loads(data)
     if isinstance(doc, list):  # the bare-array form of the Chrome trace format
         doc = {"traceEvents": doc}
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
