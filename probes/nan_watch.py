@@ -594,7 +594,10 @@ class NanWatch:
             if ps:
                 ls = [getattr(p, "_local_tensor", None) for p in ps]
                 ls = [(l if l is not None else p).detach() for l, p in zip(ls, ps)]
-                m = torch.stack([x.float() for x in torch._foreach_norm(ls, math.inf)]).max()
+                # only finiteness is kept: on CPU the L2 norm is one vectorized pass (inf-norm is
+                # a scalar loop, 4-5x slower); a parameter would need |x| > 1e19 to overflow it
+                order = 2.0 if ls[0].device.type == "cpu" else math.inf
+                m = torch.stack([x.float() for x in torch._foreach_norm(ls, order)]).max()
                 params_v = float(m) if m.device.type == "cpu" else m
                 self._emit("params", None, [params_v])
         except Exception as e:  # noqa: BLE001

@@ -25,6 +25,7 @@ DEFAULT_PROFILE_STEPS = "3-4"
 
 # Probe modules attached to every session, in order. A module that is not present in this
 # build is skipped silently; one that fails to attach is reported and skipped.
+ENV_PROBES_OFF = "TRAINPROF_PROBES_OFF"
 ATTACHED_PROBES: tuple[str, ...] = (
     "trainprof.probes.clock",           # clock offsets to a reference rank (start and end)
     "trainprof.probes.collectives",     # always-on log of every collective and p2p op
@@ -62,9 +63,19 @@ class ProbeSession:
         self.profiler = None
         self.window = self._profile_window()
         self._maybe_start_profiler()
+        # TRAINPROF_PROBES_OFF=collectives,telemetry: leave those probes out (to bisect a cost,
+        # or to drop one a job cannot have); recorded in meta so analysis knows what was not watched
+        off = {x.strip() for x in os.environ.get(ENV_PROBES_OFF, "").split(",") if x.strip()}
+        known = {n.rsplit(".", 1)[-1] for n in ATTACHED_PROBES}
+        if off - known:
+            runtime.warn(f"{ENV_PROBES_OFF}: no probe named {', '.join(sorted(off - known))} "
+                         f"(known: {', '.join(sorted(known))})")
+        if off & known:
+            self.meta["probes_off"] = sorted(off & known)
         self.write_meta()
         for name in ATTACHED_PROBES:
-            self._attach(name)
+            if name.rsplit(".", 1)[-1] not in off:
+                self._attach(name)
         atexit.register(self._atexit)
 
     # -- plumbing other probes use

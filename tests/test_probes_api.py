@@ -61,3 +61,29 @@ print('torch' in sys.modules)
 """, tmp_path)
     assert res.stdout.strip() == "False"  # no torch import, no files
     assert list(tmp_path.iterdir()) == []
+
+
+def test_probes_off_leaves_named_probes_out_and_says_so(tmp_path):
+    code = """
+import torch, trainprof
+m = torch.nn.Linear(8, 8); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+with trainprof.session("{d}", profile_steps="none"):
+    for _ in range(3):
+        m(torch.randn(2, 8)).sum().backward(); opt.step()
+"""
+    run_py(code.format(d="on"), tmp_path)
+    env = {**__import__("os").environ, "TRAINPROF_PROBES_OFF": "nan_watch, heartbeat,bogus"}
+    res = subprocess.run([sys.executable, "-c", code.format(d="off")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "no probe named bogus" in res.stderr
+    on, off = RunDir(tmp_path / "on"), RunDir(tmp_path / "off")
+    assert on.stream(0, "nan") and on.stream(0, "heartbeat")  # the control: both probes write
+    assert not off.stream(0, "nan") and not off.stream(0, "heartbeat")
+    assert list(off.steps()["step"]) == [0, 1, 2]              # the others still run
+    assert off.rank_meta(0)["probes_off"] == ["heartbeat", "nan_watch"]
+    from trainprof.analysis import analyze
+    summary = analyze(off)
+    assert summary["run"]["probes_off"] == {"heartbeat": [0], "nan_watch": [0]}
+    assert any("nan_watch was left out" in p for p in summary["problems"])
+    assert "probes_off" not in analyze(on)["run"]

@@ -30,6 +30,13 @@ def run_info(run: RunDir) -> dict:
             "coords": run.coords(r),
         })
     first = run.rank_meta(run.ranks[0]) if run.ranks else {}
+    off: dict[str, list[int]] = {}
+    for r in run.ranks:
+        for name in run.rank_meta(r).get("probes_off") or ():
+            off.setdefault(str(name), []).append(r)
+    for name, rs in off.items():  # absent data must not read as "nothing found"
+        run.problems.append(f"probe {name} was left out (TRAINPROF_PROBES_OFF) on {len(rs)} of "
+                            f"{len(run.ranks)} ranks: analyses that need it saw no data there")
     return {
         "dir": str(run.path),
         "command": launcher.get("command"),
@@ -45,6 +52,7 @@ def run_info(run: RunDir) -> dict:
         "torch_version": first.get("torch_version"),
         "run_info": first.get("run_info", {}),
         "ranks": ranks,
+        **({"probes_off": off} if off else {}),
         **({"snapshots": [str(p) for p in run.bare_snapshots]} if run.snapshot_only else {}),
     }
 
