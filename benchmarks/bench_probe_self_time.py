@@ -1,10 +1,11 @@
 """Probe self-time per step: how much of each training step the always-on probes spend.
 
-    python benchmarks/bench_probe_self_time.py [--steps 40] [-- reference args]
+    python benchmarks/bench_probe_self_time.py [--steps 40] [--nproc N] [-- reference args]
 
 An A/B of step times (bench_probe_overhead.py) cannot resolve 1 % on a shared machine: run-to-run
 spread is ±5-8 %. This measures the probes' own time directly instead: one wrapped run of
-`python -m trainprof.reference` under cProfile (profile_steps none), then the time attributed to
+`python -m trainprof.reference` (under torchrun with --nproc N > 1, one profile per rank) under
+cProfile (profile_steps none), then the time attributed to
 trainprof's probe code — the self time of every function in trainprof/probes plus the time of
 what those functions call outside it (tensor reductions, file writes), *except* the job's own
 work that a probe wraps (the original backward, collective, DataLoader fetch, pipeline action).
@@ -38,22 +39,26 @@ WRAPPERS = {"backward",                          # nan_watch: torch.autograd.bac
 SETUP = {"_attach", "attach", "activate"}  # run once per session, however many calls
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("job_args", nargs="*")
-    a = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-self-") as tmp:
-        prof = Path(tmp) / "job.prof"
-        cmd = [sys.executable, "-m", "trainprof", "wrap", "--out", str(Path(tmp) / "run"), "--no-analyze",
-               "--profile-steps", "none", "--", sys.executable, "-m", "cProfile", "-o", str(prof),
-               "-m", "trainprof.reference", "--steps", str(a.steps), *a.job_args]
-        p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-        if p.returncode != 0 or not prof.exists():
-            print(p.stderr[-3000:])
-            return 1
-        steps_ms = [float(line.split()[4]) for line in p.stdout.splitlines() if line.startswith("step ")]
-        st = pstats.Stats(str(prof))
+# torchrun worker: profile the reference module into PROFILE with {rank} filled in
+RUNNER = r"""
+import cProfile, os, runpy, sys
+out = sys.argv[1].replace("{rank}", os.environ.get("RANK", "0"))
+sys.argv = ["trainprof.reference", *sys.argv[2:]]
+prof = cProfile.Profile()
+prof.enable()
+try:
+    runpy.run_module("trainprof.reference", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    if e.code not in (None, 0):
+        raise
+finally:
+    prof.disable()
+    prof.dump_stats(out)
+"""
+
+
+def attribute(st: pstats.Stats, steps: int):
+    """(per-step seconds, set-up seconds, wrappers' self seconds, per-function seconds)."""
     probes_dir = os.sep + "probes" + os.sep
     is_probe = lambda f: probes_dir in f  # noqa: E731
     per_step = once = wrappers = 0.0
@@ -62,7 +67,7 @@ def main() -> int:
         if not is_probe(f):
             continue
         own = tt
-        if name in WRAPPERS and ncalls >= a.steps // 2:
+        if name in WRAPPERS and ncalls >= steps // 2:
             wrappers += tt
             continue
         if name not in WRAPPERS:
@@ -70,20 +75,52 @@ def main() -> int:
             for (cf, _cl, _cn), (_c, _n, _t, ct, callers) in st.stats.items():
                 if not is_probe(cf) and (f, _line, name) in callers:
                     own += callers[(f, _line, name)][3]
-        if ncalls < a.steps // 2 or f.endswith("calibration.py") or name in SETUP:  # set-up and shutdown
+        if ncalls < steps // 2 or f.endswith("calibration.py") or name in SETUP:  # set-up, shutdown
             once += own
         else:
             per_step += own
             key = f"{Path(f).name}:{name}"
             by_fn[key] = by_fn.get(key, 0.0) + own
+    return per_step, once, wrappers, by_fn
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--nproc", type=int, default=1, help="ranks (torchrun) ; pass the mesh in job args")
+    ap.add_argument("job_args", nargs="*")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-self-") as tmp:
+        runner = Path(tmp) / "runner.py"
+        runner.write_text(RUNNER)
+        job = [sys.executable, str(runner), str(Path(tmp) / "rank{rank}.prof"),
+               "--steps", str(a.steps), *a.job_args]
+        if a.nproc > 1:
+            job = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(a.nproc), *job[1:]]
+        cmd = [sys.executable, "-m", "trainprof", "wrap", "--out", str(Path(tmp) / "run"), "--no-analyze",
+               "--profile-steps", "none", "--", *job]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+        profs = sorted(Path(tmp).glob("rank*.prof"), key=lambda q: int(q.stem[4:]))
+        if p.returncode != 0 or len(profs) != a.nproc:
+            print(p.stderr[-3000:])
+            return 1
+        steps_ms = [float(line.split()[4]) for line in p.stdout.splitlines() if line.startswith("step ")]
+        per_rank = [attribute(pstats.Stats(str(q)), a.steps) for q in profs]
     n = len(steps_ms)
     med = sorted(steps_ms)[n // 2] if n else float("nan")
-    print(f"reference {' '.join(a.job_args) or '(defaults)'}: {n} steps, median step {med:.1f} ms (under cProfile)")
-    print(f"probe self time: {1e3 * per_step / max(n, 1):.2f} ms per step "
-          f"= {100 * 1e3 * per_step / max(n, 1) / med:.2f} % of the median step (upper bound); "
-          f"set-up/shutdown {once:.2f} s once")
-    print(f"wrappers' self time (probe bookkeeping + untracked job calls): "
-          f"{1e3 * wrappers / max(n, 1):.2f} ms per step")
+    print(f"reference {' '.join(a.job_args) or '(defaults)'}, {a.nproc} rank(s): {n} steps, "
+          f"median step {med:.1f} ms (slowest rank, under cProfile)")
+    for r, (per_step, once, wrappers, _by) in enumerate(per_rank):
+        print(f"rank {r}: probe self time {1e3 * per_step / max(n, 1):.2f} ms per step "
+              f"= {100 * 1e3 * per_step / max(n, 1) / med:.2f} % of the median step (upper bound); "
+              f"wrappers' self time {1e3 * wrappers / max(n, 1):.2f} ms/step "
+              f"(probe bookkeeping + untracked job calls); set-up/shutdown {once:.2f} s once")
+    by_fn: dict[str, float] = {}
+    for *_x, b in per_rank:
+        for k, v in b.items():
+            by_fn[k] = by_fn.get(k, 0.0) + v / len(per_rank)
+    print("largest per-step costs (mean over ranks):")
     for k, v in sorted(by_fn.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {1e3 * v / max(n, 1):7.3f} ms/step  {k}")
     return 0

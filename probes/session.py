@@ -58,6 +58,7 @@ class ProbeSession:
         self._closed = False
         # Live state probes share (e.g. the collective log's last/in-flight ops for the heartbeat).
         self.state: dict = {}
+        self._mesh_numel = 0  # size of the largest DeviceMesh recorded so far
         self.optimizers: weakref.WeakSet = weakref.WeakSet()  # every optimizer seen stepping
         self.clock = StepClock(self.stream(STEPS), self.stream("steps_device"))
         self.profiler = None
@@ -153,10 +154,14 @@ class ProbeSession:
 
     # -- events from the job
     def note_mesh(self, mesh) -> None:
+        # DTensor and FSDP2 build sub-meshes during every step: skip those before any work
+        if mesh.size() <= self._mesh_numel:
+            return
         info = mesh_info(mesh)
         current = self.meta.get("mesh") or {}
         if current and _mesh_size(current) >= _mesh_size(info):
             return  # keep the root mesh, not the sub-meshes sliced from it
+        self._mesh_numel = max(self._mesh_numel, mesh.size())
         self.update_meta(mesh={k: info[k] for k in ("dim_names", "shape", "coord", "device_type")},
                          coords=info["coords"])
 
