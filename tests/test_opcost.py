@@ -17,19 +17,17 @@ from trainprof.trace import load_trace
 
 
 def _profiled_ops(fn, tmp_path, with_concrete=True):
-    """Run fn under the profiler (record_shapes) and cost the trace's ops. The trace parser may
-    not expose "Concrete Inputs" (stride/padding, is_causal); add them by External id here."""
+    """Run fn under the profiler (record_shapes) and cost the trace's ops; without_concrete drops
+    the parsed "Concrete Inputs" (stride/padding, is_causal), as in traces that lack them."""
     with profile(record_shapes=True) as p:
         fn()
     path = tmp_path / "t.json"
     p.export_chrome_trace(str(path))
     tr = load_trace(path)
     ev = tr.events
-    if with_concrete and "concrete_inputs" not in ev:
-        raw = json.loads(path.read_text())["traceEvents"]
-        by_ext = {e["args"]["External id"]: e["args"].get("Concrete Inputs")
-                  for e in raw if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
-        ev = ev.assign(concrete_inputs=[by_ext.get(x) for x in ev["external_id"]])
+    assert "concrete_inputs" in ev
+    if not with_concrete:
+        ev = ev.drop(columns=["concrete_inputs"])
     flops = collections.Counter()
     by = collections.Counter()
     for row, c in select_ops(ev):
@@ -114,3 +112,21 @@ def test_elementwise_norm_softmax_embedding_by_hand():
     assert (c.flops, c.bytes) == (35, 2 * 35 * 4)
     assert op_cost("aten::mm", None, None) is None and op_cost("aten::view", [[1]], [f4]) is None
     assert causal_fraction(4, 4) == 10 / 16 and causal_fraction(2, 4) == 3 / 8
+
+
+def test_real_h100_trace_causal_attention_from_concrete_inputs():
+    """The parser carries "Concrete Inputs": the reference's cuDNN attention (is_causal=True,
+    recorded as the string "True") is counted over the unmasked scores only."""
+    from pathlib import Path
+
+    trace = Path(__file__).parent / "fixtures/gpu/h100_hang_run/profiler/rank-00000.pt.trace.json.gz"
+    ev = load_trace(trace).events
+    raw = [e for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+           if e.get("name") == "aten::_scaled_dot_product_cudnn_attention_backward"]
+    assert raw and raw[0]["args"]["Concrete Inputs"][14] == "True"  # is_causal, independently read
+    costs = [(ev.loc[row, "name"], c) for row, c in select_ops(ev) if c.op_class == "attention"]
+    bwd = [c for n, c in costs if n == "aten::_scaled_dot_product_cudnn_attention_backward"]
+    assert costs and bwd and all(c.note == "causal mask: unmasked scores only" for _, c in costs)
+    b, h, s, d = raw[0]["args"]["Input Dims"][1]
+    dense_bwd = 2 * (2 * b * h * s * s * d + 2 * b * h * s * s * d)
+    assert bwd[0].flops == pytest.approx(dense_bwd * causal_fraction(s, s))

@@ -26,6 +26,8 @@
                          call that launched them (else by time); -1 outside every step
     correlation, external_id  int64, -1 when absent
     input_dims, input_types   object (lists as recorded, or None; present when record_shapes)
+    concrete_inputs      object ("Concrete Inputs": scalar arguments as strings, e.g. is_causal
+                         "True"; None when not recorded)
 - ``comm`` (DataFrame): collective arguments, one row per event that carries them (PyTorch's
     record_param_comms cpu_op, and on newer traces the NCCL kernels themselves):
     row (int64 index into events), and where present collective (str, e.g. "allreduce"),
@@ -185,6 +187,7 @@ def _events_frame(c, base: int) -> pd.DataFrame:
         "end_ns": ts_ns + dur_ns, "pid": _ints(c.pid), "tid": _ints(c.tid), "stream": stream,
         "is_gpu": is_gpu, "correlation": _ints(c.corr), "external_id": _ints(c.ext),
         "input_dims": pd.Series(c.dims, dtype=object), "input_types": pd.Series(c.types, dtype=object),
+        "concrete_inputs": pd.Series(c.concrete, dtype=object),
     })
 
 

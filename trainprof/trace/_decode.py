@@ -35,7 +35,7 @@ class Columns:
     collective-arg rows, and the top-level metadata."""
 
     __slots__ = ("name", "cat", "ts", "dur", "pid", "tid", "stream", "corr", "ext", "dims",
-                 "types", "comm", "mem", "meta", "n_events", "n_bad")
+                 "types", "concrete", "comm", "mem", "meta", "n_events", "n_bad")
 
     def __init__(self):
         for s in self.__slots__:
@@ -53,6 +53,7 @@ try:  # msgspec: optional accelerator
         external_id: int = msgspec.field(default=-1, name="External id")
         input_dims: Any = msgspec.field(default=None, name="Input Dims")
         input_type: Any = msgspec.field(default=None, name="Input type")
+        concrete: Any = msgspec.field(default=None, name="Concrete Inputs")  # scalars, e.g. is_causal
         collective: Any = msgspec.field(default=None, name="Collective name")
         in_nelems: Any = msgspec.field(default=None, name="In msg nelems")
         out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
@@ -134,6 +135,7 @@ def _from_structs(doc) -> Columns:
         setattr(c, col, np.fromiter(map(attrgetter(attr), args), np.int64, n))
     c.dims = list(map(attrgetter("input_dims"), args))
     c.types = list(map(attrgetter("input_type"), args))
+    c.concrete = list(map(attrgetter("concrete"), args))
     colls = np.array(list(map(attrgetter("collective"), args)), dtype=object)
     pgs = np.array(list(map(attrgetter("pg_name"), args)), dtype=object)
     for i in np.flatnonzero((colls != None) | (pgs != None)):  # noqa: E711 - elementwise
@@ -196,6 +198,7 @@ def _from_dicts(data: bytes) -> Columns:
             c.ext.append(a.get("External id"))
             c.dims.append(a.get("Input Dims"))
             c.types.append(a.get("Input type"))
+            c.concrete.append(a.get("Concrete Inputs"))
             if "Collective name" in a or "Process Group Name" in a:
                 row = {"row": len(c.name) - 1}
                 for key, col in COMM_KEYS:
