@@ -22,6 +22,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainprof.probes.nan_watch import tensors_in
+
 # Ops whose outputs are uninitialized memory or metadata: never a "creation".
 SKIP_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_",
             "set_", "_local_scalar_dense", "detach", "alias", "lift_fresh", "_to_copy", "copy_"}
@@ -241,28 +243,11 @@ def summarize(result: dict, phase: str) -> dict:
 
 
 def _floats(x, acc):
-    if isinstance(x, torch.Tensor):
-        if is_float(x):
-            acc.append(x)
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            _floats(y, acc)
-    elif isinstance(x, dict):
-        for y in x.values():
-            _floats(y, acc)
-    return acc
+    return tensors_in(x, acc, torch.Tensor, is_float)
 
 
 def _tensors(x, acc):
-    if isinstance(x, torch.Tensor):
-        acc.append(x)
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            _tensors(y, acc)
-    elif isinstance(x, dict):
-        for y in x.values():
-            _tensors(y, acc)
-    return acc
+    return tensors_in(x, acc, torch.Tensor)
 
 
 def _within(path, module) -> bool:

@@ -58,6 +58,24 @@ def _finite(v) -> bool:
     return v is None or math.isfinite(v)
 
 
+
+def tensors_in(x, acc: list, tensor_cls, keep=None) -> list:
+    """Append to acc the tensors (those keep() accepts) found in nested tuples, lists and dicts."""
+    if isinstance(x, tensor_cls):
+        if keep is None or keep(x):
+            acc.append(x)
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            tensors_in(y, acc, tensor_cls, keep)
+    elif isinstance(x, dict):
+        for y in x.values():
+            tensors_in(y, acc, tensor_cls, keep)
+    return acc
+
+
+def _is_floating(t) -> bool:
+    return t.is_floating_point()
+
 class _Call:
     """One module call: what the resolver and a replay need."""
 
@@ -294,17 +312,7 @@ class NanWatch:
         return v
 
     def _floats(self, x, acc):
-        T = self.torch.Tensor
-        if isinstance(x, T):
-            if x.is_floating_point():
-                acc.append(x)
-        elif isinstance(x, (tuple, list)):
-            for y in x:
-                self._floats(y, acc)
-        elif isinstance(x, dict):
-            for y in x.values():
-                self._floats(y, acc)
-        return acc
+        return tensors_in(x, acc, self.torch.Tensor, _is_floating)
 
     def _emit(self, kind, call, vals, tensors=None):
         """Feed the resolver now (host values) or queue for the boundary (device values)."""
@@ -500,16 +508,7 @@ class NanWatch:
         return None
 
     def _tensors(self, x, acc):
-        T = self.torch.Tensor
-        if isinstance(x, T):
-            acc.append(x)
-        elif isinstance(x, (tuple, list)):
-            for y in x:
-                self._tensors(y, acc)
-        elif isinstance(x, dict):
-            for y in x.values():
-                self._tensors(y, acc)
-        return acc
+        return tensors_in(x, acc, self.torch.Tensor)
 
     def _locate(self, where):
         """First detection on this rank: replay the step's root calls with module- and op-level

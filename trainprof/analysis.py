@@ -34,9 +34,6 @@ def run_info(run: RunDir) -> dict:
     for r in run.ranks:
         for name in run.rank_meta(r).get("probes_off") or ():
             off.setdefault(str(name), []).append(r)
-    for name, rs in off.items():  # absent data must not read as "nothing found"
-        run.problems.append(f"probe {name} was left out (TRAINPROF_PROBES_OFF) on {len(rs)} of "
-                            f"{len(run.ranks)} ranks: analyses that need it saw no data there")
     return {
         "dir": str(run.path),
         "command": launcher.get("command"),
@@ -84,11 +81,15 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
             f.analyzer = f.analyzer or mod.NAME
             findings.append(f.to_dict())
     findings.sort(key=lambda f: (SEVERITY_ORDER.get(f["severity"], 9), f["kind"], f["ranks"]))
+    info = run_info(run)
+    for name, rs in info.get("probes_off", {}).items():  # absent data must not read as "nothing found"
+        run.problems.append(f"probe {name} was left out (TRAINPROF_PROBES_OFF) on {len(rs)} of "
+                            f"{len(run.ranks)} ranks: analyses that need it saw no data there")
     return {
         "schema_version": SUMMARY_SCHEMA_VERSION,
         "trainprof_version": __version__,
         "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "run": run_info(run),
+        "run": info,
         "metrics": metrics,
         "findings": findings,
         "problems": list(dict.fromkeys(run.problems)),
