@@ -85,7 +85,7 @@ DETECTIONS = ("nonfinite", "origin")
 EVIDENCE_KEYS = ("evidence", "inputs", "output", "grad", "grad_output_finite", "first_params",
                  "params_nonfinite", "op_phase", "op_module", "op_inputs", "op_output", "op_value",
                  "overflow", "hidden_by", "backward_op", "backward_value", "ops_checked", "detected_by",
-                 "notes", "replay_ms", "replayed", "root_calls", "at")
+                 "notes", "replay_ms", "replayed", "root_calls", "at", "param", "origin_steps")
 
 
 def find_origin(recs: dict, align: dict) -> dict | None:
@@ -178,6 +178,8 @@ def origin_finding(o: dict) -> Finding:
                    f"{ev.get('backward_value') or 'NaN'})"
     if ev.get("overflow"):
         msg += f"; {ev['overflow']}"
+    if ev.get("origin_steps") and isinstance(ev.get("evidence"), str):  # found stale in parameters
+        msg += f": {ev['evidence']}"
     ins = ev.get("op_inputs") or ev.get("inputs") or []
     if ins and isinstance(ins[0], dict) and ins[0].get("max_abs") is not None:
         msg += f"; input {ins[0].get('dtype')} min {ins[0].get('min', 0):.3g}, max |x| {ins[0]['max_abs']:.3g}"

@@ -150,10 +150,10 @@ class CollectiveLog:
         self.session = session
         self.pid = os.getpid()
         self.closed = False
-        self.path = session.dir / "collectives.jsonl"
+        self.writer = session.stream("collectives")  # deferred: written by the flusher thread
+        self.path = self.writer.path
         self.groups_writer = session.stream("groups")
         self._lock = threading.Lock()
-        self._file = None
         self._rid = itertools.count()
         self._seq: dict[str, itertools.count] = {}
         self._groups: dict = {}             # id(pg) or name -> (name, ranks, backend)
@@ -294,16 +294,7 @@ class CollectiveLog:
             self._append("\n".join(lines) + "\n")
 
     def _append(self, text):
-        try:
-            if self._file is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "a", encoding="utf-8")
-            self._file.write(text)  # one write per flush: a crash tears at most the last line
-            self._file.flush()
-        except Exception as e:  # noqa: BLE001
-            self.errors += 1
-            if self.errors == 1:
-                runtime.warn(f"could not write {self.path}: {e}")
+        self.writer.write_text(text)
 
     def _write_groups(self):
         for key, (name, ranks, backend) in list(self._groups.items()):
@@ -322,11 +313,7 @@ class CollectiveLog:
             self.flush(final=True)
         finally:
             self.closed = True
-            if self._file is not None:
-                try:
-                    self._file.close()
-                except OSError:
-                    pass
+            self.writer.flush()
 
 
 def mesh_dim(mesh: dict | None, ranks: list[int], my_rank: int) -> str | None:

@@ -193,6 +193,10 @@ class Watchdog:
                "heartbeat": dict(hb.last) if hb is not None else None,
                "flight_recorder": None, "complete": False}
         path = s.dir / DUMP
+        try:
+            s.flush_streams()  # the streams' queued records belong with the dump
+        except Exception:  # noqa: BLE001
+            pass
         write_json_atomic(path, rec, indent=None)
         rec["flight_recorder"] = flight_recorder_dump(s.dir)
         rec["complete"] = True

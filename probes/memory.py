@@ -44,10 +44,15 @@ BREAKDOWN_AT_STEP = 1  # optimizer state exists after the first optimizer step
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+_statm: list = [None, None]  # (pid, fd): kept open, one pread per step instead of open/read/close
+
+
 def rss_bytes() -> int | None:
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
+        pid = os.getpid()
+        if _statm[0] != pid:  # first call, or a forked child: the fd would name the parent
+            _statm[:] = [pid, os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)]
+        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         return None
 
@@ -151,7 +156,7 @@ def _arm_cuda(session, writer, history: bool) -> None:
                       "device": int(device), "alloc_bytes": int(alloc),
                       "device_allocated_bytes": int(device_allocated),
                       "device_free_bytes": int(device_free),
-                      "snapshot": path.name if _dump(path) else None})
+                      "snapshot": path.name if _dump(path) else None}, urgent=True)
 
     try:
         torch._C._cuda_attach_out_of_memory_observer(on_oom)

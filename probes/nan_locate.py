@@ -488,6 +488,22 @@ def replay_call(call, name_of) -> dict:
     return {"ops": mode.n_ops, "forward_finite": fwd_finite, "verdict": verdict}
 
 
+def nonfinite_parameters(calls, param_name) -> list[dict]:
+    """Parameters and buffers of this step's root modules that are non-finite now (before the
+    optimizer step): {"param", "module", **stats}. Only at a detection: one pass per tensor."""
+    out, seen = [], set()
+    for c in calls:
+        if id(c.module) in seen:
+            continue
+        seen.add(id(c.module))
+        for path, t in list(c.module.named_parameters()) + list(c.module.named_buffers()):
+            x = local(t).detach()
+            if is_float(x) and x.numel() and not _finite(x):
+                name = param_name(t) or path
+                out.append({"param": name, "module": name.rpartition(".")[0] or "<root>", **stats(x)})
+    return out
+
+
 def locate_step(calls, name_of, loss_bad: bool, grads_bad: bool, max_calls: int = 32) -> dict:
     """Replay this step's root calls in execution order (each forward, then its backward) until
     one shows where the value was created or that it arrived from elsewhere."""

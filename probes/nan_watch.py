@@ -6,7 +6,8 @@ What runs in the hot path:
   ``stage_backward`` both call it): scalar roots with no explicit gradient are losses; a detached
   reference is kept, nothing is read.
 * A global optimizer pre-step hook takes the per-parameter gradient L2 norms in one
-  ``torch._foreach_norm`` (fp32); after the step, one more gives the parameters' max |x|.
+  ``torch._foreach_norm`` (fp32); after the step, one more gives the parameters' max |x| (every
+  k-th step where that pass would cost more than 0.1 % of the step: ``_check_params``).
 * Every module call (global forward pre-hook, which appends a forward hook to the module the first
   time it runs, so it fires *after* the module's own hooks) gets max |x| of its floating inputs and
   outputs, and tensor hooks on those that require grad give max |grad| w.r.t. its outputs
@@ -42,6 +43,8 @@ ENV_MODULES = "TRAINPROF_NAN_MODULES"
 ENV_SYNC = "TRAINPROF_NAN_SYNC"        # "1": on CUDA read the flags at the optimizer pre-step hook
 ENV_KEEP_MB = "TRAINPROF_NAN_KEEP_MB"  # cap on output-gradients kept per step for a replay
 MAX_CANDIDATES = 8
+PARAM_BUDGET = 0.001      # share of a step the parameter-finiteness pass may cost on average
+PARAM_MAX_INTERVAL = 16   # ...checked at least every this many steps
 MAX_ROOT_CALLS = 64
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 _WATCH: "NanWatch | None" = None
@@ -95,13 +98,14 @@ class _Root:
     a replay needs, by reference (no copies in the hot path)."""
 
     __slots__ = ("module", "args", "kwargs", "versions", "rng", "cuda_rng", "grads", "outs",
-                 "grad_explicit")
+                 "held", "grad_explicit")
 
     def __init__(self, module, args, kwargs, versions, rng, cuda_rng):
         self.module, self.args, self.kwargs, self.versions = module, args, kwargs, versions
         self.rng, self.cuda_rng = rng, cuda_rng
-        self.grads: dict = {}    # floating output index -> gradient w.r.t. it (from a tensor hook)
+        self.grads: dict = {}    # floating output index -> gradient w.r.t. it (from a grad hook)
         self.outs: list = []     # weakrefs to the floating outputs
+        self.held: list = []     # (index, output) with retain_grad(), until its gradient is taken
         self.grad_explicit = False  # an output was a backward root with an explicit gradient (p2p)
 
 
@@ -193,7 +197,8 @@ class NanWatch:
         except ValueError:
             self.keep_bytes = 2**30
         self.roots_known: weakref.WeakSet = weakref.WeakSet()   # modules seen as roots
-        self._replayable = weakref.WeakKeyDictionary()          # module -> None | refusal reason
+        self._replayable: dict = {}  # id(module) -> (weakref, None | refusal reason): a plain dict
+        # lookup, where a WeakKeyDictionary builds a weakref per call (~10 µs on this hot path)
         self._root_handles = []
         self._root_hooked: weakref.WeakSet = weakref.WeakSet()
         self._discover_handles = []
@@ -201,6 +206,9 @@ class NanWatch:
         self.located = False
         self._bwd_seen = False
         self._pending = []   # deferred (CUDA) steps awaiting their copy
+        self._params_due = 0  # next step whose parameters are checked (see _check_params)
+        self._params_ok_step = None  # last step whose parameter check was finite
+        self.params_interval = 1
         self._reset_step()
         self.detected_step = None
         self.candidates: list = []   # (record, material) awaiting replay
@@ -465,19 +473,25 @@ class NanWatch:
             torch = self.torch
             if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
                 return  # eval / no_grad calls, and checkpoint recomputation inside the backward
-            why = self._replayable.get(mod, False)
+            ent = self._replayable.get(id(mod))
+            why = ent[1] if ent is not None and ent[0]() is mod else False
             if why is False:
-                why = self._replayable[mod] = self._refusal(mod)
+                why = self._refusal(mod)
+                self._replayable[id(mod)] = (weakref.ref(mod), why)
                 self._name(mod)
                 self.roots_known.add(mod)
                 self._write({"kind": "root", "step": self.s.clock.step, "module": self._names.get(mod),
                              "module_class": type(mod).__name__, "replayable": why is None, "reason": why})
             if why is not None or len(self.roots) >= MAX_ROOT_CALLS:
                 return
-            ts = self._tensors(args, [])
-            if kwargs:
-                self._tensors(kwargs, ts)
-            cuda = any(t.is_cuda for t in ts)
+            T = torch.Tensor
+            if not kwargs and all(type(a) is T for a in args):  # the common case: no walk
+                ts = list(args)
+            else:
+                ts = self._tensors(args, [])
+                if kwargs:
+                    self._tensors(kwargs, ts)
+            cuda = ts[0].is_cuda if len(ts) == 1 else any(t.is_cuda for t in ts)
             if cuda and not self.sync:
                 return  # the detection arrives steps later on CUDA: nothing to replay with
             self.roots.append(_Root(mod, args, kwargs, [t._version for t in ts], torch.get_rng_state(),
@@ -494,18 +508,31 @@ class NanWatch:
                 return
             for i, t in enumerate(self._floats(out, [])):
                 c.outs.append(weakref.ref(t))
-                if t.requires_grad:
-                    t.register_hook(functools.partial(self._root_grad, c, i))
+                if t.requires_grad and self.kept_bytes + 2 * t.numel() * t.element_size() <= self.keep_bytes:
+                    # autograd stores the gradient on the output (a C++ hook, ~3 µs; a Python grad
+                    # hook costs 20-40 µs per call, and measured +1.5 % more on the toy reference).
+                    # The output is held only until the next backward call or the optimizer step,
+                    # which take the gradient (_harvest); the cap counts it with its gradient.
+                    t.retain_grad()
+                    c.held.append((i, t))
+                    self.kept_bytes += 2 * t.numel() * t.element_size()
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
-    def _root_grad(self, c, i, g):
-        if not self._off and g is not None:
-            nb = g.numel() * g.element_size()
-            if self.kept_bytes + nb <= self.keep_bytes:
-                c.grads[i] = g  # a reference: autograd does not modify a gradient it handed out
-                self.kept_bytes += nb
-        return None
+    def _harvest(self, final=False):
+        """Move the gradients w.r.t. root outputs out of the held outputs, then drop those."""
+        for c in self.roots:
+            if not c.held:
+                continue
+            keep = []
+            for i, t in c.held:
+                g = t.grad
+                if g is None:
+                    if not final:
+                        keep.append((i, t))  # its backward has not run yet
+                    continue
+                c.grads[i] = g  # counted in kept_bytes when held; autograd does not modify it
+            c.held = keep
 
     def _tensors(self, x, acc):
         return tensors_in(x, acc, self.torch.Tensor)
@@ -522,7 +549,11 @@ class NanWatch:
         t0 = time.perf_counter()
         self._off += 1
         try:
-            res = nan_locate.locate_step(self.roots, self._names.get, loss_bad, grads_bad)
+            bad = nan_locate.nonfinite_parameters(self.roots, self._param_name)
+            if bad:  # the forward read a parameter that was already non-finite: a replay would
+                res = self._parameter_verdict(bad)  # convict the first module that uses it
+            else:
+                res = nan_locate.locate_step(self.roots, self._names.get, loss_bad, grads_bad)
         except Exception as e:  # noqa: BLE001
             res = {"notes": [f"locate failed: {type(e).__name__}: {e}"]}
         finally:
@@ -533,6 +564,23 @@ class NanWatch:
         rec.update(res)
         rec["replay_ms"] = (time.perf_counter() - t0) * 1e3
         self._write(rec)
+
+    def _parameter_verdict(self, bad: list) -> dict:
+        """Parameters were non-finite before this step's forward: written so by an optimizer step
+        (or code updating them) after the last step whose parameter check was finite."""
+        step, ok = self.resolver.step, self._params_ok_step
+        lo = ok + 1 if ok is not None else 0
+        window = [lo, step - 1]
+        when = (f"the optimizer step of step {lo}" if lo == step - 1 else
+                f"an optimizer step between steps {lo} and {step - 1}")
+        last = f" (parameters were last checked finite at step {ok})" if ok is not None else ""
+        first = bad[0]
+        return {"created": True, "phase": "optimizer", "role": "parameters", "module": first["module"],
+                "op": None, "param": first["param"], "origin_steps": window, "value": value_kind_of(first),
+                "params_nonfinite": [b["param"] for b in bad[:20]], "first_params": bad[:5],
+                "evidence": f"parameter {first['param']} was already {value_kind_of(first)} when step "
+                            f"{step}'s forward read it: written by {when}{last}, not by this "
+                            f"step's computation"}
 
     def _maybe_locate(self, where):
         first = self.resolver.first
@@ -545,6 +593,8 @@ class NanWatch:
             return
         try:
             T = self.torch.Tensor
+            if self.roots:
+                self._harvest()  # gradients of the previous backward calls
             roots = [tensors] if isinstance(tensors, T) else list(tensors or ())
             grads = [grad_tensors] if isinstance(grad_tensors, T) or grad_tensors is None else list(grad_tensors)
             self._bwd_seen = True
@@ -555,10 +605,17 @@ class NanWatch:
                         if any(w() is r for w in c.outs):
                             c.grad_explicit = True
                 if isinstance(r, T) and g is None and r.numel() == 1 and r.is_floating_point():
-                    lt = getattr(r, "_local_tensor", None)
-                    d = (lt if lt is not None else r).detach().reshape(())
+                    if type(r) is not T:  # DTensor loss: its local value
+                        r = getattr(r, "_local_tensor", r)
+                    if r.is_cpu:  # read at once: one op, and the list holds floats
+                        v = r.item()
+                        self.losses.append(v)
+                        if not math.isfinite(v):  # the resolver only acts on a bad value
+                            self._emit("loss", None, [v], [r.detach()])
+                        continue
+                    d = r.detach().reshape(())
                     self.losses.append(d)
-                    v = float(d) if d.device.type == "cpu" or self.sync else d.abs()
+                    v = float(d) if self.sync else d.abs()
                     self._emit("loss", None, [v], [d])
         except Exception as e:  # noqa: BLE001
             self._fail(e)
@@ -567,17 +624,26 @@ class NanWatch:
         try:
             torch = self.torch
             self.optimizers.append(optimizer)
-            params = [p for gr in optimizer.param_groups for p in gr["params"] if p.grad is not None]
+            self._harvest(final=True)
+            params, gs = [], []
+            for gr in optimizer.param_groups:
+                for p in gr["params"]:
+                    g = p.grad
+                    if g is not None:
+                        params.append(p)
+                        gs.append(g)
             if params:
-                gs = [getattr(p.grad, "_local_tensor", None) for p in params]
-                gs = [g if g is not None else p.grad for g, p in zip(gs, params)]
-                gs = [g.detach() for g in gs]
-                norms = torch._foreach_norm(gs, 2, dtype=torch.float32)
-                total = torch.linalg.vector_norm(torch.stack(norms))
+                T = torch.Tensor
+                if any(type(g) is not T for g in gs):  # DTensor gradients: their local shards
+                    gs = [getattr(g, "_local_tensor", g) for g in gs]
+                with torch.no_grad():
+                    norms = torch._foreach_norm(gs, 2, dtype=torch.float32)
+                    total = torch.linalg.vector_norm(torch.stack(norms))
                 info = (total, norms, params)
                 self.grad_info = info if self.grad_info is None else self.grad_info
                 v = float(total) if total.device.type == "cpu" or self.sync else total
-                self._emit("grads", info, [v])
+                if not (isinstance(v, float) and math.isfinite(v)):
+                    self._emit("grads", info, [v])
             self._maybe_replay()  # before the optimizer changes the parameters
             self._maybe_locate("optimizer pre-step")
         except Exception as e:  # noqa: BLE001
@@ -589,30 +655,30 @@ class NanWatch:
         step = rec["step"]
         params_v = None
         try:
-            ps = [p for o in self.optimizers for gr in o.param_groups for p in gr["params"]]
-            if ps:
-                ls = [getattr(p, "_local_tensor", None) for p in ps]
-                ls = [(l if l is not None else p).detach() for l, p in zip(ls, ps)]
-                # only finiteness is kept: on CPU the L2 norm is one vectorized pass (inf-norm is
-                # a scalar loop, 4-5x slower); a parameter would need |x| > 1e19 to overflow it
-                order = 2.0 if ls[0].device.type == "cpu" else math.inf
-                m = torch.stack([x.float() for x in torch._foreach_norm(ls, order)]).max()
-                params_v = float(m) if m.device.type == "cpu" else m
-                self._emit("params", None, [params_v])
+            if step >= self._params_due:
+                params_v = self._check_params(rec)
+                if params_v is not None and not (isinstance(params_v, float) and math.isfinite(params_v)):
+                    self._emit("params", None, [params_v])
         except Exception as e:  # noqa: BLE001
             self._fail(e)
-        loss = torch.stack([l.float() for l in self.losses]) if self.losses else None
+        if not self.losses:
+            loss = None
+        elif all(isinstance(x, float) for x in self.losses):
+            loss = list(self.losses)  # CPU: read at backward time
+        else:
+            loss = torch.stack([x.float() for x in self.losses])
         grad = self.grad_info[0] if self.grad_info else None
         entry = {"step": step, "t_ns": rec.get("end_ns") or time.time_ns(), "loss": loss,
                  "grad": grad, "params": params_v, "events": self.events,
                  "resolver": self.resolver, "calls": self.calls, "roots": len(self.roots)}
-        if self.events or any(x is not None and not isinstance(x, float) and x.device.type != "cpu"
+        if self.events or any(isinstance(x, torch.Tensor) and x.device.type != "cpu"
                               for x in (loss, grad, params_v)):
             self._queue(entry)
         else:
             self._write_step(entry)
         self._maybe_replay()
         try:
+            self._harvest(final=True)
             self._maybe_locate("step boundary")  # no optimizer (explicit markers): the job may
             if self.replay_on:                   # have updated the parameters already
                 if self._discover_handles and len(self.roots_known):
@@ -624,6 +690,34 @@ class NanWatch:
             self._fail(e)
         self._reset_step()
         self._resolve_pending()
+
+    def _check_params(self, rec):
+        """max-norm of every optimizer parameter (finiteness only). A parameter goes non-finite
+        with finite gradients only through the optimizer itself (a bad lr, overflowed state),
+        so when the pass costs more than PARAM_BUDGET of the step it runs every k-th step
+        (k <= PARAM_MAX_INTERVAL): such a fault is then reported up to k-1 steps late, or first
+        by the next forward's loss, whose replay shows the non-finite parameter as an input."""
+        torch = self.torch
+        ps = [p for o in self.optimizers for gr in o.param_groups for p in gr["params"]]
+        if not ps:
+            return None
+        t0 = time.perf_counter()
+        plain = (torch.Tensor, torch.nn.Parameter)
+        ls = ps if all(type(p) in plain for p in ps) else [getattr(p, "_local_tensor", p) for p in ps]
+        # on CPU the L2 norm is one vectorized pass (inf-norm is a scalar loop, 4-5x slower);
+        # a parameter would need |x| > 1e19 to overflow it. fp32 norms stack without casts.
+        order = 2.0 if ls[0].device.type == "cpu" else math.inf
+        with torch.no_grad():
+            m = torch.stack(torch._foreach_norm(ls, order, dtype=torch.float32)).max()
+        v = float(m) if m.device.type == "cpu" else m
+        cost = time.perf_counter() - t0  # host time (on CUDA: the launches, never the kernel)
+        step_s = (rec.get("dur_ms") or 0) / 1e3
+        k = 1
+        if step_s > 0 and rec["step"] > 0:  # step 0 holds the set-up
+            k = max(1, min(PARAM_MAX_INTERVAL, math.ceil(cost / (PARAM_BUDGET * step_s))))
+        self.params_interval = k
+        self._params_due = rec["step"] + k
+        return v
 
     def _queue(self, entry):
         """Deferred mode: one concatenation and one non-blocking copy per step."""
@@ -637,7 +731,7 @@ class NanWatch:
             if entry[key] is not None and not isinstance(entry[key], float):
                 vals.append(entry[key])
         if entry["loss"] is not None:
-            vals += list(entry["loss"].reshape(-1))
+            vals += entry["loss"] if isinstance(entry["loss"], list) else list(entry["loss"].reshape(-1))
         dev = [v for v in vals if isinstance(v, torch.Tensor)]
         if not dev:
             self._write_step(entry)
@@ -704,6 +798,8 @@ class NanWatch:
         grad = e["grad"]
         grad = float(grad) if grad is not None and not isinstance(grad, float) else grad
         params = e["params"]
+        if params is not None and math.isfinite(params):
+            self._params_ok_step = max(e["step"], self._params_ok_step or 0)
         fin = [x for x in (loss or []) if x is not None]
         res = e["resolver"]
         rec = {"kind": "step", "step": e["step"], "t_ns": e["t_ns"],
@@ -713,6 +809,7 @@ class NanWatch:
                "grad_norm": grad if grad is not None and math.isfinite(grad) else None,
                "grad_finite": math.isfinite(grad) if grad is not None else None,
                "params_finite": math.isfinite(params) if params is not None else None,
+               "params_every": self.params_interval,
                "modules_finite": res.first is None or res.first.get("role") in
                ("loss", "parameter_grads", "parameters"),
                "module_calls": e["calls"], "root_calls": e.get("roots", 0), "mode": self.modules_mode}
@@ -835,12 +932,20 @@ class NanWatch:
             self._off -= 1
 
     def _write(self, rec):
-        self.out.write(_jsonable(rec))
+        # detections go out at once (the job may die of them); step records ride the flusher
+        kind = rec.get("kind")  # step records hold finite numbers or None: no conversion pass
+        self.out.write(rec if kind == "step" else _jsonable(rec), urgent=kind not in ("step", "root"))
 
     def _fail(self, e):
         if not getattr(self, "_warned", False):
             self._warned = True
             runtime.warn(f"nan watch: {type(e).__name__}: {e}")
+
+
+def value_kind_of(s: dict) -> str:
+    from trainprof.probes.nan_locate import value_kind
+
+    return value_kind(s) or "non-finite"
 
 
 def _jsonable(x):

@@ -26,6 +26,7 @@ DEFAULT_PROFILE_STEPS = "3-4"
 # Probe modules attached to every session, in order. A module that is not present in this
 # build is skipped silently; one that fails to attach is reported and skipped.
 ENV_PROBES_OFF = "TRAINPROF_PROBES_OFF"
+ENV_FLUSH_S = "TRAINPROF_FLUSH_S"  # how often queued stream records are written (seconds)
 ATTACHED_PROBES: tuple[str, ...] = (
     "trainprof.probes.clock",           # clock offsets to a reference rank (start and end)
     "trainprof.probes.collectives",     # always-on log of every collective and p2p op
@@ -52,6 +53,12 @@ class ProbeSession:
         self.dir = rank_dir(self.run_dir, self.rank)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._writers: dict[str, JsonlWriter] = {}
+        try:
+            self.flush_interval = max(0.01, float(os.environ.get(ENV_FLUSH_S, "0.5")))
+        except ValueError:
+            self.flush_interval = 0.5
+        self._flush_stop = threading.Event()
+        self._flusher = threading.Thread(target=self._flush_loop, name="trainprof-flush", daemon=True)
         self._step_listeners: list = []
         self._close_listeners: list = []
         self._meta_lock = threading.Lock()
@@ -77,13 +84,25 @@ class ProbeSession:
         for name in ATTACHED_PROBES:
             if name.rsplit(".", 1)[-1] not in off:
                 self._attach(name)
+        self._flusher.start()
         atexit.register(self._atexit)
 
     # -- plumbing other probes use
     def stream(self, name: str) -> JsonlWriter:
+        """A JSONL stream of this rank. Deferred (records queued on the job's thread, written by
+        the flusher thread: one write per stream per interval, off the hot path), except the
+        step timings: one write per step, so a job killed with SIGKILL keeps every step it took."""
         if name not in self._writers:
-            self._writers[name] = JsonlWriter(self.dir / f"{name}.jsonl")
+            self._writers[name] = JsonlWriter(self.dir / f"{name}.jsonl", deferred=name != STEPS)
         return self._writers[name]
+
+    def flush_streams(self) -> None:
+        for w in list(self._writers.values()):
+            w.flush()
+
+    def _flush_loop(self) -> None:
+        while not self._flush_stop.wait(self.flush_interval):
+            self.flush_streams()
 
     def on_step(self, fn) -> None:
         self._step_listeners.append(fn)
@@ -231,7 +250,8 @@ class ProbeSession:
         self.meta["ended_ns"] = time.time_ns()
         self.meta["steps_recorded"] = self.clock.step
         self.write_meta()
-        for w in self._writers.values():
+        self._flush_stop.set()
+        for w in list(self._writers.values()):
             w.close()
 
 

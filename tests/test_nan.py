@@ -14,6 +14,7 @@ import pytest
 from helpers import run_cli, write_script
 
 from trainprof.analyzers import nan_origin
+from trainprof.probes import nan_watch
 from trainprof.rundir import RunDir
 
 SCRIPT_HEAD = """
@@ -159,8 +160,12 @@ def test_clean_script_silent_and_records_every_step(tmp_path):
     assert not origin and not spikes
     steps = [r for r in RunDir(run).stream(0, "nan") if r["kind"] == "step"]
     assert [r["step"] for r in steps] == list(range(12))
-    assert all(r["loss_finite"] and r["grad_finite"] and r["params_finite"] and r["modules_finite"]
-               for r in steps)
+    assert all(r["loss_finite"] and r["grad_finite"] and r["modules_finite"] for r in steps)
+    # parameters: checked on step 0, then every params_every steps (amortized to 0.1 % of a step)
+    checked = [r["step"] for r in steps if r["params_finite"] is not None]
+    assert checked[0] == 0 and all(r["params_finite"] in (True, None) for r in steps)
+    for a, b in zip(checked, checked[1:]):
+        assert b - a == steps[a]["params_every"] <= nan_watch.PARAM_MAX_INTERVAL
     assert all(r["root_calls"] == 1 and r["mode"] == "replay" for r in steps)  # the Sequential
     assert not [r for r in RunDir(run).stream(0, "nan") if r["kind"] in ("nonfinite", "origin")]
 
@@ -257,3 +262,30 @@ def test_reference_clean_run_silent(reference_run, tmp_path):
     # the last pipeline stage (pp=1: ranks 2, 3, 6, 7) sees the loss at every step
     assert sorted(int(r) for r in m["loss"]) == [2, 3, 6, 7]
     assert all(len(v) == 8 and all(x[1] is not None for x in v) for v in m["loss"].values())
+
+
+BAD_LR = """
+net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+with trainprof.session(sys.argv[1], profile_steps="none"):
+    for step in range(12):
+        loss = net(torch.randn(32, 8)).pow(2).mean()
+        loss.backward()
+        opt.param_groups[0]["lr"] = float("nan") if step == 6 else 1e-3  # a broken schedule
+        opt.step(); opt.zero_grad()
+"""
+
+
+def test_optimizer_phase_from_stale_parameters(tmp_path):
+    """Finite gradients, NaN update at step 6. The parameter check runs every k-th step on such
+    tiny steps, so the next forward's loss detects it; the finding must blame the optimizer and
+    the parameter, not the first module that reads it (whose activations are finite)."""
+    run = _run_script(tmp_path, BAD_LR)
+    _, origin, _ = _analyze(run)
+    assert len(origin) == 1
+    ev = origin[0].evidence
+    assert ev["phase"] == "optimizer" and ev["role"] == "parameters" and ev["module"] == "0"
+    assert ev["param"] == "0.weight" and ev["value"] == "nan"
+    lo, hi = ev["origin_steps"]
+    assert lo <= 6 <= hi and ev["step"] == hi + 1  # detected by the next step's forward
+    assert "optimizer step" in origin[0].message

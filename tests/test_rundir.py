@@ -39,6 +39,41 @@ def test_writer_never_raises(tmp_path):
     assert w.errors == 1
 
 
+def test_deferred_writer_queues_until_flush_and_loses_nothing_across_threads(tmp_path):
+    import threading
+
+    path = tmp_path / "s.jsonl"
+    w = JsonlWriter(path, deferred=True)
+    w.write({"i": -2})
+    assert not path.exists()                    # queued, not written
+    w.write({"i": -1, "x": float("nan")}, urgent=True)  # goes out with everything before it
+    assert [json.loads(x)["i"] for x in path.read_text().splitlines()] == [-2, -1]
+    assert json.loads(path.read_text().splitlines()[1])["x"] is None  # strict JSON: NaN -> null
+
+    stop = threading.Event()
+
+    def flusher():  # the session's flusher thread, racing the writers
+        while not stop.is_set():
+            w.flush()
+
+    writers = [threading.Thread(target=lambda k=k: [w.write({"i": k * 10_000 + j}) for j in range(3000)])
+               for k in range(3)]
+    f = threading.Thread(target=flusher)
+    f.start()
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    f.join()
+    w.close()
+    got = [json.loads(x)["i"] for x in path.read_text().splitlines()]
+    assert sorted(got[2:]) == sorted(k * 10_000 + j for k in range(3) for j in range(3000))
+    for k in range(3):  # each thread's records stay in its order
+        mine = [i for i in got[2:] if i // 10_000 == k]
+        assert mine == sorted(mine)
+
+
 def test_atomic_json_and_clear_errors(tmp_path):
     write_json_atomic(tmp_path / "m.json", {"a": 1})
     assert json.loads((tmp_path / "m.json").read_text()) == {"a": 1}
