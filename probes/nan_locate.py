@@ -8,9 +8,10 @@ what module-level checks cannot: a value created and then masked (``where(x > 0,
 aten::log makes -inf, aten::where hides it, and the backward turns it into NaN).
 
 Replays are side-effect free for the job: the RNG state is forked, gradients come from
-``torch.autograd.grad`` (nothing accumulates into ``.grad``), and a replay is refused if the
-module holds DTensor/FSDP state or reaches a collective (a one-rank replay of a collective would
-hang its peers).
+``torch.autograd.grad`` (nothing accumulates into ``.grad``), and a one-rank replay is refused if
+the module holds DTensor/FSDP state or reaches a collective (its peers would never join).
+Tensor-parallel modules are replayed by all ranks of their mesh together (``coordinated``, after
+an agreement through the store in nan_watch), collectives included.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ SKIP_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_stri
 # Ops that legitimately write -inf as a mask (attention masks): -inf-only outputs are allowed.
 MASK_OPS = {"masked_fill", "masked_fill_", "fill", "fill_", "full", "full_like", "new_full",
             "scalar_tensor", "index_fill", "index_fill_", "where", "masked_scatter", "clamp", "clamp_min"}
-COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "fsdp"}
+COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "fsdp",
+                         "_c10d_functional_autograd"}
+FUNCOL_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd"}  # out-of-place, waitable
+FUNCOL_PLUMBING = {"wait_tensor", "_wrap_tensor_autograd"}
 MAX_OPS_RECORDED = 4
 TAG = "trainprof_module"  # autograd-node metadata key: the module whose forward made the node
 
@@ -90,6 +94,8 @@ def _short(func) -> str:
 
 
 def _overflow(func, args, kwargs, out_tensors) -> str | None:
+    if any(hasattr(t, "_local_tensor") for t in tree_flatten((args, kwargs))[0]):
+        return None  # recomputing a DTensor op could redistribute: a collective on one rank only
     """For an op that produced +-inf from finite inputs: the true magnitude in higher precision."""
     dt = next((t.dtype for t in out_tensors if is_float(t)), None)
     if dt is None or dt.is_complex:
@@ -116,11 +122,13 @@ class OpCheckMode(TorchDispatchMode):
     """Records, per phase, the ops that created non-finite values from finite inputs, and the
     ops that consumed a non-finite value yet produced a finite one (masking)."""
 
-    def __init__(self, tracker=None):
+    def __init__(self, tracker=None, collectives=False):
         super().__init__()
         self.phase = "forward"
         self.created: list[dict] = []
         self.masked: list[dict] = []
+        self.collectives = collectives  # coordinated replay: peers run the same collectives
+        self.received: list[dict] = []  # collectives whose result turned non-finite (from peers)
         self.n_ops = 0
         self.quiet = 0          # >0 while the replay's own bookkeeping runs ops
         self.tracker = tracker  # module attribution (forward: module stack; backward: node tag)
@@ -137,7 +145,9 @@ class OpCheckMode(TorchDispatchMode):
         kwargs = kwargs or {}
         ns = getattr(func, "namespace", "aten")
         if ns in COLLECTIVE_NAMESPACES:
-            raise ReplayRefused(f"replay reached collective {_op_name(func)}")
+            if not self.collectives:
+                raise ReplayRefused(f"replay reached collective {_op_name(func)}")
+            return self._collective(func, args, kwargs)
         short = _short(func)
         if short in SKIP_OPS or self.quiet:
             return func(*args, **kwargs)
@@ -162,6 +172,33 @@ class OpCheckMode(TorchDispatchMode):
             self.masked.append({"op": _op_name(func), "phase": self.phase, "index": self.n_ops,
                                 "module": self._where()})
         return out
+
+
+    def _collective(self, func, args, kwargs):
+        """Run it (every peer does), never call it a creation. A functional collective's result
+        is waited for here (the replay is synchronous anyway; DTensor's AsyncCollectiveTensor
+        would wait below this mode, unseen): non-finite from finite local inputs = received."""
+        short = _short(func)
+        if self.quiet or func.namespace not in FUNCOL_NAMESPACES or short in FUNCOL_PLUMBING:
+            return func(*args, **kwargs)
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        in_ok = all(_finite(t) for t in ins)
+        out = func(*args, **kwargs)
+        self.n_ops += 1
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        for t in outs:
+            torch.ops._c10d_functional.wait_tensor(t)
+        if in_ok and not all(_finite(t) for t in outs) and len(self.received) < MAX_OPS_RECORDED:
+            bad = next(t for t in outs if not _finite(t))
+            self.received.append({"op": _op_name(func), "phase": self.phase, "index": self.n_ops,
+                                  "module": self._where(), "output": stats(bad)})
+        return out
+
+
+def inputs_unchanged(call) -> bool:
+    """The saved inputs of a root call still hold what the call read (no in-place change since)."""
+    return call.versions is None or \
+        [t._version for t in _tensors(call.kwargs or {}, _tensors(call.args, []))] == call.versions
 
 
 def _refuse_distributed(module) -> None:
@@ -389,16 +426,22 @@ def _op_fields(op: dict | None) -> dict:
             "overflow": op.get("overflow")}
 
 
-def replay_call(call, name_of) -> dict:
+def replay_call(call, name_of, coordinated: bool = False) -> dict:
     """Re-run one root module call (forward, then backward with the saved output-gradients) with
-    module- and op-level checks. Returns {"ops", "forward_finite", "verdict": None | {...}}."""
+    module- and op-level checks. Returns {"ops", "forward_finite", "verdict": None | {...}}.
+
+    ``coordinated``: a tensor-parallel module replayed by every rank of its mesh at once (the
+    peers agreed through the store first). Its collectives run; the forward and the backward
+    both run on every rank whatever the values, so each peer issues the same collectives in the
+    same order; a value that first turns non-finite in a collective's result was received."""
     module = call.module
     if type(module).__name__ == "DistributedDataParallel":
         module = module.module  # DDP's own forward may broadcast buffers: replay the wrapped model
-    _refuse_distributed(module)
+    if not coordinated:
+        _refuse_distributed(module)
+        if not inputs_unchanged(call):
+            raise ReplayRefused("the call's inputs were modified in place after the call")
     floats = _floats(call.kwargs or {}, _floats(call.args, []))
-    if call.versions is not None and [t._version for t in _tensors(call.kwargs or {}, _tensors(call.args, []))] != call.versions:
-        raise ReplayRefused("the call's inputs were modified in place after the call")
 
     def fresh(x):
         if isinstance(x, torch.Tensor):
@@ -408,7 +451,7 @@ def replay_call(call, name_of) -> dict:
 
     args, kwargs = tree_map(fresh, call.args), tree_map(fresh, call.kwargs or {})
     tracker = _Tracker(name_of)
-    mode = tracker.mode = OpCheckMode(tracker)
+    mode = tracker.mode = OpCheckMode(tracker, collectives=coordinated)
     devs = sorted({t.device.index for t in floats if t.device.type == "cuda" and t.device.index is not None})
     verdict = None
     with torch.random.fork_rng(devices=devs), tracker:
@@ -422,6 +465,18 @@ def replay_call(call, name_of) -> dict:
         outs = _floats(out, [])
         fwd_finite = all(_finite(t) for t in outs)
         fwd_ops = [c for c in mode.created if c["phase"] == "forward"]
+        lockstep = None
+        if coordinated:  # the backward now, on every peer: its collectives must pair up
+            need = [(i, t) for i, t in enumerate(outs) if t.requires_grad]
+            if need:
+                params = [p for p in module.parameters() if p.requires_grad]
+                wrt = [t for t in ins if t.requires_grad] + params
+                gos = [call.grads.get(i) if call.grads.get(i) is not None else torch.zeros_like(t)
+                       for i, t in need]
+                mode.phase = "backward"
+                with _TagMode(tracker), mode:
+                    lockstep = torch.autograd.grad([t for _, t in need], wrt, grad_outputs=gos,
+                                                   allow_unused=True)
         if tracker.fwd:  # a module turned finite inputs into a non-finite output
             m = tracker.fwd[0]
             op = next((c for c in fwd_ops if _within(c.get("module"), m["module"])), fwd_ops[0] if fwd_ops else None)
@@ -452,9 +507,12 @@ def replay_call(call, name_of) -> dict:
                 params = [p for p in module.parameters() if p.requires_grad]
                 wrt = [t for t in ins if t.requires_grad] + params
                 mode.phase = "backward"
-                with _TagMode(tracker), mode:
-                    gs = torch.autograd.grad([t for t, _ in pairs], wrt, grad_outputs=[g for _, g in pairs],
-                                             allow_unused=True)
+                if lockstep is not None:  # ran already (zeros for outputs without a gradient)
+                    gs = lockstep
+                else:
+                    with _TagMode(tracker), mode:
+                        gs = torch.autograd.grad([t for t, _ in pairs], wrt,
+                                                 grad_outputs=[g for _, g in pairs], allow_unused=True)
                 bwd_ops = [c for c in mode.created if c["phase"] == "backward"]
                 pgrads = gs[len(wrt) - len(params):]
                 bad_p = [p for p, g in zip(params, pgrads) if g is not None and not _finite(g)]
@@ -485,6 +543,18 @@ def replay_call(call, name_of) -> dict:
                             verdict["backward_op"], verdict["backward_value"] = op["op"], op.get("value")
                     else:
                         verdict.update(_op_fields(op))
+    if verdict is not None and verdict.get("created") and mode.received:
+        # on a tensor-parallel peer: what a collective brought in before any local op created it
+        ph = verdict["phase"]
+        got = [r for r in mode.received if r["phase"] == ph]
+        made = [c for c in mode.created if c["phase"] == ph]
+        if got and (not made or got[0]["index"] < made[0]["index"]):
+            r = got[0]
+            verdict = {"created": False, "phase": ph, "role": "collective",
+                       "module": r.get("module") or verdict.get("module"), "op": r["op"],
+                       "output": r["output"], "value": value_kind(r["output"]),
+                       "evidence": f"arrived through {r['op']} from the tensor-parallel peers; "
+                                   f"what this rank contributed was finite"}
     return {"ops": mode.n_ops, "forward_finite": fwd_finite, "verdict": verdict}
 
 
@@ -504,15 +574,18 @@ def nonfinite_parameters(calls, param_name) -> list[dict]:
     return out
 
 
-def locate_step(calls, name_of, loss_bad: bool, grads_bad: bool, max_calls: int = 32) -> dict:
+def locate_step(calls, name_of, loss_bad: bool, grads_bad: bool, max_calls: int = 32,
+                coordinated: bool = False) -> dict:
     """Replay this step's root calls in execution order (each forward, then its backward) until
-    one shows where the value was created or that it arrived from elsewhere."""
+    one shows where the value was created or that it arrived from elsewhere. Coordinated (tensor
+    parallel): every call is replayed whatever the verdict, as the peers do."""
     out = {"created": False, "phase": None, "module": None, "op": None, "replayed": 0, "ops_checked": 0,
            "notes": []}
     all_fwd_finite = bool(calls)
+    found = None
     for i, c in enumerate(calls[:max_calls]):
         try:
-            r = replay_call(c, name_of)
+            r = replay_call(c, name_of, coordinated=coordinated)
         except ReplayRefused as e:
             out["notes"].append(f"call {i}: replay refused: {e}")
             all_fwd_finite = False
@@ -524,10 +597,13 @@ def locate_step(calls, name_of, loss_bad: bool, grads_bad: bool, max_calls: int 
         out["replayed"] += 1
         out["ops_checked"] += r["ops"]
         all_fwd_finite &= r["forward_finite"]
-        if r["verdict"] is not None:
-            out.update(r["verdict"])
-            out["call"] = i
-            return out
+        if r["verdict"] is not None and found is None:
+            found = dict(r["verdict"], call=i)
+            if not coordinated:
+                break
+    if found is not None:
+        out.update(found)
+        return out
     if len(calls) > max_calls:
         out["notes"].append(f"only the first {max_calls} of {len(calls)} calls replayed")
     if not calls:

@@ -41,6 +41,7 @@ STREAM = "nan"
 # (also on CUDA without a sync; costly). "off": loss + gradient checks only.
 ENV_MODULES = "TRAINPROF_NAN_MODULES"
 ENV_SYNC = "TRAINPROF_NAN_SYNC"        # "1": on CUDA read the flags at the optimizer pre-step hook
+ENV_PEER_WAIT = "TRAINPROF_NAN_PEER_WAIT_S"  # coordinated (tensor-parallel) replay: wait for peers
 ENV_KEEP_MB = "TRAINPROF_NAN_KEEP_MB"  # cap on output-gradients kept per step for a replay
 MAX_CANDIDATES = 8
 PARAM_BUDGET = 0.001      # share of a step the parameter-finiteness pass may cost on average
@@ -98,10 +99,11 @@ class _Root:
     a replay needs, by reference (no copies in the hot path)."""
 
     __slots__ = ("module", "args", "kwargs", "versions", "rng", "cuda_rng", "grads", "outs",
-                 "held", "grad_explicit")
+                 "held", "grad_explicit", "peers")
 
-    def __init__(self, module, args, kwargs, versions, rng, cuda_rng):
+    def __init__(self, module, args, kwargs, versions, rng, cuda_rng, peers=None):
         self.module, self.args, self.kwargs, self.versions = module, args, kwargs, versions
+        self.peers = peers  # tensor-parallel ranks a replay must run with (DTensor parameters)
         self.rng, self.cuda_rng = rng, cuda_rng
         self.grads: dict = {}    # floating output index -> gradient w.r.t. it (from a grad hook)
         self.outs: list = []     # weakrefs to the floating outputs
@@ -192,6 +194,10 @@ class NanWatch:
         self.modules_on = self.modules_mode in ("all", "leaf")
         self.replay_on = self.modules_mode == "replay"
         self.sync = os.environ.get(ENV_SYNC) == "1"
+        try:
+            self.peer_wait_s = float(os.environ.get(ENV_PEER_WAIT, "10"))
+        except ValueError:
+            self.peer_wait_s = 10.0
         try:
             self.keep_bytes = float(os.environ.get(ENV_KEEP_MB, "1024")) * 2**20
         except ValueError:
@@ -456,15 +462,29 @@ class NanWatch:
         if self._depth == 0:
             self._root_end(mod, out)
 
-    def _refusal(self, mod) -> str | None:
+    def _refusal(self, mod) -> tuple:
+        """(why a replay is impossible, or None; the ranks a replay must run with, or None).
+        Tensor-parallel modules (DTensor parameters on one 1-D mesh) replay together with their
+        mesh peers (nan_locate: coordinated replay); FSDP would all-gather and reduce-scatter
+        into the job's state, so it is refused."""
         m = mod.module if type(mod).__name__ == "DistributedDataParallel" else mod
-        for t in list(m.parameters()) + list(m.buffers()):
-            if hasattr(t, "_local_tensor") or hasattr(t, "device_mesh"):
-                return "DTensor parameters (tensor parallel / FSDP2): a one-rank replay would need collectives"
         for x in m.modules():
             if type(x).__name__.startswith("FSDP") or type(x).__name__ == "FullyShardedDataParallel":
-                return "FSDP-managed: a one-rank replay would need all-gathers"
-        return None
+                return "FSDP-managed: a replay would all-gather and reduce-scatter into the job's state", None
+        meshes = {}
+        for t in list(m.parameters()) + list(m.buffers()):
+            mesh = getattr(t, "device_mesh", None)
+            if mesh is None and hasattr(t, "_local_tensor"):
+                return "DTensor parameters without a device mesh", None
+            if mesh is not None:
+                meshes[id(mesh)] = mesh
+        if not meshes:
+            return None, None
+        if len(meshes) > 1 or any(x.ndim != 1 for x in meshes.values()):
+            return "DTensor parameters on several or multi-dimensional meshes", None
+        (mesh,) = meshes.values()
+        ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+        return None, ranks if len(ranks) > 1 else None
 
     def _root_start(self, mod, args, kwargs):
         if self._off:
@@ -474,14 +494,15 @@ class NanWatch:
             if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
                 return  # eval / no_grad calls, and checkpoint recomputation inside the backward
             ent = self._replayable.get(id(mod))
-            why = ent[1] if ent is not None and ent[0]() is mod else False
-            if why is False:
-                why = self._refusal(mod)
-                self._replayable[id(mod)] = (weakref.ref(mod), why)
+            if ent is None or ent[0]() is not mod:
+                why, peers = self._refusal(mod)
+                ent = self._replayable[id(mod)] = (weakref.ref(mod), why, peers)
                 self._name(mod)
                 self.roots_known.add(mod)
                 self._write({"kind": "root", "step": self.s.clock.step, "module": self._names.get(mod),
-                             "module_class": type(mod).__name__, "replayable": why is None, "reason": why})
+                             "module_class": type(mod).__name__, "replayable": why is None, "reason": why,
+                             "replay_with": peers})
+            why, peers = ent[1], ent[2]
             if why is not None or len(self.roots) >= MAX_ROOT_CALLS:
                 return
             T = torch.Tensor
@@ -495,7 +516,7 @@ class NanWatch:
             if cuda and not self.sync:
                 return  # the detection arrives steps later on CUDA: nothing to replay with
             self.roots.append(_Root(mod, args, kwargs, [t._version for t in ts], torch.get_rng_state(),
-                                    torch.cuda.get_rng_state() if cuda else None))
+                                    torch.cuda.get_rng_state() if cuda else None, peers))
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
@@ -550,10 +571,20 @@ class NanWatch:
         self._off += 1
         try:
             bad = nan_locate.nonfinite_parameters(self.roots, self._param_name)
+            peers = sorted({r for c in self.roots for r in (c.peers or ())})
+            agreed = note = None
+            if peers:  # every peer must replay the same calls, or its collectives would hang
+                ready = not bad and all(nan_locate.inputs_unchanged(c) for c in self.roots)
+                agreed, note = self._agree(peers, ready)
             if bad:  # the forward read a parameter that was already non-finite: a replay would
                 res = self._parameter_verdict(bad)  # convict the first module that uses it
+            elif peers and not agreed:
+                res = {"created": False, "notes": [note]}
             else:
-                res = nan_locate.locate_step(self.roots, self._names.get, loss_bad, grads_bad)
+                res = nan_locate.locate_step(self.roots, self._names.get, loss_bad, grads_bad,
+                                             coordinated=bool(peers))
+                if peers:
+                    res["replayed_with"] = peers
         except Exception as e:  # noqa: BLE001
             res = {"notes": [f"locate failed: {type(e).__name__}: {e}"]}
         finally:
@@ -564,6 +595,36 @@ class NanWatch:
         rec.update(res)
         rec["replay_ms"] = (time.perf_counter() - t0) * 1e3
         self._write(rec)
+
+    def _agree(self, peers: list, ready: bool) -> tuple:
+        """Through the job's TCPStore (no collective, so a peer that never detects costs one
+        bounded wait, not a hang): this rank publishes its readiness and root-call count for this
+        step and waits up to TRAINPROF_NAN_PEER_WAIT_S for its tensor-parallel peers'."""
+        import json
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        step, me = self.resolver.step, self.s.rank
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception as e:  # noqa: BLE001
+            return False, f"coordinated replay skipped: no store ({type(e).__name__}: {e})"
+        prefix = f"trainprof/nan_replay/{step}/"
+        store.set(prefix + str(me), json.dumps({"calls": len(self.roots), "ready": bool(ready)}))
+        others = [p for p in peers if p != me]
+        try:
+            store.wait([prefix + str(p) for p in others], timedelta(seconds=self.peer_wait_s))
+        except Exception:  # noqa: BLE001 - timeout: some peer did not detect at this step
+            missing = [p for p in others if not store.check([prefix + str(p)])]
+            return False, (f"coordinated replay skipped: tensor-parallel peers {missing} did not detect "
+                           f"at step {step} within {self.peer_wait_s:g} s")
+        info = {p: json.loads(store.get(prefix + str(p))) for p in others}
+        odd = [p for p, i in info.items() if not i.get("ready") or i.get("calls") != len(self.roots)]
+        if not ready or odd:
+            return False, (f"coordinated replay skipped: ranks {sorted(odd + ([me] if not ready else []))} "
+                           f"not ready (inputs changed, stale parameters, or other root calls)")
+        return True, None
 
     def _parameter_verdict(self, bad: list) -> dict:
         """Parameters were non-finite before this step's forward: written so by an optimizer step

@@ -225,8 +225,7 @@ CASES = [  # rank, step, module, phase, value, op that creates it in faults._cor
     (0, 2, "layers.1.mlp", "forward", "nan", "aten::log"),
     (1, 2, "layers.2.attn", "forward", "inf", "aten::mul"),
     (1, 2, "layers.3.mlp", "backward", "nan", "aten::log"),
-    (0, 1, "layers.0.attn", "backward", "inf", "aten::mul"),
-]
+]  # an Inf created in the backward: the tensor-parallel case below (aten::mul, layers.2.attn)
 
 
 @pytest.mark.multiproc
@@ -289,3 +288,34 @@ def test_optimizer_phase_from_stale_parameters(tmp_path):
     lo, hi = ev["origin_steps"]
     assert lo <= 6 <= hi and ev["step"] == hi + 1  # detected by the next step's forward
     assert "optimizer step" in origin[0].message
+
+
+TP_ARGS = ["--dp", "1", "--pp", "1", "--tp", "2", "--steps", "3"]
+TP_CASES = [  # a fault on one tensor-parallel rank; the peer receives it through the all-reduce
+    (1, 1, "layers.1.mlp.up", "forward", "nan", "aten::log"),
+    (0, 2, "layers.2.attn", "backward", "inf", "aten::mul"),
+]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("rank,step,module,phase,value,op", TP_CASES,
+                         ids=[f"tp-{c[3]}-{c[4]}-rank{c[0]}" for c in TP_CASES])
+def test_tensor_parallel_nan_found_by_coordinated_replay(reference_run, tmp_path, rank, step, module,
+                                                         phase, value, op):
+    """DTensor modules: both tensor-parallel ranks replay the step together (agreeing through the
+    store first), so the op is named on the rank that created the value, and the peer reports
+    that it arrived through the all-reduce."""
+    spec = f"nan:rank={rank},step={step},module={module},phase={phase},value={value}"
+    run = reference_run(f"nan-tp-{phase}-{value}-r{rank}", nproc=2, args=TP_ARGS + ["--inject", spec],
+                        wrap_args=["--profile-steps", "none"])
+    proc = run_cli(["analyze", run, "--out", tmp_path, "--no-report"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (f,) = [f for f in summary["findings"] if f["kind"] == "nan_origin"]
+    ev = f["evidence"]
+    assert f["ranks"] == [rank]
+    assert (ev["step"], ev["phase"], ev["module"], ev["op"]) == (step, phase, module, op)
+    assert ev["created"] is True and ev["method"] == "replay" and ev["received_by"] == [1 - rank]
+    origins = [r for r in RunDir(run).stream(1 - rank, "nan") if r["kind"] == "origin"]
+    assert origins and origins[0]["created"] is False and origins[0]["role"] == "collective"
+    assert "all_reduce" in origins[0]["op"] and origins[0]["replayed_with"] == [0, 1]
