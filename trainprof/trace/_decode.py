@@ -136,9 +136,8 @@ def _from_structs(doc) -> Columns:
     c.dims = list(map(attrgetter("input_dims"), args))
     c.types = list(map(attrgetter("input_type"), args))
     c.concrete = list(map(attrgetter("concrete"), args))
-    colls = np.array(list(map(attrgetter("collective"), args)), dtype=object)
-    pgs = np.array(list(map(attrgetter("pg_name"), args)), dtype=object)
-    for i in np.flatnonzero((colls != None) | (pgs != None)):  # noqa: E711 - elementwise
+    # (object arrays of 123k entries compared elementwise cost 55 ms; a comprehension 10)
+    for i in [i for i, a in enumerate(args) if a.collective is not None or a.pg_name is not None]:
         a = args[i]
         row = {"row": int(i)}
         for _, col in COMM_KEYS:
