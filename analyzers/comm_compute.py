@@ -360,7 +360,8 @@ def _findings(per_rank: list[dict], exposed: float) -> list[Finding]:
         top = sorted(types.items(), key=lambda kv: -kv[1])[:3]
         where = ("; exposed most in " + ", ".join(f"{d} {v:.1f} ms/step" for d, v in top_dims)) if top_dims else ""
         out.append(Finding(
-            kind="exposed_comm", severity="warning", ranks=[r["rank"] for r in worst[:4]],
+            kind="exposed_comm", severity="warning",  # every rank above the threshold
+            ranks=[r["rank"] for r in worst if r["exposed_comm_fraction"] >= EXPOSED_COMM_FINDING],
             message=(f"communication not hidden by compute takes {exposed:.0%} of the profiled "
                      f"steps (median rank, threshold {EXPOSED_COMM_FINDING:.0%}); largest: "
                      + ", ".join(f"{t} {v:.1f} ms/step" for t, v in top) + where),

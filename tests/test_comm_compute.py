@@ -228,3 +228,14 @@ def test_real_cpu_run_partitions_each_step(reference_run):
         assert {"dp", "pp", "tp"} <= set(r["by_dim_ms_per_step"]) and "unknown" not in r["by_dim_ms_per_step"]
     for row in m["per_step"]:
         assert sum(v["comm_ms"] for v in row["by_dim"].values()) >= row["comm_ms"] * 0.5
+
+
+def test_exposed_comm_finding_names_every_rank_above_threshold(tmp_path):
+    # per rank: 1000 µs step, compute 100 µs, then a blocking all-reduce of `comm` µs
+    for rank, comm in ((0, 800), (1, 100), (2, 700), (3, 850), (4, 750), (5, 600)):
+        write_trace(tmp_path, rank, [
+            X("ProfilerStep#1", "user_annotation", 0, 1000), X("aten::mm", "cpu_op", 0, 100),
+            X("c10d::allreduce_", "cpu_op", 100, comm),
+            X("gloo:all_reduce", "user_annotation", 100, comm, tid=2)])
+    (f,) = [f for f in comm_compute.analyze(RunDir(tmp_path)).findings if f.kind == "exposed_comm"]
+    assert f.ranks == [0, 2, 3, 4, 5]  # all five above 40 %; rank 1 (10 %) is not
