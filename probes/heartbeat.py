@@ -26,6 +26,7 @@ import threading
 import time
 
 from trainprof.probes import runtime
+from trainprof.rundir import close_quietly
 
 STREAM = "heartbeat.jsonl"
 PREV = "heartbeat.prev.jsonl"
@@ -168,9 +169,4 @@ class Heartbeat:
         self.beat("close", force=True)
         with self._lock:
             self._closed = True
-            if self._fd is not None:
-                try:
-                    os.close(self._fd)
-                except OSError:
-                    pass
-                self._fd = None
+            self._fd = close_quietly(self._fd)

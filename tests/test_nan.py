@@ -220,6 +220,18 @@ def test_spike_finding_names_steps_and_ranks(tmp_path):
 # --------------------------------------------------------------------------- reference
 
 
+def _reference_origin(reference_run, tmp_path, tag, args, rank, step, module, phase, value):
+    """Run the 2-rank reference with one injected NaN/Inf, analyze it: (run, the nan_origin finding)."""
+    spec = f"nan:rank={rank},step={step},module={module},phase={phase},value={value}"
+    name = f"nan-{phase}-{value}-r{rank}" if tag == "pp" else f"nan-{tag}-{phase}-{value}-r{rank}"
+    run = reference_run(name, nproc=2, args=args + ["--inject", spec], wrap_args=["--profile-steps", "none"])
+    proc = run_cli(["analyze", run, "--out", tmp_path, "--no-report"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (f,) = [f for f in summary["findings"] if f["kind"] == "nan_origin"]
+    return run, f
+
+
 REF_ARGS = ["--dp", "1", "--pp", "2", "--tp", "1", "--steps", "3"]
 CASES = [  # rank, step, module, phase, value, op that creates it in faults._corrupt
     (0, 2, "layers.1.mlp", "forward", "nan", "aten::log"),
@@ -232,15 +244,9 @@ CASES = [  # rank, step, module, phase, value, op that creates it in faults._cor
 @pytest.mark.parametrize("rank,step,module,phase,value,op", CASES,
                          ids=[f"{c[3]}-{c[4]}-rank{c[0]}" for c in CASES])
 def test_reference_injected_nan_found(reference_run, tmp_path, rank, step, module, phase, value, op):
-    spec = f"nan:rank={rank},step={step},module={module},phase={phase},value={value}"
-    run = reference_run(f"nan-{phase}-{value}-r{rank}", nproc=2, args=REF_ARGS + ["--inject", spec],
-                        wrap_args=["--profile-steps", "none"])
+    run, f = _reference_origin(reference_run, tmp_path, "pp", REF_ARGS, rank, step, module, phase, value)
     injected = json.loads((run / "injected.json").read_text())["injections"][0]
     assert injected["params"]["module"] == module  # ground truth as the workload recorded it
-    proc = run_cli(["analyze", run, "--out", tmp_path, "--no-report"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    (f,) = [f for f in summary["findings"] if f["kind"] == "nan_origin"]
     ev = f["evidence"]
     assert f["ranks"] == [rank]
     assert (ev["step"], ev["phase"], ev["module"], ev["op"]) == (step, phase, module, op)
@@ -263,16 +269,11 @@ def test_reference_clean_run_silent(reference_run, tmp_path):
     assert all(len(v) == 8 and all(x[1] is not None for x in v) for v in m["loss"].values())
 
 
-BAD_LR = """
-net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
-opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-with trainprof.session(sys.argv[1], profile_steps="none"):
-    for step in range(12):
-        loss = net(torch.randn(32, 8)).pow(2).mean()
-        loss.backward()
-        opt.param_groups[0]["lr"] = float("nan") if step == 6 else 1e-3  # a broken schedule
-        opt.step(); opt.zero_grad()
-"""
+# the clean job with one change: a broken schedule sets lr = NaN for step 6 (finite gradients)
+BAD_LR = CLEAN.replace("loss.backward(); opt.step()", """loss.backward()
+        opt.param_groups[0]["lr"] = float("nan") if step == 6 else 1e-3
+        opt.step()""")
+assert BAD_LR != CLEAN
 
 
 def test_optimizer_phase_from_stale_parameters(tmp_path):
@@ -305,13 +306,7 @@ def test_tensor_parallel_nan_found_by_coordinated_replay(reference_run, tmp_path
     """DTensor modules: both tensor-parallel ranks replay the step together (agreeing through the
     store first), so the op is named on the rank that created the value, and the peer reports
     that it arrived through the all-reduce."""
-    spec = f"nan:rank={rank},step={step},module={module},phase={phase},value={value}"
-    run = reference_run(f"nan-tp-{phase}-{value}-r{rank}", nproc=2, args=TP_ARGS + ["--inject", spec],
-                        wrap_args=["--profile-steps", "none"])
-    proc = run_cli(["analyze", run, "--out", tmp_path, "--no-report"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    (f,) = [f for f in summary["findings"] if f["kind"] == "nan_origin"]
+    run, f = _reference_origin(reference_run, tmp_path, "tp", TP_ARGS, rank, step, module, phase, value)
     ev = f["evidence"]
     assert f["ranks"] == [rank]
     assert (ev["step"], ev["phase"], ev["module"], ev["op"]) == (step, phase, module, op)

@@ -145,12 +145,17 @@ class JsonlWriter:
         self.flush()
         self._closed = True
         with self._lock:
-            if self._fd is not None:
-                try:
-                    os.close(self._fd)
-                except OSError:
-                    pass
-                self._fd = None
+            self._fd = close_quietly(self._fd)
+
+
+def close_quietly(fd: int | None) -> None:
+    """Close a raw fd, if any, ignoring errors (shutdown paths). Returns None for `x = close_quietly(x)`."""
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    return None
 
 
 def collect_rank_entries(run: str | os.PathLike) -> dict:
