@@ -124,6 +124,7 @@ class OpCheckMode(TorchDispatchMode):
 
     def __init__(self, tracker=None, collectives=False):
         super().__init__()
+        self.peers = set(collectives) if collectives else set()  # ranks replaying together
         self.phase = "forward"
         self.created: list[dict] = []
         self.masked: list[dict] = []
@@ -179,7 +180,17 @@ class OpCheckMode(TorchDispatchMode):
         is waited for here (the replay is synchronous anyway; DTensor's AsyncCollectiveTensor
         would wait below this mode, unseen): non-finite from finite local inputs = received."""
         short = _short(func)
-        if self.quiet or func.namespace not in FUNCOL_NAMESPACES or short in FUNCOL_PLUMBING:
+        if func.namespace not in FUNCOL_NAMESPACES:
+            # a c10d op's group is an opaque object: refused, identically on every peer
+            raise ReplayRefused(f"coordinated replay reached {_op_name(func)} (not a functional collective)")
+        if short not in FUNCOL_PLUMBING:
+            ranks = _group_ranks(args, kwargs)
+            if ranks is None or not set(ranks) <= self.peers:
+                # e.g. a data-parallel all-reduce in a gradient hook: ranks outside the replay
+                # would never join. Every peer reaches the same op, so all refuse alike.
+                raise ReplayRefused(f"coordinated replay reached {_op_name(func)} over ranks "
+                                    f"{ranks} beyond the replaying peers {sorted(self.peers)}")
+        if self.quiet or short in FUNCOL_PLUMBING:
             return func(*args, **kwargs)
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         in_ok = all(_finite(t) for t in ins)
@@ -193,6 +204,22 @@ class OpCheckMode(TorchDispatchMode):
             self.received.append({"op": _op_name(func), "phase": self.phase, "index": self.n_ops,
                                   "module": self._where(), "output": stats(bad)})
         return out
+
+
+def _group_ranks(args, kwargs) -> list | None:
+    """The global ranks of a functional collective's group (its group_name argument)."""
+    name = kwargs.get("group_name")
+    if name is None:
+        name = next((a for a in reversed(args) if isinstance(a, str)), None)
+    if name is None:
+        return None
+    try:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return dist.get_process_group_ranks(_resolve_process_group(name))
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def inputs_unchanged(call) -> bool:
@@ -451,7 +478,7 @@ def replay_call(call, name_of, coordinated: bool = False) -> dict:
 
     args, kwargs = tree_map(fresh, call.args), tree_map(fresh, call.kwargs or {})
     tracker = _Tracker(name_of)
-    mode = tracker.mode = OpCheckMode(tracker, collectives=coordinated)
+    mode = tracker.mode = OpCheckMode(tracker, collectives=coordinated and (call.peers or ()))
     devs = sorted({t.device.index for t in floats if t.device.type == "cuda" and t.device.index is not None})
     verdict = None
     with torch.random.fork_rng(devices=devs), tracker:
@@ -559,14 +586,16 @@ def replay_call(call, name_of, coordinated: bool = False) -> dict:
 
 
 def nonfinite_parameters(calls, param_name) -> list[dict]:
-    """Parameters and buffers of this step's root modules that are non-finite now (before the
-    optimizer step): {"param", "module", **stats}. Only at a detection: one pass per tensor."""
+    """Parameters of this step's root modules that are non-finite now (before the optimizer
+    step): {"param", "module", **stats}. Only at a detection: one pass per tensor. Buffers are
+    left out: a -inf causal mask is legitimate, and running statistics are written by the very
+    forward that may have created the value."""
     out, seen = [], set()
     for c in calls:
         if id(c.module) in seen:
             continue
         seen.add(id(c.module))
-        for path, t in list(c.module.named_parameters()) + list(c.module.named_buffers()):
+        for path, t in c.module.named_parameters():
             x = local(t).detach()
             if is_float(x) and x.numel() and not _finite(x):
                 name = param_name(t) or path
@@ -593,6 +622,8 @@ def locate_step(calls, name_of, loss_bad: bool, grads_bad: bool, max_calls: int 
         except Exception as e:  # noqa: BLE001 - a failing replay must not hide the detection
             out["notes"].append(f"call {i}: replay failed: {type(e).__name__}: {e}")
             all_fwd_finite = False
+            if coordinated:  # the peers may still be in this call's collectives: go no further
+                break
             continue
         out["replayed"] += 1
         out["ops_checked"] += r["ops"]

@@ -617,24 +617,43 @@ class NanWatch:
             store.wait([prefix + str(p) for p in others], timedelta(seconds=self.peer_wait_s))
         except Exception:  # noqa: BLE001 - timeout: some peer did not detect at this step
             missing = [p for p in others if not store.check([prefix + str(p)])]
-            return False, (f"coordinated replay skipped: tensor-parallel peers {missing} did not detect "
-                           f"at step {step} within {self.peer_wait_s:g} s")
+            return self._decide(store, prefix, "abort",
+                                f"coordinated replay skipped: tensor-parallel peers {missing} did not "
+                                f"detect at step {step} within {self.peer_wait_s:g} s")
         info = {p: json.loads(store.get(prefix + str(p))) for p in others}
         odd = [p for p, i in info.items() if not i.get("ready") or i.get("calls") != len(self.roots)]
+        note = None
         if not ready or odd:
-            return False, (f"coordinated replay skipped: ranks {sorted(odd + ([me] if not ready else []))} "
-                           f"not ready (inputs changed, stale parameters, or other root calls)")
-        return True, None
+            note = (f"coordinated replay skipped: ranks {sorted(odd + ([me] if not ready else []))} "
+                    f"not ready (inputs changed, stale parameters, or other root calls)")
+        return self._decide(store, prefix, "abort" if note else "go", note)
+
+    def _decide(self, store, prefix, mine: str, note):
+        """Every rank proposes; the first proposal stored wins and every rank follows it (a rank
+        whose wait timed out proposes abort, so a late peer cannot replay alone)."""
+        try:
+            got = store.compare_set(prefix + "decision", "", mine)
+            got = got.decode() if isinstance(got, bytes) else str(got)
+        except Exception as e:  # noqa: BLE001
+            return False, f"coordinated replay skipped: store decision failed ({type(e).__name__}: {e})"
+        if got == "go":
+            return True, None
+        return False, note or "coordinated replay skipped: a peer's wait for the others timed out"
 
     def _parameter_verdict(self, bad: list) -> dict:
         """Parameters were non-finite before this step's forward: written so by an optimizer step
         (or code updating them) after the last step whose parameter check was finite."""
         step, ok = self.resolver.step, self._params_ok_step
         lo = ok + 1 if ok is not None else 0
-        window = [lo, step - 1]
-        when = (f"the optimizer step of step {lo}" if lo == step - 1 else
-                f"an optimizer step between steps {lo} and {step - 1}")
-        last = f" (parameters were last checked finite at step {ok})" if ok is not None else ""
+        if lo > step - 1:  # finite after the previous optimizer step: changed within this step
+            window = [step, step]
+            when = f"code that changed it during step {step}, before its forward (not an optimizer step)"
+        else:
+            window = [lo, step - 1]
+            when = (f"the optimizer step of step {lo}" if lo == step - 1 else
+                    f"an optimizer step between steps {lo} and {step - 1}")
+        last = (f" (parameters were last checked finite at step {ok})" if ok is not None else
+                " (never checked finite before: possibly loaded or initialized so)")
         first = bad[0]
         return {"created": True, "phase": "optimizer", "role": "parameters", "module": first["module"],
                 "op": None, "param": first["param"], "origin_steps": window, "value": value_kind_of(first),
@@ -722,34 +741,40 @@ class NanWatch:
                     self._emit("params", None, [params_v])
         except Exception as e:  # noqa: BLE001
             self._fail(e)
-        if not self.losses:
-            loss = None
-        elif all(isinstance(x, float) for x in self.losses):
-            loss = list(self.losses)  # CPU: read at backward time
-        else:
-            loss = torch.stack([x.float() for x in self.losses])
-        grad = self.grad_info[0] if self.grad_info else None
-        entry = {"step": step, "t_ns": rec.get("end_ns") or time.time_ns(), "loss": loss,
-                 "grad": grad, "params": params_v, "events": self.events,
-                 "resolver": self.resolver, "calls": self.calls, "roots": len(self.roots)}
-        if self.events or any(isinstance(x, torch.Tensor) and x.device.type != "cpu"
-                              for x in (loss, grad, params_v)):
-            self._queue(entry)
-        else:
-            self._write_step(entry)
-        self._maybe_replay()
-        try:
-            self._harvest(final=True)
-            self._maybe_locate("step boundary")  # no optimizer (explicit markers): the job may
-            if self.replay_on:                   # have updated the parameters already
-                if self._discover_handles and len(self.roots_known):
-                    self._install_roots()
-                elif not self._discover_handles and not self.roots and self._bwd_seen:
-                    self._discover(True)  # a backward without any captured root call: look again
-            self._bwd_seen = False
+        try:  # whatever fails here, the next step must start clean
+            if not self.losses:
+                loss = None
+            elif all(isinstance(x, float) for x in self.losses):
+                loss = list(self.losses)  # CPU: read at backward time
+            else:
+                dev = next(x.device for x in self.losses if isinstance(x, torch.Tensor))
+                loss = torch.stack([x.float() if isinstance(x, torch.Tensor) else torch.tensor(x, device=dev)
+                                    for x in self.losses])
+            grad = self.grad_info[0] if self.grad_info else None
+            entry = {"step": step, "t_ns": rec.get("end_ns") or time.time_ns(), "loss": loss,
+                     "grad": grad, "params": params_v, "events": self.events,
+                     "resolver": self.resolver, "calls": self.calls, "roots": len(self.roots)}
+            if self.events or any(isinstance(x, torch.Tensor) and x.device.type != "cpu"
+                                  for x in (loss, grad, params_v)):
+                self._queue(entry)
+            else:
+                self._write_step(entry)
+            self._maybe_replay()
+            try:
+                self._harvest(final=True)
+                self._maybe_locate("step boundary")  # no optimizer (explicit markers): the job may
+                if self.replay_on:                   # have updated the parameters already
+                    if self._discover_handles and len(self.roots_known):
+                        self._install_roots()
+                    elif not self._discover_handles and not self.roots and self._bwd_seen:
+                        self._discover(True)  # a backward without any captured root call: look again
+                self._bwd_seen = False
+            except Exception as e:  # noqa: BLE001
+                self._fail(e)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
-        self._reset_step()
+        finally:
+            self._reset_step()
         self._resolve_pending()
 
     def _check_params(self, rec):

@@ -314,3 +314,29 @@ def test_tensor_parallel_nan_found_by_coordinated_replay(reference_run, tmp_path
     origins = [r for r in RunDir(run).stream(1 - rank, "nan") if r["kind"] == "origin"]
     assert origins and origins[0]["created"] is False and origins[0]["role"] == "collective"
     assert "all_reduce" in origins[0]["op"] and origins[0]["replayed_with"] == [0, 1]
+
+
+def test_stale_parameter_check_and_replay_decision_units():
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from trainprof.probes import nan_locate
+
+    class Call:  # what nonfinite_parameters reads of a root call
+        def __init__(self, module):
+            self.module = module
+
+    m = torch.nn.Linear(2, 2)
+    m.register_buffer("mask", torch.full((2, 2), float("-inf")).triu(1))  # a causal mask
+    assert nan_locate.nonfinite_parameters([Call(m)], lambda t: None) == []
+    with torch.no_grad():
+        m.weight[0, 0] = float("nan")
+    (bad,) = nan_locate.nonfinite_parameters([Call(m)], lambda t: None)
+    assert bad["param"] == "weight" and bad["nan"] == 1
+
+    # coordinated replay: the first proposal stored wins, a later "go" cannot override an abort
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5))
+    assert nan_watch.NanWatch._decide(None, store, "p/", "abort", "timed out") == (False, "timed out")
+    assert nan_watch.NanWatch._decide(None, store, "p/", "go", None)[0] is False
+    assert nan_watch.NanWatch._decide(None, store, "q/", "go", None) == (True, None)

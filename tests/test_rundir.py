@@ -95,3 +95,14 @@ def test_newer_schema_is_flagged(tmp_path):
     rd = RunDir(tmp_path)
     rd.launcher
     assert any("newer than this trainprof reads" in p for p in rd.problems)
+
+
+def test_writer_after_close_never_reopens(tmp_path):
+    path = tmp_path / "s.jsonl"
+    w = JsonlWriter(path, deferred=True)
+    w.write({"i": 0})
+    w.close()
+    w.write({"i": 1}, urgent=True)   # a probe thread that raced the close
+    w._closed = False                # ...even one that passed the closed check
+    w.write_text('{"i": 2}\n', urgent=True)
+    assert [json.loads(x)["i"] for x in path.read_text().splitlines()] == [0] and w._fd is None

@@ -126,3 +126,15 @@ def test_parallel_load_matches_serial():
     for r in paths:
         assert par[r].events["dur_ns"].sum() == ser[r].events["dur_ns"].sum()
         assert par[r].rank == r
+
+
+def test_int_columns_tolerate_strings_none_floats_and_huge_values():
+    from trainprof.trace import _categorical, _ints
+
+    got = _ints([7, None, "Spans", 3.0, float("nan"), 2**70, -5])
+    assert got.tolist() == [7, -1, -1, 3, -1, -1, -5] and got.dtype.name == "int64"
+    assert _ints([1, 2]).tolist() == [1, 2] and _ints([]).tolist() == []
+    import pandas as pd
+    c = _categorical(["mm", "add", "mm", "all_reduce"])
+    ref = pd.Categorical(["mm", "add", "mm", "all_reduce"])
+    assert list(c.categories) == list(ref.categories) and c.codes.tolist() == ref.codes.tolist()

@@ -101,6 +101,7 @@ class JsonlWriter:
         self._lock = threading.Lock()
         self._fd: int | None = None  # opened on the first record: unused streams leave no files
         self._closed = False
+        self._finished = False  # set under the lock by close(): flush writes nothing after it
 
     def write(self, record: dict, urgent: bool = False) -> None:
         if self._closed:
@@ -116,12 +117,17 @@ class JsonlWriter:
             return
         self._queue.append(text)  # deque.append/popleft are atomic: no lock on the hot path
         if not self.deferred or urgent or len(self._queue) > self.MAX_QUEUED:
-            self.flush()
+            self.flush(wait=True)
 
-    def flush(self) -> None:
-        if not self._queue:
+    def flush(self, wait: bool = False) -> None:
+        """Write what is queued. ``wait``: also wait for a flush in progress on another thread
+        (an urgent record may have been taken by it), so the line is written on return."""
+        if not self._queue and not wait:
             return
         with self._lock:
+            if self._finished:
+                self._queue.clear()  # a write that raced close(): never reopen the file
+                return
             parts = []
             try:
                 while True:
@@ -145,6 +151,7 @@ class JsonlWriter:
         self.flush()
         self._closed = True
         with self._lock:
+            self._finished = True
             self._fd = close_quietly(self._fd)
 
 

@@ -164,7 +164,7 @@ def _ints(values) -> np.ndarray:
         pass
     # a few strings ("Spans", "Traces" pids) or None: one generator pass, 14 ms for 123k values
     # (np.array(values, float) walked them all before failing on a string, then again: 0.4 s)
-    return np.fromiter((v if type(v) is int else
+    return np.fromiter((v if type(v) is int and -2**63 <= v < 2**63 else
                         int(v) if type(v) is float and math.isfinite(v) and abs(v) < 2**63 else -1
                         for v in values), np.int64, n)
 
