@@ -151,7 +151,6 @@ class CollectiveLog:
         self.pid = os.getpid()
         self.closed = False
         self.writer = session.stream("collectives")  # deferred: written by the flusher thread
-        self.path = self.writer.path
         self.groups_writer = session.stream("groups")
         self._lock = threading.Lock()
         self._rid = itertools.count()

@@ -122,13 +122,12 @@ class OpCheckMode(TorchDispatchMode):
     """Records, per phase, the ops that created non-finite values from finite inputs, and the
     ops that consumed a non-finite value yet produced a finite one (masking)."""
 
-    def __init__(self, tracker=None, collectives=False):
+    def __init__(self, tracker=None, peers=()):
         super().__init__()
-        self.peers = set(collectives) if collectives else set()  # ranks replaying together
+        self.peers = set(peers)  # coordinated replay: these ranks run the same collectives
         self.phase = "forward"
         self.created: list[dict] = []
         self.masked: list[dict] = []
-        self.collectives = collectives  # coordinated replay: peers run the same collectives
         self.received: list[dict] = []  # collectives whose result turned non-finite (from peers)
         self.n_ops = 0
         self.quiet = 0          # >0 while the replay's own bookkeeping runs ops
@@ -146,7 +145,7 @@ class OpCheckMode(TorchDispatchMode):
         kwargs = kwargs or {}
         ns = getattr(func, "namespace", "aten")
         if ns in COLLECTIVE_NAMESPACES:
-            if not self.collectives:
+            if not self.peers:
                 raise ReplayRefused(f"replay reached collective {_op_name(func)}")
             return self._collective(func, args, kwargs)
         short = _short(func)
@@ -478,7 +477,7 @@ def replay_call(call, name_of, coordinated: bool = False) -> dict:
 
     args, kwargs = tree_map(fresh, call.args), tree_map(fresh, call.kwargs or {})
     tracker = _Tracker(name_of)
-    mode = tracker.mode = OpCheckMode(tracker, collectives=coordinated and (call.peers or ()))
+    mode = tracker.mode = OpCheckMode(tracker, peers=(call.peers or ()) if coordinated else ())
     devs = sorted({t.device.index for t in floats if t.device.type == "cuda" and t.device.index is not None})
     verdict = None
     with torch.random.fork_rng(devices=devs), tracker:

@@ -89,11 +89,11 @@ class ProbeSession:
 
     # -- plumbing other probes use
     def stream(self, name: str) -> JsonlWriter:
-        """A JSONL stream of this rank. Deferred (records queued on the job's thread, written by
-        the flusher thread: one write per stream per interval, off the hot path), except the
-        step timings: one write per step, so a job killed with SIGKILL keeps every step it took."""
+        """A deferred JSONL stream of this rank: records are queued on the job's thread and
+        written by the flusher thread (one write per stream per interval, off the hot path);
+        records that must survive a SIGKILL at once are written with ``urgent=True``."""
         if name not in self._writers:
-            self._writers[name] = JsonlWriter(self.dir / f"{name}.jsonl", deferred=name != STEPS)
+            self._writers[name] = JsonlWriter(self.dir / f"{name}.jsonl", deferred=True)
         return self._writers[name]
 
     def flush_streams(self) -> None:

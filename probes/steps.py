@@ -49,7 +49,7 @@ class StepClock:
             rec["probe_overhead_ms"] = self.overhead_ns / 1e6
         if extra:
             rec.update(extra)
-        self.writer.write(rec)
+        self.writer.write(rec, urgent=True)  # one write per step: a killed job keeps every step
         self._record_device_event()
         self.step += 1
         self.start_ns = now
