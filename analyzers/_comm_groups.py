@@ -35,6 +35,14 @@ def coll_type(name: str) -> str:
     return "other"
 
 
+def coll_types(names) -> np.ndarray:
+    """coll_type of every row (object array), computed once per distinct name: a trace holds
+    few names over many events (22k NCCL kernels: 0.12 s row by row)."""
+    codes, uniq = pd.factorize(pd.Series(names, copy=False))
+    vals = np.array([coll_type(str(u)) for u in uniq] + ["other"], dtype=object)
+    return vals[codes]  # code -1 (missing) picks the trailing "other"
+
+
 def dim_of_ranks(ranks, coords: dict, world_size: int | None) -> str | None:
     ranks = [int(r) for r in ranks or []]
     if not ranks:
@@ -114,11 +122,11 @@ def gloo_event_groups(events: pd.DataFrame, log: pd.DataFrame) -> np.ndarray:
     log = log[(log["end_ns"] >= lo) & (log["enqueue_ns"] <= hi)]
     if log.empty:
         return out
-    ltype = np.array([coll_type(str(o)) for o in log["op"]], dtype=object)
+    ltype = coll_types(log["op"])
     lpg = log["pg"].astype(str).to_numpy(dtype=object)
     enq = log["enqueue_ns"].to_numpy(np.int64) - MATCH_SLACK_NS
     end = log["end_ns"].to_numpy(np.int64) + MATCH_SLACK_NS
-    etype = np.array([coll_type(str(n)) for n in events["name"].astype(str)], dtype=object)
+    etype = coll_types(events["name"])
     starts, ends = events["ts_ns"].to_numpy(), events["end_ns"].to_numpy()
     for t in set(etype):
         ei = np.flatnonzero(etype == t)

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from trainprof.analyzers import _intervals as iv
-from trainprof.analyzers._comm_groups import (coll_type, gloo_event_groups, gpu_event_groups,
+from trainprof.analyzers._comm_groups import (coll_types, gloo_event_groups, gpu_event_groups,
                                               group_dims)
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.trace import name_mask
@@ -80,8 +80,7 @@ def _gpu_rows(trace, dims: dict) -> list[dict]:
     is_d2h = is_mem & name_mask(k["name"], lambda n: "DtoH" in n)
     kstep = k["step"].to_numpy()
     ks, ke = k["ts_ns"].to_numpy(), k["end_ns"].to_numpy()
-    ctype = np.array([coll_type(n) for n in k["name"].astype(str)], dtype=object) if is_comm.any() \
-        else np.full(len(k), None, dtype=object)
+    ctype = coll_types(k["name"]) if is_comm.any() else np.full(len(k), None, dtype=object)
     pgs = gpu_event_groups(trace, rows_idx)
     kdim = np.array([dims.get(p, f"pg {p}") if p is not None else "unknown" for p in pgs], dtype=object)
     stalls = _host_stalls(ev)
@@ -173,7 +172,7 @@ def _cpu_rows(trace, dims: dict, log: pd.DataFrame | None) -> list[dict]:
     s_all, e_all = ev["ts_ns"].to_numpy(), ev["end_ns"].to_numpy()
     gl = ev[is_gloo]
     gs, ge = s_all[is_gloo], e_all[is_gloo]
-    gtype = np.array([coll_type(n) for n in gl["name"].astype(str)], dtype=object)
+    gtype = coll_types(gl["name"])
     pgs = gloo_event_groups(gl, log)
     gdim = np.array([dims.get(p, f"pg {p}") if p is not None else "unknown" for p in pgs], dtype=object)
     sets = {name: iv.union(s_all[m], e_all[m]) for name, m in (

@@ -2,7 +2,8 @@
 
     python benchmarks/bench_trace_parse.py [--repeats 3] [--copies 4] [--hta /tmp/hta-venv/bin/python]
 
-Prints parse time (wall and CPU; CPU time is what to compare on a shared machine), analysis time,
+Prints parse time (wall and CPU; CPU time is what to compare on a shared machine, but it leaves
+out the children that decode pieces of the file when several CPUs are free), analysis time,
 peak RSS, the time to load N copies as N ranks serially and in parallel, and, with --hta, the
 time HTA (traceinsight, installed in a separate venv) needs to load the same file.
 """
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 from trainprof.analyzers.comm_compute import rank_breakdown
-from trainprof.trace import load_traces, parse_trace
+from trainprof.trace import _cpus, load_traces, parse_trace
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/hta/df_index_resolver/df_index_resolver.json.gz"
 
@@ -45,17 +46,18 @@ def main() -> None:
     ap.add_argument("--hta", help="python of a venv with traceinsight installed")
     a = ap.parse_args()
     best = {}
-    for fast in (True, False):
+    for fast, pieces in ((True, None), (True, 1), (False, 1)):
         rows = []
         for _ in range(a.repeats):
-            tr, pw, pc = _timed(lambda: parse_trace(FIXTURE, fast=fast))
+            tr, pw, pc = _timed(lambda: parse_trace(FIXTURE, fast=fast, pieces=pieces))
             _, aw, ac = _timed(lambda: rank_breakdown(tr))
             rows.append((pw, pc, aw, ac))
-        best[tr.stats["decoder"]] = [min(r[i] for r in rows) for i in range(4)]
+        label = tr.stats["decoder"] + (" (1 process)" if pieces == 1 else f" ({_cpus()} CPUs)")
+        best[label] = [min(r[i] for r in rows) for i in range(4)]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"{FIXTURE.name}: {tr.stats['events']} events, {tr.stats['complete']} complete")
     for dec, (pw, pc, aw, ac) in best.items():
-        print(f"  decoder {dec:8s} parse {pw:.3f} s wall / {pc:.3f} s cpu   comm_compute "
+        print(f"  decoder {dec:22s} parse {pw:.3f} s wall / {pc:.3f} s cpu   comm_compute "
               f"{aw:.3f} s wall / {ac:.3f} s cpu   total {pw + aw:.3f} s wall / {pc + ac:.3f} s cpu")
     print(f"  peak RSS {rss:.0f} MiB")
     if a.copies > 1:

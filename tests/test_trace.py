@@ -138,3 +138,41 @@ def test_int_columns_tolerate_strings_none_floats_and_huge_values():
     c = _categorical(["mm", "add", "mm", "all_reduce"])
     ref = pd.Categorical(["mm", "add", "mm", "all_reduce"])
     assert list(c.categories) == list(ref.categories) and c.codes.tolist() == ref.codes.tolist()
+
+
+def _same(a, b):
+    pd.testing.assert_frame_equal(a.events, b.events)
+    pd.testing.assert_frame_equal(a.memory, b.memory)
+    pd.testing.assert_frame_equal(a.comm, b.comm)
+    pd.testing.assert_frame_equal(a.steps, b.steps)
+    assert a.meta == b.meta and a.stats == b.stats
+
+
+def test_pieces_decoded_in_parallel_give_the_same_frames(monkeypatch, tmp_path):
+    from trainprof.trace import _decode
+
+    if _decode.msgspec is None:
+        pytest.skip("piecewise decoding is a msgspec path")
+    monkeypatch.setattr(_decode, "PIECE_MIN_BYTES", 1 << 16)  # the A100 trace is 9.8 MB
+    whole = parse_trace(A100, pieces=1)
+    for k in (2, 5):
+        _same(whole, parse_trace(A100, pieces=k))
+    assert len(_decode._cuts(gzip.decompress(A100.read_bytes()), 5)) == 4  # it was cut
+    # a piece whose events surprise the typed decoder (a string "dur"): the child fails, the
+    # whole document is decoded here and ends on the tolerant path, as it would unsplit
+    doc = json.loads(gzip.decompress(A100.read_bytes()))
+    last_x = max(i for i, e in enumerate(doc["traceEvents"]) if e.get("ph") == "X")
+    doc["traceEvents"][last_x]["dur"] = "12"
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps(doc, indent=2).replace('\n    {\n      "', '\n  {\n    "')
+                   .replace("\n    },\n", "\n  },\n"))
+    assert _decode._cuts(odd.read_bytes(), 2)  # Kineto's event layout, so it is cut
+    serial = parse_trace(odd, pieces=1)
+    got = []
+    real_pieces, real_dicts = _decode._decode_pieces, _decode._from_dicts
+    monkeypatch.setattr(_decode, "_decode_pieces", lambda *a: got.append(real_pieces(*a)) or got[-1])
+    monkeypatch.setattr(_decode, "_from_dicts", lambda *a: got.append("dicts") or real_dicts(*a))
+    _same(serial, parse_trace(odd, pieces=2))
+    assert got == [None, "dicts"]
+    # compact JSON (no Kineto layout) is never cut: one decode
+    assert _decode._cuts(gzip.decompress((HTA / "trace_filter" / "sampled_rank-0.json.gz").read_bytes()), 2) == []
