@@ -60,7 +60,7 @@ def _groups(run) -> dict[tuple[int, str], dict]:
 
 
 def _frame(run):
-    df = run.frame("collectives")
+    df = run.collectives()
     if df.empty:
         return df
     need = ["step", "pg", "seq", "op", "bytes", "enqueue_ns", "end_ns", "blocked_ms"]

@@ -261,7 +261,7 @@ def _rank_summary(rank, rows, hta, kind, coords) -> dict:
 def _log_blocked_by_dim(run, dims: dict) -> dict[tuple, float]:
     """(rank, dim) -> ms per step blocked in collectives, from the collective log (steps ≥ 1)."""
     try:
-        coll = run.frame("collectives")
+        coll = run.collectives()
     except Exception:  # noqa: BLE001 - the log is optional
         return {}
     if coll.empty or not {"blocked_ms", "pg", "step"} <= set(coll):
@@ -294,7 +294,7 @@ def analyze(run) -> AnalyzerResult:
         return AnalyzerResult(metrics={}, findings=[])
     dims = group_dims(run, traces)
     try:
-        log = run.frame("collectives")
+        log = run.collectives()
     except Exception:  # noqa: BLE001
         log = pd.DataFrame()
     per_step, per_rank, kinds = [], [], set()

@@ -192,10 +192,10 @@ def origin_finding(o: dict) -> Finding:
             msg += " " + "; ".join(map(str, ev["notes"][:2])) + "."
         if o["module"] in ("<loss>", "<parameters>", None):
             # the default watch could not replay the step: on CUDA it keeps no inputs unless a
-            # flag read per step is allowed, and FSDP modules cannot be replayed
+            # flag read per step is allowed; some modules refuse a replay (FSDP1, ...)
             msg += (" To name the module and op, rerun with TRAINPROF_NAN_SYNC=1 (CUDA: one flag"
                     " read per step, then the step is replayed) or TRAINPROF_NAN_MODULES=all"
-                    " (module-level flags on every call; also for FSDP modules).")
+                    " (module-level flags on every call; also where a replay is refused).")
     if o.get("recovered"):
         msg += " Later steps were finite again (transient)."
     sev = "warning" if o.get("recovered") else "critical"

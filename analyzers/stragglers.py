@@ -60,7 +60,7 @@ def _kept(run, steps):
 
 
 def _per_step_sum(run, name, field, ops=None) -> pd.DataFrame:
-    df = run.frame(name)
+    df = run.collectives() if name == "collectives" else run.frame(name)
     if ops is not None and not df.empty:
         df = df[df["op"].isin(ops)] if "op" in df.columns else df.iloc[:0]
     if df.empty or field not in df.columns or "step" not in df.columns:
@@ -324,7 +324,7 @@ def analyze(run) -> AnalyzerResult:
         "excess_ms_by_rank": _matrix(scored, "excess_ms", shown),
         "score_scale_ms": _f(scale), "step_scale_ms": _f(step_scale),
         "has_data_stream": bool(not run.frame("data").empty),
-        "has_collectives": bool(not run.frame("collectives").empty),
+        "has_collectives": bool(not run.collectives().empty),
     }
     return AnalyzerResult(metrics=metrics, findings=findings)
 

@@ -205,6 +205,8 @@ class CollectiveLog:
                "bytes": nbytes, "dtype": dtype, "numel": numel, "enqueue_ns": time.time_ns(),
                "end_ns": None, "blocked_ms": 0.0, "device_ms": None, "peer": peer,
                "async": is_async, "api": api}
+        if self.session.state.get("nan_replay"):  # a NaN replay's collective, not the job's
+            rec["replay"] = True
         o = _Op(next(self._rid), rec, sync)
         if tensor is not None and getattr(tensor, "is_cuda", False):
             o.ev_start = _cuda_event()

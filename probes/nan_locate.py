@@ -31,7 +31,9 @@ SKIP_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_stri
 # Ops that legitimately write -inf as a mask (attention masks): -inf-only outputs are allowed.
 MASK_OPS = {"masked_fill", "masked_fill_", "fill", "fill_", "full", "full_like", "new_full",
             "scalar_tensor", "index_fill", "index_fill_", "where", "masked_scatter", "clamp", "clamp_min"}
-COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "fsdp",
+# (FSDP2's "fsdp" ops — all_gather_copy_in, split_with_sizes_copy, chunk_cat — are local copies
+# around its c10d collectives: checked like aten ops.)
+COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor",
                          "_c10d_functional_autograd"}
 FUNCOL_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd"}  # out-of-place, waitable
 FUNCOL_PLUMBING = {"wait_tensor", "_wrap_tensor_autograd"}
@@ -175,15 +177,17 @@ class OpCheckMode(TorchDispatchMode):
 
 
     def _collective(self, func, args, kwargs):
-        """Run it (every peer does), never call it a creation. A functional collective's result
-        is waited for here (the replay is synchronous anyway; DTensor's AsyncCollectiveTensor
-        would wait below this mode, unseen): non-finite from finite local inputs = received."""
+        """Run it (every peer does), never call it a creation. The result is waited for here
+        (the replay is synchronous anyway; DTensor's AsyncCollectiveTensor would wait below this
+        mode, unseen, and FSDP2 waits on its all-gather's Work later): non-finite from finite
+        local inputs = received. Functional collectives name their group; c10d ops (FSDP2's
+        all-gathers, reduce-scatters) carry the ProcessGroup itself."""
         short = _short(func)
-        if func.namespace not in FUNCOL_NAMESPACES:
-            # a c10d op's group is an opaque object: refused, identically on every peer
-            raise ReplayRefused(f"coordinated replay reached {_op_name(func)} (not a functional collective)")
+        funcol = func.namespace in FUNCOL_NAMESPACES
+        if func.namespace not in FUNCOL_NAMESPACES and func.namespace != "c10d":
+            raise ReplayRefused(f"coordinated replay reached {_op_name(func)} (not a collective it can pair)")
         if short not in FUNCOL_PLUMBING:
-            ranks = _group_ranks(args, kwargs)
+            ranks = _group_ranks(args, kwargs) if funcol else _c10d_group_ranks(args, kwargs)
             if ranks is None or not set(ranks) <= self.peers:
                 # e.g. a data-parallel all-reduce in a gradient hook: ranks outside the replay
                 # would never join. Every peer reaches the same op, so all refuse alike.
@@ -195,9 +199,16 @@ class OpCheckMode(TorchDispatchMode):
         in_ok = all(_finite(t) for t in ins)
         out = func(*args, **kwargs)
         self.n_ops += 1
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        for t in outs:
-            torch.ops._c10d_functional.wait_tensor(t)
+        flat = tree_flatten(out)[0]
+        outs = [t for t in flat if isinstance(t, torch.Tensor)]
+        if funcol:
+            for t in outs:
+                torch.ops._c10d_functional.wait_tensor(t)
+        else:  # c10d: the op wrote into its tensor arguments; wait for its Work
+            for w in flat:
+                if isinstance(w, torch.ScriptObject) and "Work" in str(w._type()):
+                    torch._C._distributed_c10d.Work.unbox(w).wait()
+
         if in_ok and not all(_finite(t) for t in outs) and len(self.received) < MAX_OPS_RECORDED:
             bad = next(t for t in outs if not _finite(t))
             self.received.append({"op": _op_name(func), "phase": self.phase, "index": self.n_ops,
@@ -219,6 +230,20 @@ def _group_ranks(args, kwargs) -> list | None:
         return dist.get_process_group_ranks(_resolve_process_group(name))
     except Exception:  # noqa: BLE001
         return None
+
+
+def _c10d_group_ranks(args, kwargs) -> list | None:
+    """The global ranks of a c10d op's ProcessGroup argument (a TorchScript object here)."""
+    try:
+        import torch.distributed as dist
+        from torch._C._distributed_c10d import ProcessGroup
+
+        for a in list(args) + list(kwargs.values()):
+            if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+                return dist.get_process_group_ranks(ProcessGroup.unbox(a))
+    except Exception:  # noqa: BLE001
+        return None
+    return None
 
 
 def inputs_unchanged(call) -> bool:
@@ -322,11 +347,16 @@ class _TagMode(TorchFunctionMode):
     """Tags the autograd nodes each forward creates with the module running (innermost), so a
     backward op can be attributed to the module whose forward made its node."""
 
-    def __init__(self, tracker):
+    def __init__(self, tracker, leaves: dict | None = None):
         super().__init__()
         self.tracker = tracker
+        self.leaves = leaves  # id -> leaf tensor requiring grad that the forward computed with
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.leaves is not None:  # the parameters actually used: under FSDP2 the unsharded
+            for t in tree_flatten((args, kwargs))[0]:  # ones, which module.parameters() is not
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf:
+                    self.leaves.setdefault(id(t), t)
         out = func(*args, **(kwargs or {}))
         where = self.tracker.stack[-1] if self.tracker.stack else None
         if where is not None:
@@ -485,9 +515,15 @@ def replay_call(call, name_of, coordinated: bool = False) -> dict:
             torch.set_rng_state(call.rng)
         if call.cuda_rng is not None:
             torch.cuda.set_rng_state(call.cuda_rng)
-        with torch.enable_grad(), _TagMode(tracker), mode:
+        leaves: dict = {}
+        with torch.enable_grad(), _TagMode(tracker, leaves), mode:
             out = module(*args, **kwargs)
         ins = _floats(kwargs, _floats(args, []))
+        # gradients w.r.t. the parameters the forward used. Under FSDP2 those are the unsharded
+        # parameters: torch.autograd.grad returns their gradients without accumulating into
+        # .grad, so FSDP's post-backward finds nothing to reduce-scatter into the job's grads.
+        in_ids = {id(t) for t in ins}
+        params = [t for i, t in leaves.items() if i not in in_ids]
         outs = _floats(out, [])
         fwd_finite = all(_finite(t) for t in outs)
         fwd_ops = [c for c in mode.created if c["phase"] == "forward"]
@@ -495,7 +531,6 @@ def replay_call(call, name_of, coordinated: bool = False) -> dict:
         if coordinated:  # the backward now, on every peer: its collectives must pair up
             need = [(i, t) for i, t in enumerate(outs) if t.requires_grad]
             if need:
-                params = [p for p in module.parameters() if p.requires_grad]
                 wrt = [t for t in ins if t.requires_grad] + params
                 gos = [call.grads.get(i) if call.grads.get(i) is not None else torch.zeros_like(t)
                        for i, t in need]
@@ -530,7 +565,6 @@ def replay_call(call, name_of, coordinated: bool = False) -> dict:
                                "evidence": "finite model output, the loss's gradient w.r.t. it is not: "
                                            "created by the loss computation's backward"}
             elif pairs:
-                params = [p for p in module.parameters() if p.requires_grad]
                 wrt = [t for t in ins if t.requires_grad] + params
                 mode.phase = "backward"
                 if lockstep is not None:  # ran already (zeros for outputs without a gradient)

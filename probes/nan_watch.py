@@ -32,6 +32,7 @@ import math
 import os
 import time
 import weakref
+import zlib
 
 from trainprof.probes import runtime
 
@@ -41,7 +42,7 @@ STREAM = "nan"
 # (also on CUDA without a sync; costly). "off": loss + gradient checks only.
 ENV_MODULES = "TRAINPROF_NAN_MODULES"
 ENV_SYNC = "TRAINPROF_NAN_SYNC"        # "1": on CUDA read the flags at the optimizer pre-step hook
-ENV_PEER_WAIT = "TRAINPROF_NAN_PEER_WAIT_S"  # coordinated (tensor-parallel) replay: wait for peers
+ENV_PEER_WAIT = "TRAINPROF_NAN_PEER_WAIT_S"  # coordinated (TP / FSDP2) replay: wait for peers
 ENV_KEEP_MB = "TRAINPROF_NAN_KEEP_MB"  # cap on output-gradients kept per step for a replay
 MAX_CANDIDATES = 8
 PARAM_BUDGET = 0.001      # share of a step the parameter-finiteness pass may cost on average
@@ -103,7 +104,7 @@ class _Root:
 
     def __init__(self, module, args, kwargs, versions, rng, cuda_rng, peers=None):
         self.module, self.args, self.kwargs, self.versions = module, args, kwargs, versions
-        self.peers = peers  # tensor-parallel ranks a replay must run with (DTensor parameters)
+        self.peers = peers  # mesh ranks a replay must run with (DTensor parameters: TP, FSDP2)
         self.rng, self.cuda_rng = rng, cuda_rng
         self.grads: dict = {}    # floating output index -> gradient w.r.t. it (from a grad hook)
         self.outs: list = []     # weakrefs to the floating outputs
@@ -464,13 +465,13 @@ class NanWatch:
 
     def _refusal(self, mod) -> tuple:
         """(why a replay is impossible, or None; the ranks a replay must run with, or None).
-        Tensor-parallel modules (DTensor parameters on one 1-D mesh) replay together with their
-        mesh peers (nan_locate: coordinated replay); FSDP would all-gather and reduce-scatter
-        into the job's state, so it is refused."""
+        Modules whose parameters are DTensors on one device mesh — tensor parallel, FSDP2
+        (fully_shard), or both on a 2-D mesh — replay together with every rank of that mesh
+        (nan_locate: coordinated replay); FSDP1's flat parameters are refused."""
         m = mod.module if type(mod).__name__ == "DistributedDataParallel" else mod
         for x in m.modules():
-            if type(x).__name__.startswith("FSDP") or type(x).__name__ == "FullyShardedDataParallel":
-                return "FSDP-managed: a replay would all-gather and reduce-scatter into the job's state", None
+            if type(x).__name__ == "FullyShardedDataParallel":
+                return "FSDP1-managed (flat parameters): a replay would all-gather into the job's state", None
         meshes = {}
         for t in list(m.parameters()) + list(m.buffers()):
             mesh = getattr(t, "device_mesh", None)
@@ -479,11 +480,12 @@ class NanWatch:
             if mesh is not None:
                 meshes[id(mesh)] = mesh
         if not meshes:
+            if any(type(x).__name__.startswith("FSDP") for x in m.modules()):
+                return "FSDP-managed module without DTensor parameters", None
             return None, None
-        if len(meshes) > 1 or any(x.ndim != 1 for x in meshes.values()):
-            return "DTensor parameters on several or multi-dimensional meshes", None
-        (mesh,) = meshes.values()
-        ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+        # FSDP2 over TP: the sharded TP weights live on the 2-D (dp, tp) mesh, the others on
+        # their 1-D dp sub-mesh; every collective of a replay stays within the union
+        ranks = sorted({int(r) for x in meshes.values() for r in x.mesh.flatten().tolist()})
         return None, ranks if len(ranks) > 1 else None
 
     def _root_start(self, mod, args, kwargs):
@@ -569,6 +571,7 @@ class NanWatch:
         grads_bad = self.grad_info is not None and not math.isfinite(float(self.grad_info[0]))
         t0 = time.perf_counter()
         self._off += 1
+        self.s.state["nan_replay"] = True  # the collective log marks what the replay issues
         try:
             bad = nan_locate.nonfinite_parameters(self.roots, self._param_name)
             peers = sorted({r for c in self.roots for r in (c.peers or ())})
@@ -589,6 +592,7 @@ class NanWatch:
             res = {"notes": [f"locate failed: {type(e).__name__}: {e}"]}
         finally:
             self._off -= 1
+            self.s.state["nan_replay"] = False
         rec = {"kind": "origin", "step": self.resolver.step, "t_ns": first.get("t_ns"),
                "detected_by": first.get("role"), "at": where, "root_calls": len(self.roots),
                "loss_nonfinite": loss_bad, "grads_nonfinite": grads_bad}
@@ -599,7 +603,8 @@ class NanWatch:
     def _agree(self, peers: list, ready: bool) -> tuple:
         """Through the job's TCPStore (no collective, so a peer that never detects costs one
         bounded wait, not a hang): this rank publishes its readiness and root-call count for this
-        step and waits up to TRAINPROF_NAN_PEER_WAIT_S for its tensor-parallel peers'."""
+        step and waits up to TRAINPROF_NAN_PEER_WAIT_S for its mesh peers' (tensor parallel,
+        FSDP2). Keys are per peer group: the stages of a pipeline agree separately."""
         import json
         from datetime import timedelta
 
@@ -610,7 +615,8 @@ class NanWatch:
             store = dist.distributed_c10d._get_default_store()
         except Exception as e:  # noqa: BLE001
             return False, f"coordinated replay skipped: no store ({type(e).__name__}: {e})"
-        prefix = f"trainprof/nan_replay/{step}/"
+        group = ",".join(map(str, peers))
+        prefix = f"trainprof/nan_replay/{step}/{peers[0]}-{zlib.crc32(group.encode()):08x}/"
         store.set(prefix + str(me), json.dumps({"calls": len(self.roots), "ready": bool(ready)}))
         others = [p for p in peers if p != me]
         try:
@@ -618,7 +624,7 @@ class NanWatch:
         except Exception:  # noqa: BLE001 - timeout: some peer did not detect at this step
             missing = [p for p in others if not store.check([prefix + str(p)])]
             return self._decide(store, prefix, "abort",
-                                f"coordinated replay skipped: tensor-parallel peers {missing} did not "
+                                f"coordinated replay skipped: mesh peers {missing} did not "
                                 f"detect at step {step} within {self.peer_wait_s:g} s")
         info = {p: json.loads(store.get(prefix + str(p))) for p in others}
         odd = [p for p, i in info.items() if not i.get("ready") or i.get("calls") != len(self.roots)]

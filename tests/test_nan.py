@@ -220,11 +220,11 @@ def test_spike_finding_names_steps_and_ranks(tmp_path):
 # --------------------------------------------------------------------------- reference
 
 
-def _reference_origin(reference_run, tmp_path, tag, args, rank, step, module, phase, value):
-    """Run the 2-rank reference with one injected NaN/Inf, analyze it: (run, the nan_origin finding)."""
+def _reference_origin(reference_run, tmp_path, tag, args, rank, step, module, phase, value, nproc=2):
+    """Run the reference with one injected NaN/Inf, analyze it: (run, the nan_origin finding)."""
     spec = f"nan:rank={rank},step={step},module={module},phase={phase},value={value}"
     name = f"nan-{phase}-{value}-r{rank}" if tag == "pp" else f"nan-{tag}-{phase}-{value}-r{rank}"
-    run = reference_run(name, nproc=2, args=args + ["--inject", spec], wrap_args=["--profile-steps", "none"])
+    run = reference_run(name, nproc=nproc, args=args + ["--inject", spec], wrap_args=["--profile-steps", "none"])
     proc = run_cli(["analyze", run, "--out", tmp_path, "--no-report"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -294,8 +294,7 @@ def test_optimizer_phase_from_stale_parameters(tmp_path):
 TP_ARGS = ["--dp", "1", "--pp", "1", "--tp", "2", "--steps", "3"]
 TP_CASES = [  # a fault on one tensor-parallel rank; the peer receives it through the all-reduce
     (1, 1, "layers.1.mlp.up", "forward", "nan", "aten::log"),
-    (0, 2, "layers.2.attn", "backward", "inf", "aten::mul"),
-]
+]  # the backward case (Inf, aten::mul) runs on the FSDP2-over-TP mesh below
 
 
 @pytest.mark.multiproc
@@ -314,6 +313,99 @@ def test_tensor_parallel_nan_found_by_coordinated_replay(reference_run, tmp_path
     origins = [r for r in RunDir(run).stream(1 - rank, "nan") if r["kind"] == "origin"]
     assert origins and origins[0]["created"] is False and origins[0]["role"] == "collective"
     assert "all_reduce" in origins[0]["op"] and origins[0]["replayed_with"] == [0, 1]
+
+
+FSDP_CASES = [  # FSDP2 alone (2 ranks), and FSDP2 over TP on the 2-D (dp, tp) mesh (4 ranks)
+    (["--dp", "2", "--pp", "1", "--tp", "1", "--steps", "3"], 1, 1, "layers.1.mlp.up", "forward", "nan",
+     "aten::log", [0, 1]),
+    (["--dp", "2", "--pp", "1", "--tp", "2", "--steps", "3"], 2, 2, "layers.2.attn", "backward", "inf",
+     "aten::mul", [0, 1, 2, 3]),
+]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("args,rank,step,module,phase,value,op,peers", FSDP_CASES,
+                         ids=[f"fsdp{len(c[7])}-{c[4]}-{c[5]}-rank{c[1]}" for c in FSDP_CASES])
+def test_fsdp_nan_found_by_coordinated_replay(reference_run, tmp_path, args, rank, step, module, phase,
+                                              value, op, peers):
+    """FSDP2 modules replay on every rank of their mesh: the rank whose op created the value is
+    named; the data-parallel peers report that it arrived through the gradient reduction."""
+    run, f = _reference_origin(reference_run, tmp_path, f"fsdp{len(peers)}", args, rank, step, module,
+                               phase, value, nproc=len(peers))
+    ev = f["evidence"]
+    assert f["ranks"] == [rank]
+    assert (ev["step"], ev["phase"], ev["module"], ev["op"]) == (step, phase, module, op)
+    assert ev["created"] is True and ev["method"] == "replay"
+    assert sorted(ev["received_by"]) == [r for r in peers if r != rank]
+    rd = RunDir(run)
+    for r in peers:
+        (o,) = [x for x in rd.stream(r, "nan") if x["kind"] == "origin"]
+        assert o["replayed_with"] == peers and o["replayed"] == o["root_calls"] > 0
+        other_replica = r // 2 != rank // 2 if len(peers) == 4 else r != rank  # (dp, tp) row-major
+        if other_replica:
+            assert o["created"] is False and "gradient reduction" in o["evidence"]
+        elif r != rank:  # the tensor-parallel peer: through the TP all-reduce
+            assert o["created"] is False and o["role"] == "collective" and "all_reduce" in o["op"]
+    # the replay's collectives (FSDP all-gathers) are in the log, marked, and out of the job's
+    replayed = rd.frame("collectives")
+    replayed = replayed[replayed["replay"].eq(True)] if "replay" in replayed else replayed.iloc[:0]
+    assert set(replayed["rank"]) == set(peers) and set(replayed["step"]) == {step}
+    assert (replayed["op"] == "all_gather").any()
+    assert not (rd.collectives().get("replay", False) == True).any()  # noqa: E712
+    assert replayed.groupby("rank").size().nunique() == 1  # every peer replays the same calls
+
+
+FSDP_STATE = """
+import json, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from trainprof.probes import nan_locate
+from trainprof.probes.nan_watch import _Root
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+for layer in (model[0], model[2]):
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+x = torch.randn(4, 8) + rank
+out = model(x)
+out.retain_grad()
+out.sum().backward()
+params = [p.detach().to_local().clone() for p in model.parameters()]
+grads = [p.grad.to_local().clone() for p in model.parameters()]
+gathers = []
+real = dist.all_gather_single  # what FSDP2 calls
+dist.all_gather_single = lambda *a, **k: gathers.append(1) or real(*a, **k)
+call = _Root(model, (x,), None, [x._version], torch.get_rng_state(), None, [0, 1])
+call.grads = {0: out.grad}
+names = {m: n for n, m in model.named_modules()}
+res = nan_locate.locate_step([call], names.get, loss_bad=False, grads_bad=False, coordinated=True)
+dist.all_gather_single = real
+same = all(torch.equal(a, p.detach().to_local()) for a, p in zip(params, model.parameters())) and \
+    all(torch.equal(a, p.grad.to_local()) for a, p in zip(grads, model.parameters()))
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as fh:
+    json.dump({"rank": rank, "replayed": res["replayed"], "ops": res["ops_checked"],
+               "all_gathers": len(gathers), "unchanged": same}, fh)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiproc
+def test_fsdp_replay_leaves_the_job_state_alone(tmp_path):
+    """A coordinated replay of an FSDP2 model (forward and backward, FSDP's all-gathers run) does
+    not touch the sharded parameters or the gradients the optimizer is about to use."""
+    script = write_script(tmp_path / "fsdp_state.py", FSDP_STATE)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    for r in rows:
+        assert r["replayed"] == 1 and r["ops"] > 0 and r["all_gathers"] >= 2 and r["unchanged"], r
 
 
 def test_stale_parameter_check_and_replay_decision_units():

@@ -406,6 +406,18 @@ class RunDir:
             self._cache[key] = pd.DataFrame(rows)
         return self._cache[key]
 
+    def collectives(self):
+        """The training job's collectives (frame of collectives.jsonl), without those a NaN
+        replay issued (``"replay": true``: rerun on saved inputs after a detection; the hang
+        post-mortem reads the raw stream, where they stay)."""
+        key = "frame:collectives:job"
+        if key not in self._cache:
+            df = self.frame("collectives")
+            if "replay" in df.columns:
+                df = df[df["replay"].ne(True)].reset_index(drop=True)
+            self._cache[key] = df
+        return self._cache[key]
+
     def steps(self):
         """Per-rank step records: rank, step, start_ns, end_ns, dur_ms, source."""
         return self.frame(STEPS)
