@@ -114,7 +114,7 @@ def _blocked(run, ranks) -> tuple[dict[int, iv.Set], dict[tuple[int, int], float
                 end, b = rec.get("end_ns"), float(rec.get("blocked_ms") or 0.0)
             except (TypeError, ValueError):
                 continue
-            if end is None or b <= 0:
+            if end is None or b <= 0 or rec.get("replay"):  # (a NaN replay's, not the job's)
                 continue
             s.append(int(end) - int(b * 1e6))
             e.append(int(end))

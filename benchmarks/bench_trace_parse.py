@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--hta", help="python of a venv with traceinsight installed")
     a = ap.parse_args()
     best = {}
-    for fast, pieces in ((True, None), (True, 1), (False, 1)):
+    for fast, pieces in ((True, _cpus()), (True, 1), (False, 1)):
         rows = []
         for _ in range(a.repeats):
             tr, pw, pc = _timed(lambda: parse_trace(FIXTURE, fast=fast, pieces=pieces))

@@ -153,7 +153,7 @@ class OpCheckMode(TorchDispatchMode):
         short = _short(func)
         if short in SKIP_OPS or self.quiet:
             return func(*args, **kwargs)
-        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        ins = _read_tensors(func, args, kwargs)
         in_ok = all(_finite(t) for t in ins)  # before the op: in-place ops overwrite inputs
         in_stats = [stats(t) for t in ins if is_float(t)][:4] if in_ok else None
         out = func(*args, **kwargs)
@@ -195,7 +195,7 @@ class OpCheckMode(TorchDispatchMode):
                                     f"{ranks} beyond the replaying peers {sorted(self.peers)}")
         if self.quiet or short in FUNCOL_PLUMBING:
             return func(*args, **kwargs)
-        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        ins = _read_tensors(func, args, kwargs)
         in_ok = all(_finite(t) for t in ins)
         out = func(*args, **kwargs)
         self.n_ops += 1
@@ -214,6 +214,24 @@ class OpCheckMode(TorchDispatchMode):
             self.received.append({"op": _op_name(func), "phase": self.phase, "index": self.n_ops,
                                   "module": self._where(), "output": stats(bad)})
         return out
+
+
+# c10d ops whose first argument is an output buffer only (uninitialized memory could hold anything)
+C10D_OUTPUT_FIRST = {"_allgather_base_", "allgather_", "allgather_coalesced_",
+                     "allgather_into_tensor_coalesced_", "_reduce_scatter_base_", "reduce_scatter_",
+                     "reduce_scatter_tensor_coalesced_", "alltoall_base_", "alltoall_", "gather_",
+                     "scatter_", "recv_", "recv_any_source_"}
+
+
+def _read_tensors(func, args, kwargs) -> list:
+    """The tensor arguments an op reads: not ``out=`` buffers, nor the output buffer of a c10d
+    all-gather / reduce-scatter / all-to-all (an in-place op's self and an all-reduce's tensors
+    are read)."""
+    if func.namespace == "c10d" and _short(func) in C10D_OUTPUT_FIRST:
+        args = args[1:]
+    if "out" in kwargs:
+        kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
 
 
 def _group_ranks(args, kwargs) -> list | None:
@@ -516,14 +534,21 @@ def replay_call(call, name_of, coordinated: bool = False) -> dict:
         if call.cuda_rng is not None:
             torch.cuda.set_rng_state(call.cuda_rng)
         leaves: dict = {}
-        with torch.enable_grad(), _TagMode(tracker, leaves), mode:
-            out = module(*args, **kwargs)
+        try:
+            with torch.enable_grad(), _TagMode(tracker, leaves), mode:
+                out = module(*args, **kwargs)
+        except BaseException:
+            _reset_fsdp(module)  # a refusal or failure inside FSDP's forward hooks
+            raise
         ins = _floats(kwargs, _floats(args, []))
         # gradients w.r.t. the parameters the forward used. Under FSDP2 those are the unsharded
         # parameters: torch.autograd.grad returns their gradients without accumulating into
         # .grad, so FSDP's post-backward finds nothing to reduce-scatter into the job's grads.
         in_ids = {id(t) for t in ins}
         params = [t for i, t in leaves.items() if i not in in_ids]
+        seen = {id(t) for t in params} | in_ids
+        params += [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
+        probe = _GradProbe(params)
         outs = _floats(out, [])
         fwd_finite = all(_finite(t) for t in outs)
         fwd_ops = [c for c in mode.created if c["phase"] == "forward"]
@@ -535,9 +560,13 @@ def replay_call(call, name_of, coordinated: bool = False) -> dict:
                 gos = [call.grads.get(i) if call.grads.get(i) is not None else torch.zeros_like(t)
                        for i, t in need]
                 mode.phase = "backward"
-                with _TagMode(tracker), mode:
-                    lockstep = torch.autograd.grad([t for _, t in need], wrt, grad_outputs=gos,
-                                                   allow_unused=True)
+                try:
+                    with _TagMode(tracker), mode, probe:
+                        lockstep = torch.autograd.grad([t for _, t in need], wrt, grad_outputs=gos,
+                                                       allow_unused=True)
+                except BaseException:
+                    _reset_fsdp(module)  # FSDP's final backward callback never ran
+                    raise
         if tracker.fwd:  # a module turned finite inputs into a non-finite output
             m = tracker.fwd[0]
             op = next((c for c in fwd_ops if _within(c.get("module"), m["module"])), fwd_ops[0] if fwd_ops else None)
@@ -570,12 +599,11 @@ def replay_call(call, name_of, coordinated: bool = False) -> dict:
                 if lockstep is not None:  # ran already (zeros for outputs without a gradient)
                     gs = lockstep
                 else:
-                    with _TagMode(tracker), mode:
+                    with _TagMode(tracker), mode, probe:
                         gs = torch.autograd.grad([t for t, _ in pairs], wrt,
                                                  grad_outputs=[g for _, g in pairs], allow_unused=True)
                 bwd_ops = [c for c in mode.created if c["phase"] == "backward"]
-                pgrads = gs[len(wrt) - len(params):]
-                bad_p = [p for p, g in zip(params, pgrads) if g is not None and not _finite(g)]
+                bad_p = [p for p in params if id(p) in probe.bad]
                 op = bwd_ops[0] if bwd_ops else None
                 if tracker.bwd:
                     m = _pick_backward(tracker.bwd[0], op)
@@ -589,7 +617,7 @@ def replay_call(call, name_of, coordinated: bool = False) -> dict:
                                "module": where or tracker._name(module), "params_nonfinite": len(bad_p),
                                "evidence": "input-gradients finite, parameter gradients not"}
                     if bad_p:
-                        verdict["grad"] = stats(pgrads[[id(p) for p in params].index(id(bad_p[0]))])
+                        verdict["grad"] = probe.bad[id(bad_p[0])]
                         verdict["value"] = value_kind(verdict["grad"])
                 if verdict is not None:
                     # a creation hidden by masking in the forward of this module is the root cause
@@ -616,6 +644,72 @@ def replay_call(call, name_of, coordinated: bool = False) -> dict:
                        "evidence": f"arrived through {r['op']} from the tensor-parallel peers; "
                                    f"what this rank contributed was finite"}
     return {"ops": mode.n_ops, "forward_finite": fwd_finite, "verdict": verdict}
+
+
+class _GradProbe:
+    """Tensor hooks on the parameters of a replayed backward: each gradient is checked as it is
+    computed (stats kept when non-finite) and handed on as a zero-stride zero view, so
+    torch.autograd.grad holds no parameter gradients — under FSDP2 they would be the whole
+    unsharded model's at once. The hooks run before autograd.grad captures its inputs' grads."""
+
+    def __init__(self, params):
+        self.params = params
+        self.bad: dict = {}
+        self.handles: list = []
+
+    def __enter__(self):
+        for p in self.params:
+            self.handles.append(p.register_hook(lambda g, i=id(p): self._check(i, g)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _check(self, key, g):
+        if not _finite(g) and key not in self.bad:
+            self.bad[key] = stats(g)
+        return _zeros_like_view(g)
+
+
+def _zeros_like_view(g):
+    """A zero tensor of g's shape that owns one element (None: keep g)."""
+    if type(g) is torch.Tensor:
+        return torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)
+    lt = getattr(g, "_local_tensor", None)
+    if lt is not None:  # a DTensor gradient (TP): the same placements around a zero view
+        try:
+            from torch.distributed.tensor import DTensor
+
+            z = torch.zeros((), dtype=lt.dtype, device=lt.device).expand(lt.shape)
+            return DTensor.from_local(z, g.device_mesh, g.placements, run_check=False,
+                                      shape=g.shape, stride=g.stride())
+        except Exception:  # noqa: BLE001
+            return None
+    return None
+
+
+def _reset_fsdp(module) -> None:
+    """After an exception inside a replay's forward or backward: FSDP2's documented recovery
+    (reset_iter_state on the root: reshard every group, clear the iteration trackers), so the
+    job's next forward all-gathers the updated parameters again. Nothing to do without FSDP."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return
+    fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for m in fsdp:
+        try:
+            m.reset_iter_state()  # the root: the first FSDP module in module order
+            return
+        except Exception:  # noqa: BLE001 - not the root, or a torch without it
+            continue
+    for m in fsdp:  # best effort: at least no stale unsharded parameters
+        try:
+            m.reshard()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def nonfinite_parameters(calls, param_name) -> list[dict]:

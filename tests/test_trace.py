@@ -155,9 +155,14 @@ def test_pieces_decoded_in_parallel_give_the_same_frames(monkeypatch, tmp_path):
         pytest.skip("piecewise decoding is a msgspec path")
     monkeypatch.setattr(_decode, "PIECE_MIN_BYTES", 1 << 16)  # the A100 trace is 9.8 MB
     whole = parse_trace(A100, pieces=1)
+    got = []
+    real_pieces = _decode._decode_pieces
+    monkeypatch.setattr(_decode, "_decode_pieces", lambda *a: got.append(real_pieces(*a)) or got[-1])
     for k in (2, 5):
         _same(whole, parse_trace(A100, pieces=k))
+    assert len(got) == 2 and all(isinstance(c, _decode.Columns) for c in got)  # not the fallback
     assert len(_decode._cuts(gzip.decompress(A100.read_bytes()), 5)) == 4  # it was cut
+    monkeypatch.setattr(_decode, "_decode_pieces", real_pieces)
     # a piece whose events surprise the typed decoder (a string "dur"): the child fails, the
     # whole document is decoded here and ends on the tolerant path, as it would unsplit
     doc = json.loads(gzip.decompress(A100.read_bytes()))

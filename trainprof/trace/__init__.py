@@ -124,13 +124,13 @@ def _read_bytes(path: Path) -> bytes:
 
 
 def parse_trace(path: str | os.PathLike, rank: int | None = None, fast: bool = True,
-                pieces: int | None = None) -> Trace:
-    """pieces: processes that decode parts of one large trace in parallel (default: the CPUs,
-    as load_traces leaves them to each file; 1 = all here)."""
+                pieces: int = 1) -> Trace:
+    """pieces > 1: forked processes decode parts of one large trace (32 MB or more) in
+    parallel; load_traces passes the CPUs its pool leaves idle."""
     # the GC stays off until the frames are built: passes over the decoded columns' containers
     # (none cyclic) cost 30-50 ms a trace
     with _decode.gc_paused():
-        return _parse(Path(path), rank, fast, _cpus() if pieces is None else pieces)
+        return _parse(Path(path), rank, fast, pieces)
 
 
 def _cpus() -> int:

@@ -165,7 +165,7 @@ def gc_paused():
             gc.enable()
 
 
-PIECE_MIN_BYTES = 16 << 20  # smaller pieces cost more in fork + pickling than they save
+PIECE_MIN_BYTES = 16 << 20  # per piece: smaller ones cost more in fork + pickling than they save
 _EVENTS_AT = b'\n  "traceEvents": ['
 _BETWEEN = b"\n  },\n  {\n"
 
@@ -217,7 +217,12 @@ def _decode_pieces(data: bytes, k: int) -> Columns | None:
     try:
         for i in range(1, len(cuts) + 1):
             r, w = os.pipe()
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError:
+                os.close(r)
+                os.close(w)
+                raise
             if pid == 0:  # child: decode one piece, send its columns, leave without cleanup
                 code = 1
                 try:
@@ -232,9 +237,11 @@ def _decode_pieces(data: bytes, k: int) -> Columns | None:
             kids.append((pid, r))
         parts = [_from_structs(_DECODER.decode(_piece(data, cuts, 0)))]
         while kids:
-            pid, r = kids.pop(0)
-            with os.fdopen(r, "rb") as fh:
+            pid, r = kids[0]
+            with os.fdopen(r, "rb", closefd=False) as fh:
                 payload = fh.read()
+            os.close(r)
+            kids.pop(0)
             _, status = os.waitpid(pid, 0)
             if status != 0 or not payload:
                 return None  # the whole document, decoded here, says what is wrong
