@@ -343,44 +343,70 @@ def test_tensor_parallel_nan_found_by_coordinated_replay(reference_run, tmp_path
     assert "all_reduce" in origins[0]["op"] and origins[0]["replayed_with"] == [0, 1]
 
 
-FSDP_CASES = [  # FSDP2 alone (2 ranks), and FSDP2 over TP on the 2-D (dp, tp) mesh (4 ranks)
-    (["--dp", "2", "--pp", "1", "--tp", "1", "--steps", "3"], 1, 1, "layers.1.mlp.up", "forward", "nan",
-     "aten::log", [0, 1]),
-    (["--dp", "2", "--pp", "1", "--tp", "2", "--steps", "3"], 2, 2, "layers.2.attn", "backward", "inf",
-     "aten::mul", [0, 1, 2, 3]),
-]
+FSDP_ARGS = ["--dp", "2", "--pp", "1", "--tp", "1", "--steps", "3"]
+# (FSDP2 over TP on a 2-D mesh was tried by hand on dp2·tp2 and on the demo's dp2·pp2·tp2, see
+# docs/nan.md; its peer set, the union of the meshes' ranks, is pinned by the unit test below.)
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("args,rank,step,module,phase,value,op,peers", FSDP_CASES,
-                         ids=[f"fsdp{len(c[7])}-{c[4]}-{c[5]}-rank{c[1]}" for c in FSDP_CASES])
-def test_fsdp_nan_found_by_coordinated_replay(reference_run, tmp_path, args, rank, step, module, phase,
-                                              value, op, peers):
-    """FSDP2 modules replay on every rank of their mesh: the rank whose op created the value is
-    named; the data-parallel peers report that it arrived through the gradient reduction."""
-    run, f = _reference_origin(reference_run, tmp_path, f"fsdp{len(peers)}", args, rank, step, module,
-                               phase, value, nproc=len(peers))
+def test_fsdp_nan_found_by_coordinated_replay(reference_run, tmp_path):
+    """FSDP2 modules replay on both data-parallel ranks (FSDP's all-gathers run): an Inf created
+    in rank 0's backward is named with its op; rank 1 reports the gradient reduction. The
+    forward replay runs on both ranks too (the lockstep), finite."""
+    rank, step, module = 0, 2, "layers.2.attn"
+    run, f = _reference_origin(reference_run, tmp_path, "fsdp", FSDP_ARGS, rank, step, module,
+                               "backward", "inf")
     ev = f["evidence"]
     assert f["ranks"] == [rank]
-    assert (ev["step"], ev["phase"], ev["module"], ev["op"]) == (step, phase, module, op)
-    assert ev["created"] is True and ev["method"] == "replay"
-    assert sorted(ev["received_by"]) == [r for r in peers if r != rank]
+    assert (ev["step"], ev["phase"], ev["module"], ev["op"]) == (step, "backward", module, "aten::mul")
+    assert ev["created"] is True and ev["method"] == "replay" and ev["received_by"] == [1]
     rd = RunDir(run)
-    for r in peers:
+    for r in (0, 1):
         (o,) = [x for x in rd.stream(r, "nan") if x["kind"] == "origin"]
-        assert o["replayed_with"] == peers and o["replayed"] == o["root_calls"] > 0
-        other_replica = r // 2 != rank // 2 if len(peers) == 4 else r != rank  # (dp, tp) row-major
-        if other_replica:
-            assert o["created"] is False and "gradient reduction" in o["evidence"]
-        elif r != rank:  # the tensor-parallel peer: through the TP all-reduce
-            assert o["created"] is False and o["role"] == "collective" and "all_reduce" in o["op"]
+        assert o["replayed_with"] == [0, 1] and o["replayed"] == o["root_calls"] > 0
+    (o,) = [x for x in rd.stream(1, "nan") if x["kind"] == "origin"]
+    assert o["created"] is False and "gradient reduction" in o["evidence"]
     # the replay's collectives (FSDP all-gathers) are in the log, marked, and out of the job's
     replayed = rd.frame("collectives")
     replayed = replayed[replayed["replay"].eq(True)] if "replay" in replayed else replayed.iloc[:0]
-    assert set(replayed["rank"]) == set(peers) and set(replayed["step"]) == {step}
+    assert set(replayed["rank"]) == {0, 1} and set(replayed["step"]) == {step}
     assert (replayed["op"] == "all_gather").any()
     assert len(rd.collectives()) == len(rd.frame("collectives")) - len(replayed)  # the job's only
     assert replayed.groupby("rank").size().nunique() == 1  # every peer replays the same calls
+
+
+def test_replay_peers_are_the_union_of_the_parameter_meshes():
+    """FSDP2 over TP: the TP weights live on the 2-D (dp, tp) mesh, the norms on a 1-D dp
+    sub-mesh; the replay must run on every rank of either. FSDP1 is refused."""
+    import torch
+
+    class Mesh:
+        def __init__(self, ranks):
+            self.mesh = torch.tensor(ranks)
+
+    class P:  # what _refusal reads of a DTensor parameter
+        def __init__(self, ranks):
+            self.device_mesh, self._local_tensor = Mesh(ranks), None
+
+    class M(torch.nn.Module):
+        def __init__(self, params):
+            super().__init__()
+            self.fake = params
+
+        def parameters(self, recurse=True):
+            return iter(self.fake)
+
+    refusal = nan_watch.NanWatch._refusal
+    assert refusal(None, M([P([[0, 1], [4, 5]]), P([0, 4])])) == (None, [0, 1, 4, 5])
+    assert refusal(None, M([P([2, 3])])) == (None, [2, 3])
+    assert refusal(None, M([P([3])])) == (None, None)        # a one-rank mesh: a local replay
+    assert refusal(None, torch.nn.Linear(2, 2)) == (None, None)
+
+    class FullyShardedDataParallel(torch.nn.Module):
+        pass
+
+    why, peers = refusal(None, FullyShardedDataParallel())
+    assert "FSDP1" in why and peers is None
 
 
 FSDP_STATE = """

@@ -72,7 +72,9 @@ def _write_injected(faults, layout, world, cfg, coords_of) -> None:
                        "layout": {"dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp}})
 
 
-def main(argv=None) -> int:
+def main(argv=None, on_step=None) -> int:
+    """on_step(step): called at the top of every step (benchmarks/bench_probes_ab.py toggles the
+    probes there)."""
     cfg = parse_args(argv)
     try:
         fault_list = [faultlib.parse(s) for s in cfg.inject]
@@ -158,6 +160,8 @@ def main(argv=None) -> int:
     world_group = dist.group.WORLD
 
     for step in range(cfg.steps):
+        if on_step is not None:
+            on_step(step)
         step_ref[0] = step
         t0 = time.perf_counter()
         injector.straggle(step, device)
