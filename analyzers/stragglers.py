@@ -59,8 +59,8 @@ def _kept(run, steps):
     return kept, excluded
 
 
-def _per_step_sum(run, name, field, ops=None) -> pd.DataFrame:
-    df = run.collectives() if name == "collectives" else run.frame(name)
+def _per_step_sum(run, df, name, field, ops=None) -> pd.DataFrame:
+    """Sum of ``field`` per (rank, step) over the records of stream ``name`` (frame ``df``)."""
     if ops is not None and not df.empty:
         df = df[df["op"].isin(ops)] if "op" in df.columns else df.iloc[:0]
     if df.empty or field not in df.columns or "step" not in df.columns:
@@ -80,10 +80,11 @@ def _table(run) -> pd.DataFrame:
         return pd.DataFrame()
     st = steps.drop_duplicates(["rank", "step"], keep="last")[["rank", "step", "dur_ms"]].copy()
     st["step"] = st["step"].astype(int)
-    blocked = _per_step_sum(run, "collectives", "blocked_ms")
-    p2p = _per_step_sum(run, "collectives", "blocked_ms", P2P_OPS).rename(
+    coll = run.collectives()  # the job's own (no NaN-replay collectives)
+    blocked = _per_step_sum(run, coll, "collectives", "blocked_ms")
+    p2p = _per_step_sum(run, coll, "collectives", "blocked_ms", P2P_OPS).rename(
         columns={"blocked_ms": "p2p_ms"})
-    data = _per_step_sum(run, "data", "wait_ms")
+    data = _per_step_sum(run, run.frame("data"), "data", "wait_ms")
     t = (st.merge(blocked, on=["rank", "step"], how="left")
          .merge(p2p, on=["rank", "step"], how="left").merge(data, on=["rank", "step"], how="left"))
     t["blocked_ms"] = t["blocked_ms"].fillna(0.0)

@@ -184,7 +184,7 @@ class OpCheckMode(TorchDispatchMode):
         all-gathers, reduce-scatters) carry the ProcessGroup itself."""
         short = _short(func)
         funcol = func.namespace in FUNCOL_NAMESPACES
-        if func.namespace not in FUNCOL_NAMESPACES and func.namespace != "c10d":
+        if not funcol and func.namespace != "c10d":
             raise ReplayRefused(f"coordinated replay reached {_op_name(func)} (not a collective it can pair)")
         if short not in FUNCOL_PLUMBING:
             ranks = _group_ranks(args, kwargs) if funcol else _c10d_group_ranks(args, kwargs)
@@ -208,7 +208,6 @@ class OpCheckMode(TorchDispatchMode):
             for w in flat:
                 if isinstance(w, torch.ScriptObject) and "Work" in str(w._type()):
                     torch._C._distributed_c10d.Work.unbox(w).wait()
-
         if in_ok and not all(_finite(t) for t in outs) and len(self.received) < MAX_OPS_RECORDED:
             bad = next(t for t in outs if not _finite(t))
             self.received.append({"op": _op_name(func), "phase": self.phase, "index": self.n_ops,

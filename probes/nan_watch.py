@@ -479,9 +479,7 @@ class NanWatch:
                 return "DTensor parameters without a device mesh", None
             if mesh is not None:
                 meshes[id(mesh)] = mesh
-        if not meshes:
-            if any(type(x).__name__.startswith("FSDP") for x in m.modules()):
-                return "FSDP-managed module without DTensor parameters", None
+        if not meshes:  # (a one-rank replay still refuses FSDP state: nan_locate._refuse_distributed)
             return None, None
         # FSDP2 over TP: the sharded TP weights live on the 2-D (dp, tp) mesh, the others on
         # their 1-D dp sub-mesh; every collective of a replay stays within the union

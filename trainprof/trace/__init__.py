@@ -212,12 +212,12 @@ def _events_frame(c, base: int) -> pd.DataFrame:
     dur_ns = np.maximum(_us_to_ns(c.dur), 0)
     cat = _as_categorical(c.cat)
     is_gpu = np.asarray(cat.isin(GPU_CATS), dtype=bool)
-    stream = _ints(c.stream)
+    stream = c.stream  # Columns' int columns are int64 arrays already (-1 = missing)
     stream[~is_gpu] = -1
     return pd.DataFrame({
         "name": _as_categorical(c.name), "cat": cat, "ts_ns": ts_ns, "dur_ns": dur_ns,
-        "end_ns": ts_ns + dur_ns, "pid": _ints(c.pid), "tid": _ints(c.tid), "stream": stream,
-        "is_gpu": is_gpu, "correlation": _ints(c.corr), "external_id": _ints(c.ext),
+        "end_ns": ts_ns + dur_ns, "pid": c.pid, "tid": c.tid, "stream": stream,
+        "is_gpu": is_gpu, "correlation": c.corr, "external_id": c.ext,
         "input_dims": pd.Series(c.dims, dtype=object), "input_types": pd.Series(c.types, dtype=object),
         "concrete_inputs": pd.Series(c.concrete, dtype=object),
     })
