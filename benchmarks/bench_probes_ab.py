@@ -27,6 +27,7 @@ no session: ~1 µs each, a few µs per step here) — the overhead is understate
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -92,31 +93,37 @@ def main() -> int:
         dist.all_gather_into_tensor(gathered, stats, group=world)
         return float(total)
 
-    def block(n_timed):
-        out = []
+    def block(n_timed, v):
+        out, cpu_out = [], []
         for i in range(a.warmup + n_timed):
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step()
             sync()
             if i >= a.warmup:
                 out.append((time.perf_counter() - t0) * 1e3)
+                cpu_out.append((time.process_time() - c0) * 1e3)
+        cpu[v].append(cpu_out)
         return out
 
     _probes_env()
     blocks = {"on": [], "off": []}
+    cpu = {"on": [], "off": [], "warm-up": []}  # process CPU time per step (all threads), ms
     with tempfile.TemporaryDirectory() as root:
-        block(2)  # process warm-up
+        block(2, "warm-up")  # process warm-up
         for r in range(a.rounds):
             order = ("on", "off") if r % 2 == 0 else ("off", "on")  # no fixed position in a pair
             for v in order:
                 if v == "on":
                     with trainprof.session(os.path.join(root, f"run{r}"), profile_steps="none"):
-                        blocks["on"].append(block(a.block))
+                        blocks["on"].append(block(a.block, "on"))
                 else:
-                    blocks["off"].append(block(a.block))
+                    blocks["off"].append(block(a.block, "off"))
     dist.destroy_process_group()
     _report(f"reference 1 rank on {dev} ({' '.join(ref_args) or 'defaults'})", a, blocks)
+    # CPU time is blind to time the process waited for a CPU (neighbours on a shared host)
+    _report("CPU time per step (process, all threads)", a, {k: cpu[k] for k in ("on", "off")},
+            unit="CPU ms")
     return 0
 
 
@@ -128,7 +135,7 @@ def _probes_env() -> None:
     os.environ["TRAINPROF_PROBES_OFF"] = ",".join(sorted(off))
 
 
-def _report(title: str, a, blocks: dict) -> None:
+def _report(title: str, a, blocks: dict, unit: str = "ms") -> None:
     med = {k: statistics.median([t for b in v for t in b]) for k, v in blocks.items()}
     # paired: each round's on-block against its adjacent off-block, then the median over rounds
     ratios = [statistics.median(on) / statistics.median(off)
@@ -142,10 +149,10 @@ def _report(title: str, a, blocks: dict) -> None:
     for k in ("off", "on"):
         allv = [t for b in blocks[k] for t in b]
         q = statistics.quantiles(allv, n=10)
-        print(f"  {k:>3}: median {med[k]:8.2f} ms  p10 {q[0]:8.2f}  p90 {q[-1]:8.2f}")
+        print(f"  {k:>3}: median {med[k]:8.2f} {unit}  p10 {q[0]:8.2f}  p90 {q[-1]:8.2f}")
     print(f"  per-round on/off ratios: {' '.join(f'{r:.3f}' for r in ratios)}")
     print(f"  probe overhead {over:+.2f} % (median of paired rounds; 95 % bootstrap interval "
-          f"{lo:+.2f} .. {hi:+.2f} %), pooled medians {med['on'] - med['off']:+.3f} ms/step")
+          f"{lo:+.2f} .. {hi:+.2f} %), pooled medians {med['on'] - med['off']:+.3f} {unit}/step")
 
 
 def mesh_main(a, ref_args) -> int:
@@ -166,14 +173,28 @@ def mesh_main(a, ref_args) -> int:
             for i in range(a.block + a.warmup):
                 variant[lead + r * per_round + h * (a.block + a.warmup) + i] = (v, r, i >= a.warmup)
     root = os.path.join(tempfile.gettempdir(), f"trainprof-ab-{os.environ.get('MASTER_PORT', 'x')}")
-    state = {"cm": None, "t": None, "step": None}
+    state = {"cm": None, "t": None, "cpu": None, "step": None}
     blocks = {"on": {}, "off": {}}
+    cpu = {"on": {}, "off": {}}  # this rank's process CPU time per step (all threads), ms
+    gc_ms = {"on": [], "off": []}  # time in Python's cyclic GC per timed step, ms
+    gc_state = {"t": 0.0, "acc": 0.0}
+
+    def gc_cb(phase, info):  # probes allocate records per op: do they make the job collect more?
+        if phase == "start":
+            gc_state["t"] = time.perf_counter()
+        else:
+            gc_state["acc"] += time.perf_counter() - gc_state["t"]
+
+    gc.callbacks.append(gc_cb)
 
     def on_step(step):
-        now = time.perf_counter()
+        now, now_cpu = time.perf_counter(), time.process_time()
         prev = variant.get(state["step"])
         if prev is not None and prev[2]:  # the previous step was a timed one: its duration
             blocks[prev[0]].setdefault(prev[1], []).append((now - state["t"]) * 1e3)
+            cpu[prev[0]].setdefault(prev[1], []).append((now_cpu - state["cpu"]) * 1e3)
+            gc_ms[prev[0]].append(gc_state["acc"] * 1e3)
+        gc_state["acc"] = 0.0
         want = variant.get(step, ("off", None, False))[0]
         if want == "on" and state["cm"] is None:
             state["cm"] = trainprof.session(os.path.join(root, f"s{step}"), profile_steps="none")
@@ -181,12 +202,25 @@ def mesh_main(a, ref_args) -> int:
         elif want == "off" and state["cm"] is not None:
             state["cm"].__exit__(None, None, None)
             state["cm"] = None
-        state["t"], state["step"] = time.perf_counter(), step  # toggling is not a step's cost
+        state["t"], state["cpu"], state["step"] = time.perf_counter(), time.process_time(), step
 
     rc = train.main([*ref_args, "--steps", str(total)], on_step=on_step)
-    if int(os.environ.get("RANK", "0")) == 0:
+    import json
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, f"cpu-{rank}.json.tmp"), "w") as f:
+        json.dump({**cpu, "gc": gc_ms}, f)
+    os.replace(os.path.join(root, f"cpu-{rank}.json.tmp"), os.path.join(root, f"cpu-{rank}.json"))
+    if rank == 0:
         import glob
         import shutil
+
+        deadline = time.time() + 120
+        files = [os.path.join(root, f"cpu-{r}.json") for r in range(world)]
+        while not all(os.path.exists(f) for f in files) and time.time() < deadline:
+            time.sleep(0.2)
+        per_rank = [json.load(open(f)) for f in files if os.path.exists(f)]
 
         # evidence that the "on" blocks ran the probes: their step records, every rank
         n = sum(1 for f in glob.glob(os.path.join(root, "s*", "ranks", "*", "steps.jsonl"))
@@ -194,7 +228,22 @@ def mesh_main(a, ref_args) -> int:
         print(f"  sessions {len(glob.glob(os.path.join(root, 's*')))}, step records written {n}")
         shutil.rmtree(root, ignore_errors=True)
         by = {k: [v[r] for r in sorted(v)] for k, v in blocks.items()}
-        _report(f"reference {os.environ.get('WORLD_SIZE')} ranks ({' '.join(ref_args)})", a, by)
+        _report(f"reference {world} ranks ({' '.join(ref_args)})", a, by)
+        if len(per_rank) == world:
+            # the job's CPU per step, every rank and thread summed: on an oversubscribed host
+            # (8 ranks, 2 cores) the step's wall time follows it; on a node with a core per
+            # rank, a rank's own CPU cost bounds what its probes can add to the critical path
+            tot = {k: [[sum(x) for x in zip(*(pr[k][str(r)] for pr in per_rank))]
+                       for r in sorted(int(r) for r in per_rank[0][k])] for k in ("on", "off")}
+            _report(f"CPU time per step, {world} ranks summed, all threads", a, tot, unit="CPU ms")
+            for k in ("off", "on"):
+                meds = [statistics.median([t for b in pr[k].values() for t in b]) for pr in per_rank]
+                print(f"  {k:>3} CPU ms/step by rank: " + " ".join(f"{m:.0f}" for m in meds))
+            for k in ("off", "on"):
+                means = [statistics.fmean(pr["gc"][k]) for pr in per_rank if pr["gc"][k]]
+                print(f"  {k:>3} cyclic GC ms/step by rank (mean): " + " ".join(f"{m:.1f}" for m in means))
+        else:
+            print(f"  CPU time: {len(per_rank)} of {world} ranks reported")
     return rc
 
 

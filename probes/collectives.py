@@ -50,11 +50,23 @@ MAX_PENDING_FLUSHES = 8  # device events not resolved after this many flushes: w
 # --------------------------------------------------------------------------- sizes
 
 
+_DTYPES: dict = {}  # torch.dtype -> (itemsize, name): str(dtype) costs ~0.4 us per op
+
+
+def _dtype_info(dt) -> tuple[int, str]:
+    d = _DTYPES.get(dt)
+    if d is None:
+        d = _DTYPES[dt] = (dt.itemsize, str(dt).replace("torch.", ""))
+    return d
+
+
 def _nbytes(x) -> tuple[int, int, str | None]:
     """(bytes, numel, dtype) of a tensor or a (nested) list of tensors."""
     if x is None:
         return 0, 0, None
     if isinstance(x, (list, tuple)):
+        if len(x) == 1:  # c10d passes [tensor]: the common case, no accumulation
+            return _nbytes(x[0])
         b = n = 0
         dt = None
         for y in x:
@@ -63,9 +75,26 @@ def _nbytes(x) -> tuple[int, int, str | None]:
         return b, n, dt
     try:
         n = x.numel()
-        return n * x.element_size(), n, str(x.dtype).replace("torch.", "")
+        size, name = _dtype_info(x.dtype)
+        return n * size, n, name
     except Exception:  # noqa: BLE001 - not a tensor
         return 0, 0, None
+
+
+def _size(x) -> tuple[int, int, str | None, bool]:
+    """(bytes, numel, dtype, on CUDA) of a tensor, [tensor] or a (nested) list of tensors;
+    the single tensor, the case of nearly every op, takes no list walk."""
+    if type(x) is list and len(x) == 1:
+        x = x[0]
+    try:
+        n = x.numel()
+        dt = x.dtype
+        d = _DTYPES.get(dt) or _dtype_info(dt)
+        return n * d[0], n, d[1], x.is_cuda is True
+    except Exception:  # noqa: BLE001 - a list of several tensors, or no tensor at all
+        b, n, dt = _nbytes(x)
+        t = _first_tensor(x)
+        return b, n, dt, t is not None and getattr(t, "is_cuda", False) is True
 
 
 def _first_tensor(x):
@@ -134,10 +163,12 @@ FUNCOL_AUTOGRAD_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_t
 class _Op:
     """Book-keeping of one issued op; ``rec`` is the public record (collectives.jsonl fields)."""
 
-    __slots__ = ("rid", "rec", "work", "sync", "done", "ev_start", "ev_end", "flushes", "t_wait")
+    __slots__ = ("rid", "rec", "work", "sync", "done", "ev_start", "ev_end", "flushes", "t_wait",
+                 "code")
 
-    def __init__(self, rid, rec, sync):
+    def __init__(self, rid, rec, sync, code=None):
         self.rid, self.rec, self.sync = rid, rec, sync
+        self.code = code  # the issuing c10d function: if it waits itself, async_op was False
         self.work = None
         self.done = False
         self.ev_start = self.ev_end = None
@@ -148,6 +179,7 @@ class _Op:
 class CollectiveLog:
     def __init__(self, session):
         self.session = session
+        self.state, self.clock = session.state, session.clock  # read per op
         self.pid = os.getpid()
         self.closed = False
         self.writer = session.stream("collectives")  # deferred: written by the flusher thread
@@ -196,29 +228,35 @@ class CollectiveLog:
         return g
 
     # -- issue / complete
-    def issue(self, op, pg_info, nbytes, numel, dtype, peer, is_async, api, tensor, sync):
+    def issue(self, op, pg_info, nbytes, numel, dtype, peer, is_async, api, cuda, sync, code=None):
+        # the job's thread runs this for every op (70+ a step on a 3D mesh): keep it flat
         name = pg_info[0]
         seq_counter = self._seq.get(name)
         if seq_counter is None:
             seq_counter = self._seq[name] = itertools.count()
-        rec = {"step": self.session.clock.step, "pg": name, "seq": next(seq_counter), "op": op,
+        rec = {"step": self.clock.step, "pg": name, "seq": next(seq_counter), "op": op,
                "bytes": nbytes, "dtype": dtype, "numel": numel, "enqueue_ns": time.time_ns(),
                "end_ns": None, "blocked_ms": 0.0, "device_ms": None, "peer": peer,
                "async": is_async, "api": api}
-        if self.session.state.get("nan_replay"):  # a NaN replay's collective, not the job's
+        state = self.state
+        if state.get("nan_replay"):  # a NaN replay's collective, not the job's
             rec["replay"] = True
-        o = _Op(next(self._rid), rec, sync)
-        if tensor is not None and getattr(tensor, "is_cuda", False):
+        rid = next(self._rid)
+        o = _Op(rid, rec, sync, code)
+        if cuda:
             o.ev_start = _cuda_event()
-        self._ops[o.rid] = o
-        self.inflight[o.rid] = rec
-        self.session.state["last_collective"] = rec
+        self._ops[rid] = o
+        self.inflight[rid] = rec
+        state["last_collective"] = rec
         return o
 
     def attach_work(self, ops, work, cuda):
         if work is None:  # the backend completed the op inside the call
+            t = time.time_ns()
             for o in ops:
-                self.complete(o, time.time_ns())
+                if o.code is not None:  # a c10d function: the caller was blocked for all of it
+                    o.sync, o.rec["async"] = True, False
+                self.complete(o, t)
             return
         entry = self._works.get(id(work))
         if entry is not None and entry[0] is work:
@@ -230,11 +268,17 @@ class CollectiveLog:
         # Completion is observed at wait() (a future callback would be exact on gloo but
         # costs ~30 us per op in GIL hand-offs); works never waited are closed at the flush.
 
-    def waited(self, work, t0, t1):
+    def waited(self, work, t0, t1, waiter=None):
+        """``waiter``: the code object that called wait(). c10d functions called with
+        async_op=False wait on their Work themselves before returning; any other waiter means
+        the caller held the Work (async). Cheaper than reading async_op from the c10d frame's
+        locals at issue (~4 us per op: f_locals copies every local)."""
         entry = self._works.pop(id(work), None)
         if entry is None or entry[0] is not work:
             return
         for o in entry[1]:
+            if o.code is not None and o.code is waiter:
+                o.sync, o.rec["async"] = True, False
             o.t_wait += t1 - t0
             self.complete(o, t1)
 
@@ -380,7 +424,7 @@ def _cuda_event():
 
 def _active():
     log = _LOG
-    if log is None or log.closed or log.pid != os.getpid() or getattr(_tls, "busy", False):
+    if log is None or log.closed or getattr(_tls, "busy", False):
         return None
     return log
 
@@ -422,26 +466,31 @@ def _wrap_pg_method(cls, method, op, size_arg):
     setattr(cls, method, wrapper)
 
 
+_SITES: dict = {}  # (caller's code object, method) -> (api, code if it waits itself when sync)
+
+
+def _site(caller, method) -> tuple:
+    code = caller.f_code
+    site = _SITES.get((code, method))
+    if site is None:
+        c10d = caller.f_globals.get("__name__") == C10D_MODULE
+        fname = code.co_name
+        api = f"c10d.{fname}" if c10d else f"ProcessGroup.{method}"
+        # a raw ProcessGroup call hands its Work to the caller (async); c10d isend/irecv (and
+        # send/recv, which call them) are async at this level; other c10d functions wait on the
+        # Work themselves when async_op=False, which CollectiveLog.waited recognizes
+        site = _SITES[(code, method)] = (api, code if c10d and fname not in ("isend", "irecv") else None)
+    return site
+
+
 def _pg_issue(log, pg, method, op, size_arg, args):
     info = log.group(pg)
-    caller = sys._getframe(2)
-    c10d = caller.f_globals.get("__name__") == C10D_MODULE
-    fname = caller.f_code.co_name
-    api = f"c10d.{fname}" if c10d else f"ProcessGroup.{method}"
-    if c10d:
-        loc = caller.f_locals
-        is_async = loc.get("async_op", loc.get("async_ops"))
-        if is_async is None:
-            is_async = fname in ("isend", "irecv")
-        is_async = bool(is_async)
-    else:
-        is_async = True  # a raw ProcessGroup call hands its Work to the caller
+    api, code = _site(sys._getframe(2), method)
     nbytes = numel = 0
     dtype = None
-    tensor = None
+    cuda = False
     if size_arg is not None and len(args) > size_arg:
-        nbytes, numel, dtype = _nbytes(args[size_arg])
-        tensor = _first_tensor(args[size_arg])
+        nbytes, numel, dtype, cuda = _size(args[size_arg])
         if op in ("gather", "scatter"):  # size = the whole gathered / scattered buffer
             n = len(info[1]) or 1
             src = args[1] if op == "gather" else args[0]
@@ -453,8 +502,9 @@ def _pg_issue(log, pg, method, op, size_arg, args):
             peer = info[1][int(args[1])] if info[1] else int(args[1])
         except Exception:  # noqa: BLE001
             peer = None
-    cuda = bool(tensor is not None and getattr(tensor, "is_cuda", False))
-    o = log.issue(op, info, nbytes, numel, dtype, peer, is_async, api, tensor, sync=not is_async)
+    # async until the issuing c10d function is seen waiting (waited) or the op completes inside
+    # the call (attach_work with no Work): then sync, blocked for the whole call
+    o = log.issue(op, info, nbytes, numel, dtype, peer, True, api, cuda, sync=False, code=code)
     return [o], cuda
 
 
@@ -496,7 +546,7 @@ def _patch_work(cls):
             return original(self, *args, **kwargs)
         finally:
             try:
-                log.waited(self, t0, time.time_ns())
+                log.waited(self, t0, time.time_ns(), sys._getframe(1).f_code)
             except Exception as e:  # noqa: BLE001
                 _note_error(log, e)
 
@@ -537,8 +587,14 @@ class _FuncolProxy:
             _tls.busy = False
         if ops:
             try:
-                for t in (out if isinstance(out, (list, tuple)) else [out]):
-                    log._funcol.setdefault(_storage_key(t), []).extend(ops)
+                f = log._funcol
+                for t in (out if isinstance(out, (list, tuple)) else (out,)):
+                    key = _storage_key(t)
+                    prev = f.get(key)
+                    if prev is None:
+                        f[key] = list(ops)
+                    else:  # a coalesced op's outputs in one storage, or a reused one not waited
+                        prev.extend(ops)
             except Exception as e:  # noqa: BLE001
                 _note_error(log, e)
         return out
@@ -548,16 +604,14 @@ def _funcol_issue(log, proxy, args, kwargs):
     group = args[proxy._group_arg] if len(args) > proxy._group_arg else kwargs.get("group_name")
     info = log.group_by_name(group)
     src = args[proxy._arg] if args else kwargs.get("input")
-    nbytes, numel, dtype = _nbytes(src)
+    nbytes, numel, dtype, cuda = _size(src)
     if proxy._times_n:
         n = len(info[1]) or 1
         nbytes, numel = nbytes * n, numel * n
-    tensor = _first_tensor(src)
     peer = None
     if proxy._op in P2P and len(args) > 1:
         peer = int(args[1])  # funcol p2p takes global ranks
-    return [log.issue(proxy._op, info, nbytes, numel, dtype, peer, True, proxy._api, tensor,
-                      sync=False)]
+    return [log.issue(proxy._op, info, nbytes, numel, dtype, peer, True, proxy._api, cuda, sync=False)]
 
 
 def _wait_tensor_proxy(packet):
@@ -566,7 +620,7 @@ def _wait_tensor_proxy(packet):
 
         def __call__(self, *args, **kwargs):
             log = _LOG
-            if log is None or not log._funcol or _compiling():
+            if log is None or not log._funcol or getattr(_tls, "busy", False) or _compiling():
                 return self._packet(*args, **kwargs)
             try:
                 ops = log._funcol.pop(_storage_key(args[0]), None)
@@ -575,9 +629,13 @@ def _wait_tensor_proxy(packet):
             if not ops:
                 return self._packet(*args, **kwargs)
             t0 = time.time_ns()
+            # waiting on an AsyncCollectiveTensor dispatches to wait_tensor(elem) again: that
+            # inner call is this same wait, no second lookup
+            _tls.busy = True
             try:
                 return self._packet(*args, **kwargs)
             finally:
+                _tls.busy = False
                 t1 = time.time_ns()
                 for o in ops:
                     o.t_wait += t1 - t0
@@ -659,6 +717,13 @@ def _note_error(log, e):
         runtime.warn(f"collective log: {type(e).__name__}: {e}")
 
 
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) must not log into its parent's session; checked
+    here once instead of an os.getpid() per op."""
+    global _LOG
+    _LOG = None
+
+
 def attach(session) -> None:
     global _LOG
     import torch.distributed as dist
@@ -666,6 +731,8 @@ def attach(session) -> None:
     if not dist.is_available():
         return
     log = CollectiveLog(session)
+    if not _patched:
+        os.register_at_fork(after_in_child=_forget_in_child)
     _install_patches()
     _LOG = log
     session.on_step(log.on_step)

@@ -195,6 +195,17 @@ def test_record_fields(collective_run):
         assert sync and all(abs(x["blocked_ms"] - (x["end_ns"] - x["enqueue_ns"]) / 1e6) < 1e-6
                             for x in sync)
         assert any(x["async"] for x in ar)
+        # async_op as the job passed it (seen at the wait: a c10d function that waits on its
+        # own Work was called with async_op=False): one sync and one async all_reduce a step
+        assert sum(not x["async"] for x in ar) == sum(x["async"] for x in ar) == STEPS - 1
+        world = [x for x in recs[r] if x["pg"] == "0" and x["step"] > 0]
+        for api in ("c10d.all_gather", "c10d.all_gather_single", "c10d.all_to_all",
+                    "c10d.all_to_all_single", "c10d.broadcast", "c10d.reduce_scatter_single",
+                    "c10d.barrier"):
+            got = [x["async"] for x in world if x["api"] == api]
+            assert got and not any(got), (api, sorted({(x["api"], x["async"]) for x in world}))
+        # send/recv and batch_isend_irecv hand out (or wait on) isend/irecv Works: async
+        assert all(x["async"] for x in world if x["op"] in ("send", "recv"))
     # nothing left in flight at a clean exit, and the mesh dims are labelled
     labels = {g["mesh_dim"] for r in run.ranks for g in groups[r].values()}
     assert labels == {None, "pp", "tp"}
@@ -244,6 +255,13 @@ with trainprof.session("run", profile_steps="none"):
     v = fc.all_reduce(torch.ones(4), "sum", dist.group.WORLD).view(2, 2)  # a view of the ACT
     fc.wait_tensor(v)
     assert not C._LOG._funcol, C._LOG._funcol
+    r, w = os.pipe()  # a forked child (a DataLoader worker) logs nothing into this session
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, b"1" if C._active() is None else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1" and C._active() is C._LOG
     trainprof.step()
     dist.destroy_process_group()
 '''
