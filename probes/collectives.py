@@ -13,7 +13,8 @@ it compares by identity (pipelining tests `p.op is dist.isend`):
   Python, and their C++ kernels never touch the Python ProcessGroup methods;
 * ``Work.wait`` and ``_c10d_functional.wait_tensor``: where the calling thread blocks.
 
-Records are buffered and appended in one write at each step boundary and at close; issued but
+Finished records are handed to the stream at each step boundary and at close, and serialized and
+written by the session's flusher thread, not the job's; issued but
 unfinished ops live in ``session.state["inflight_collectives"]`` so the heartbeat/watchdog see
 them even if the process hangs before the next flush. Record fields: docs/collectives.md.
 """
@@ -21,22 +22,12 @@ them even if the process hangs before the next flush. Record fields: docs/collec
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sys
 import threading
 import time
 
 from trainprof.probes import runtime
-
-try:  # ~10x faster than json.dumps on these flat records (hundreds per step on a 3D mesh)
-    import orjson
-
-    def _line(rec: dict) -> str:
-        return orjson.dumps(rec, default=str).decode()
-except ImportError:  # orjson is a dependency, but a probe must not need it
-    def _line(rec: dict) -> str:
-        return json.dumps(rec, separators=(",", ":"), default=str)
 
 _LOG: "CollectiveLog | None" = None
 _patched = False
@@ -189,6 +180,7 @@ class CollectiveLog:
         self._seq: dict[str, itertools.count] = {}
         self._groups: dict = {}             # id(pg) or name -> (name, ranks, backend)
         self._groups_written: set = set()
+        self._groups_checked = 0  # len(_groups) when last written: new groups only, not per step
         self._ops: dict[int, _Op] = {}      # rid -> op, until written
         self._works: dict[int, tuple] = {}  # id(Work) -> (Work, [ops])
         self._funcol: dict[int, list] = {}  # storage data_ptr of a funcol output -> [ops]
@@ -329,20 +321,20 @@ class CollectiveLog:
                     except Exception:  # noqa: BLE001
                         pass
                 del self._ops[rid]
-                lines.append(_line(o.rec))
+                lines.append(o.rec)  # done: nothing changes it any more
             # funcol outputs freed without a wait leave stale keys: drop those of written ops
             if self._funcol and len(self._funcol) > 4096:
                 self._funcol = {k: v for k, v in self._funcol.items()
                                 if any(o.rid in self._ops for o in v)}
-        self._write_groups()
-        if lines:
-            self._append("\n".join(lines) + "\n")
-
-    def _append(self, text):
-        self.writer.write_text(text)
+        if len(self._groups) != self._groups_checked:
+            self._write_groups()
+        if lines:  # serialized by the flusher thread, not the job's
+            self.writer.write_records(lines)
 
     def _write_groups(self):
-        for key, (name, ranks, backend) in list(self._groups.items()):
+        groups = list(self._groups.items())
+        self._groups_checked = len(groups)
+        for key, (name, ranks, backend) in groups:
             if (name, tuple(ranks)) in self._groups_written or not isinstance(key, int):
                 continue
             self._groups_written.add((name, tuple(ranks)))
@@ -436,8 +428,8 @@ def _wrap_pg_method(cls, method, op, size_arg):
     original = getattr(cls, method)
 
     def wrapper(self, *args, **kwargs):
-        log = _active()
-        if log is None:
+        log = _LOG  # _active() inlined: every call of the job pays this line
+        if log is None or log.closed or getattr(_tls, "busy", False):
             return original(self, *args, **kwargs)
         try:
             ops, cuda = _pg_issue(log, self, method, op, size_arg, args)
@@ -572,12 +564,29 @@ class _FuncolProxy:
         return repr(self._packet)
 
     def __call__(self, *args, **kwargs):
-        log = _active()
-        if log is None or _compiling():
+        # Tensor parallel issues ~50 of these a step per rank on a small model, and inside a job
+        # every Python call here costs several times its isolated price (cold caches): the
+        # common case (one tensor in, one out, a group name) is inlined into this one frame.
+        log = _LOG
+        if log is None or log.closed or getattr(_tls, "busy", False) or _is_compiling():
             return self._packet(*args, **kwargs)
-        ops = None
+        o = None
         try:
-            ops = _funcol_issue(log, self, args, kwargs)
+            ga = self._group_arg
+            group = args[ga] if len(args) > ga else kwargs.get("group_name")
+            info = log._groups.get(group) or log.group_by_name(group)
+            src = args[self._arg] if args else kwargs.get("input")
+            if type(src) is _Tensor:
+                numel = src.numel()
+                d = _DTYPES.get(src.dtype) or _dtype_info(src.dtype)
+                nbytes, dtype, cuda = numel * d[0], d[1], src.is_cuda
+            else:
+                nbytes, numel, dtype, cuda = _size(src)
+            if self._times_n:
+                n = len(info[1]) or 1
+                nbytes, numel = nbytes * n, numel * n
+            peer = int(args[1]) if self._op in P2P and len(args) > 1 else None  # global ranks
+            o = log.issue(self._op, info, nbytes, numel, dtype, peer, True, self._api, cuda, False)
         except Exception as e:  # noqa: BLE001
             _note_error(log, e)
         _tls.busy = True
@@ -585,33 +594,27 @@ class _FuncolProxy:
             out = self._packet(*args, **kwargs)
         finally:
             _tls.busy = False
-        if ops:
+        if o is not None:
             try:
                 f = log._funcol
-                for t in (out if isinstance(out, (list, tuple)) else (out,)):
-                    key = _storage_key(t)
+                if type(out) is _Tensor:
+                    key = out.untyped_storage().data_ptr()
                     prev = f.get(key)
                     if prev is None:
-                        f[key] = list(ops)
-                    else:  # a coalesced op's outputs in one storage, or a reused one not waited
-                        prev.extend(ops)
+                        f[key] = [o]
+                    else:  # a reused storage whose op was not waited
+                        prev.append(o)
+                else:
+                    for t in (out if isinstance(out, (list, tuple)) else (out,)):
+                        key = _storage_key(t)
+                        prev = f.get(key)
+                        if prev is None:
+                            f[key] = [o]
+                        else:  # a coalesced op's outputs in one storage
+                            prev.append(o)
             except Exception as e:  # noqa: BLE001
                 _note_error(log, e)
         return out
-
-
-def _funcol_issue(log, proxy, args, kwargs):
-    group = args[proxy._group_arg] if len(args) > proxy._group_arg else kwargs.get("group_name")
-    info = log.group_by_name(group)
-    src = args[proxy._arg] if args else kwargs.get("input")
-    nbytes, numel, dtype, cuda = _size(src)
-    if proxy._times_n:
-        n = len(info[1]) or 1
-        nbytes, numel = nbytes * n, numel * n
-    peer = None
-    if proxy._op in P2P and len(args) > 1:
-        peer = int(args[1])  # funcol p2p takes global ranks
-    return [log.issue(proxy._op, info, nbytes, numel, dtype, peer, True, proxy._api, cuda, sync=False)]
 
 
 def _wait_tensor_proxy(packet):
@@ -620,10 +623,13 @@ def _wait_tensor_proxy(packet):
 
         def __call__(self, *args, **kwargs):
             log = _LOG
-            if log is None or not log._funcol or getattr(_tls, "busy", False) or _compiling():
+            if log is None or not log._funcol or getattr(_tls, "busy", False) or _is_compiling():
                 return self._packet(*args, **kwargs)
             try:
-                ops = log._funcol.pop(_storage_key(args[0]), None)
+                t = args[0]
+                if type(t) is not _Tensor:  # an AsyncCollectiveTensor: its elem holds the storage
+                    t = getattr(t, "elem", t)
+                ops = log._funcol.pop(t.untyped_storage().data_ptr(), None)
             except Exception:  # noqa: BLE001
                 ops = None
             if not ops:
@@ -652,23 +658,21 @@ def _storage_key(t) -> int:
     return t.untyped_storage().data_ptr()
 
 
-_is_compiling = None
+def _not_compiling() -> bool:
+    return False
 
 
-def _compiling() -> bool:
-    global _is_compiling
-    try:
-        if _is_compiling is None:  # resolved once: this runs for every functional collective
-            import torch
-
-            _is_compiling = torch.compiler.is_compiling
-        return _is_compiling()
-    except Exception:  # noqa: BLE001
-        return False
+_is_compiling = _not_compiling  # torch.compiler.is_compiling once torch is patched
+_Tensor = None  # torch.Tensor: `type(x) is _Tensor` is the hot path's cheapest test
 
 
 def _patch_funcol():
+    global _is_compiling, _Tensor
     import torch
+
+    _Tensor = torch.Tensor
+    # dynamo traces these proxies inside compiled code and reads is_compiling() as True there
+    _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", _not_compiling)
 
     for ns_name, names, api in (("_c10d_functional", FUNCOL_OPS, "funcol"),
                                 ("_c10d_functional_autograd", FUNCOL_AUTOGRAD_OPS, "funcol_autograd")):

@@ -39,6 +39,23 @@ def test_writer_never_raises(tmp_path):
     assert w.errors == 1
 
 
+def test_handed_over_records_are_serialized_at_the_flush_in_order(tmp_path):
+    path = tmp_path / "s.jsonl"
+    w = JsonlWriter(path, deferred=True)
+    w.write({"i": 0})
+    batch = [{"i": 1, "t": None}, {"i": 2, "x": float("inf")}]
+    w.write_records(batch)
+    w.write_records([])                          # nothing to hand over: no empty entry
+    w.write_text('{"i":3}\n')
+    assert not path.exists()                     # the job's thread queued, did not serialize
+    w.flush()
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["i"] for r in recs] == [0, 1, 2, 3] and recs[1]["t"] is None and recs[2]["x"] is None
+    w.close()
+    w.write_records([{"i": 4}])                  # after close: dropped, never raises
+    assert len(path.read_text().splitlines()) == 4
+
+
 def test_deferred_writer_queues_until_flush_and_loses_nothing_across_threads(tmp_path):
     import threading
 

@@ -119,6 +119,16 @@ class JsonlWriter:
         if not self.deferred or urgent or len(self._queue) > self.MAX_QUEUED:
             self.flush(wait=True)
 
+    def write_records(self, records: list) -> None:
+        """Queue records to be serialized by whoever flushes (the flusher thread for a deferred
+        stream): the job's thread pays a deque append instead of a dumps per record. The
+        caller hands the dicts over: it must not change them afterwards."""
+        if self._closed or not records:
+            return
+        self._queue.append(records)
+        if not self.deferred or len(self._queue) > self.MAX_QUEUED:
+            self.flush(wait=True)
+
     def flush(self, wait: bool = False) -> None:
         """Write what is queued. ``wait``: also wait for a flush in progress on another thread
         (an urgent record may have been taken by it), so the line is written on return."""
@@ -137,7 +147,8 @@ class JsonlWriter:
             if not parts:
                 return
             try:
-                data = "".join(parts).encode("utf-8")
+                data = "".join(p if type(p) is str else "".join(_dumps(r) + "\n" for r in p)
+                               for p in parts).encode("utf-8")
                 if self._fd is None:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
                     self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
