@@ -49,11 +49,11 @@ class ReferenceRuns:
 
     def __call__(self, name: str, nproc: int | None = None, args: list[str] | None = None,
                  wrap_args: list[str] | None = None, timeout: int = 900, check: bool = True,
-                 module: str = "trainprof.reference") -> Path:
-        return self.run(name, nproc, args, wrap_args, timeout, check, module)[0]
+                 module: str = "trainprof.reference", env: dict | None = None) -> Path:
+        return self.run(name, nproc, args, wrap_args, timeout, check, module, env)[0]
 
     def run(self, name, nproc=None, args=None, wrap_args=None, timeout=900, check=True,
-            module="trainprof.reference"):
+            module="trainprof.reference", env=None):
         if name in self._done:
             return self._done[name]
         cfg = CONFIGS.get(name, {})
@@ -65,7 +65,7 @@ class ReferenceRuns:
         cmd = ["wrap", "--out", out, "--no-analyze", *wrap_args, "--",
                sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(nproc), "-m", module, *args]
-        proc = run_cli(cmd, timeout=timeout)
+        proc = run_cli(cmd, timeout=timeout, env=env)
         if check and proc.returncode != 0:
             raise AssertionError(f"reference run {name} failed ({proc.returncode}):\n"
                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
