@@ -22,6 +22,7 @@ import pandas as pd
 
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._clock import offsets
+from trainprof.analyzers._pipeline_replay import replay_window
 from trainprof.findings import AnalyzerResult, Finding
 
 NAME = "pipeline"
@@ -201,14 +202,17 @@ def _step_tables(df, blocked, p2p, pipes, kept):
     own["w"] = own["a1"] - own["a0"]
     dev_w = own.groupby(["pipe", own.index.get_level_values("step")]).agg(
         dev=("dev", "all"), w=("w", "max")).to_dict("index")
+    replayed = _replayed_windows(k)
     rows, stage_rows = [], []
     for (r, step), g in k.groupby(["rank", "step"]):
         key = (pipes[int(r)], step)
         dw = dev_w[key]
         window = int(dw["w"]) if dw["dev"] else int(w1s[key]) - int(w0s[key])
         busy = iv.length(iv.union(g["a_start"].to_numpy(), g["a_end"].to_numpy()))
+        rw = replayed.get(key)
         rows.append({"rank": int(r), "step": int(step), "window_ms": window / 1e6,
                      "busy_ms": busy / 1e6, "p2p_wait_ms": p2p.get((int(r), int(step)), 0.0),
+                     "replay_window_ms": rw / 1e6 if rw else np.nan,
                      "share": 1 - busy / window if window > 0 else np.nan,
                      "ratio": (window - busy) / busy if busy > 0 else np.nan})
         dur = (g["a_end"] - g["a_start"]).to_numpy(dtype=float)
@@ -224,6 +228,55 @@ def _step_tables(df, blocked, p2p, pipes, kept):
                                "span_ms_per_mb": gs["span"].sum() / 1e6 / nmb,
                                "microbatches": int(nmb)})
     return pd.DataFrame(rows), pd.DataFrame(stage_rows)
+
+
+def _replayed_windows(k) -> dict:
+    """(pipeline, step) -> window in ns had every hand-over between stages been free
+    (_pipeline_replay); missing where micro-batch numbers are unknown or the orders conflict."""
+    out = {}
+    for key, g in k.groupby(["pipe", "step"]):
+        if (g["microbatch"] < 0).any():
+            continue
+        w = replay_window(zip(g["rank"].tolist(), g["a_start"].tolist(), g["stage"].tolist(),
+                              g["microbatch"].tolist(), g["kind"].astype(str).tolist(),
+                              (g["a_end"] - g["a_start"]).tolist()))
+        if w:
+            out[key] = w
+    return out
+
+
+def _decomposition(per, bubble, th) -> dict | None:
+    """Measured bubble = theory + uneven compute + hand-overs (points of the window, job values
+    as medians over steps like bubble_fraction)."""
+    ok = per.groupby("step")["replay_window_ms"].transform(lambda x: x.notna().all())
+    p = per[ok]
+    if p.empty:
+        return None
+    by_step = p.groupby("step").apply(
+        lambda g: 1 - g["busy_ms"].sum() / g["replay_window_ms"].sum(), include_groups=False)
+    replayed = float(by_step.median())
+    out = {"measured": bubble, "replayed_free_handovers": replayed,
+           "replayed_by_step": {str(int(s)): float(v) for s, v in by_step.items()},
+           "handovers": bubble - replayed, "theory": th["share"] if th else None,
+           "uneven_compute": replayed - th["share"] if th else None}
+    return out
+
+
+def _cause(d: dict | None) -> str:
+    if not d or d.get("uneven_compute") is None:
+        return ("; communication between stages or uneven stages stretch the pipeline: more "
+                "micro-batches or an interleaved schedule shrink the bubble")
+    h, u = 100 * d["handovers"], 100 * d["uneven_compute"]
+    head = (f"; replayed with free hand-overs the step idles {100 * d['replayed_free_handovers']:.0f} %: "
+            f"{h:.0f} points come from hand-overs and host work between the stages' actions, "
+            f"{u:.0f} from uneven or varying micro-batch compute")
+    if h >= u:
+        return head + (": stage-to-stage transfers, the waits around them and whatever the host "
+                       "does between two actions are on the critical path (see blocked in p2p): "
+                       "check the link between the stages' devices and the host's work between "
+                       "actions; larger micro-batches amortize each hand-over")
+    return head + (": compare the stages' compute per micro-batch and its spread over steps; "
+                   "move layers off the slower stage")
 
 
 def _gantt(df, run, pipes, per, kept) -> dict:
@@ -338,6 +391,7 @@ def analyze(run) -> AnalyzerResult:
                           "busy_ms": float(g["busy_ms"].median()),
                           "p2p_wait_ms": float(g["p2p_wait_ms"].median()),
                           "window_ms": float(g["window_ms"].median())})
+    decomposition = _decomposition(per, bubble, th)
     stages, findings = _imbalance(stage_df, cfg, stage_ranks)
     critical = max(stages, key=lambda x: x["compute_ms_per_mb"]) if stages else None
 
@@ -348,6 +402,7 @@ def analyze(run) -> AnalyzerResult:
         "bubble_fraction": bubble, "bubble_ratio": ratio, "bubble_share_of_step": of_step,
         "bubble_fraction_by_step": {str(int(s)): float(v) for s, v in by_step.items()},
         "excess_over_theory": (bubble - th["share"]) if th else None,
+        "decomposition": decomposition,
         "per_stage": per_stage, "stages": stages,
         "critical_stage": critical["stage"] if critical else None,
         "per_rank": [{"rank": int(r), "pp": pp_of.get(int(r)),
@@ -367,11 +422,9 @@ def analyze(run) -> AnalyzerResult:
             f"the {cfg['schedule']} schedule implies for p={cfg['pp']}, m={cfg['micro_batches']}"
             + (f", v={cfg['virtual_stages']}" if cfg["virtual_stages"] > 1 else "")
             + (f"; stage {imbalanced[0]} is the slow stage (see stage_imbalance): the others "
-               "wait for it" if imbalanced else
-               "; communication between stages or uneven stages stretch the pipeline: more "
-               "micro-batches or an interleaved schedule shrink the bubble"),
+               "wait for it" if imbalanced else _cause(decomposition)),
             evidence={"measured_share": bubble, "theory_share": th["share"],
                       "theory_ratio": th["ratio"], "measured_ratio": ratio,
                       "formula": th["formula"], "margin": BUBBLE_MARGIN, "worst_pp": worst,
-                      "config": cfg}))
+                      "decomposition": decomposition, "config": cfg}))
     return AnalyzerResult(metrics=metrics, findings=findings)

@@ -347,8 +347,15 @@ def test_measured_bubble_matches_theory(reference_run, tmp_path, schedule, m):
     pm = summary["metrics"]["pipeline"]
     theory = (2 - 1) / (m + 2 - 1)
     assert pm["theory"]["share"] == pytest.approx(theory)
-    print(f"{schedule} m={m}: measured {pm['bubble_fraction']:.3f} theory {theory:.3f}")
+    d = pm["decomposition"]
+    print(f"{schedule} m={m}: measured {pm['bubble_fraction']:.3f} theory {theory:.3f} "
+          f"replayed with free hand-overs {d['replayed_free_handovers']:.3f}")
     assert abs(pm["bubble_fraction"] - theory) <= 0.05, pm["bubble_fraction_by_step"]
+    # the replay keeps every measured duration and order and only drops the hand-overs: never
+    # a longer window than the real one (host timeline), and every analysed step replayed
+    assert d["replayed_free_handovers"] <= pm["bubble_fraction"] + 1e-9
+    assert set(d["replayed_by_step"]) == set(pm["bubble_fraction_by_step"])
+    assert all(d["replayed_by_step"][s] <= v + 1e-9 for s, v in pm["bubble_fraction_by_step"].items())
     assert not [f for f in summary["findings"] if f["kind"] in ("stage_imbalance", "straggler")]
     if schedule == "1f1b" and m == 4:
         from trainprof.reports.sections import pipeline as section
@@ -356,3 +363,80 @@ def test_measured_bubble_matches_theory(reference_run, tmp_path, schedule, m):
         html = section.render(pm, summary)
         assert "<svg" in html and "Gantt" in html
         assert len(pm["gantt"]["spans"]) == 2 * 2 * m  # F and B of every micro-batch, 2 stages
+
+
+# ------------------------------------------------------------------ replay with free hand-overs
+
+
+def handover_spans(stage, gap, steps=4):
+    """GPipe p=2, m=2 (F 10 ms, B 20 ms) where every stage-to-stage hand-over takes `gap` ms:
+    stage 1 F0 starts at 10+gap, F1 at 20+gap... stage 0 B0 at stage 1's B0 end + gap."""
+    out = []
+    for s in range(steps):
+        if stage == 0:
+            b0 = 10 + gap + 20 + 20 + gap  # stage 1: F0, F1, B0 end, then the hand-over
+            out += [span(s, 0, 0, "F", 0, 10), span(s, 0, 1, "F", 10, 20),
+                    span(s, 0, 0, "B", b0, b0 + 20), span(s, 0, 1, "B", b0 + 20, b0 + 40)]
+        else:
+            f0 = 10 + gap
+            out += [span(s, 1, 0, "F", f0, f0 + 10), span(s, 1, 1, "F", f0 + 10, f0 + 20),
+                    span(s, 1, 0, "B", f0 + 20, f0 + 40), span(s, 1, 1, "B", f0 + 40, f0 + 60)]
+    return out
+
+
+def test_replay_window_by_hand():
+    from trainprof.analyzers._pipeline_replay import replay_window
+
+    def acts(gap):
+        return [(r, x["start_ns"], x["stage"], x["microbatch"], x["kind"], x["end_ns"] - x["start_ns"])
+                for r in (0, 1) for x in handover_spans(r, gap, steps=1)]
+
+    # measured window: 10 + gap + 40 + gap + 40 = 90 + 2 gap; free hand-overs: 90
+    assert replay_window(acts(10)) == 90 * MS
+    assert replay_window(acts(0)) == 90 * MS
+    # 1F1B p=2, m=2 (F 10, B 20), stage 1 twice as slow on its B: stage 0 F0 F1 B0 B1,
+    # stage 1 F0 B0 F1 B1 -> stage 1: F0 10-20 B0 20-60 F1 60-70 B1 70-110; stage 0: B0 60-80,
+    # B1 110-130
+    one_f_one_b = [(0, 0, 0, 0, "F", 10), (0, 1, 0, 1, "F", 10), (0, 2, 0, 0, "B", 20),
+                   (0, 3, 0, 1, "B", 20), (1, 0, 1, 0, "F", 10), (1, 1, 1, 0, "B", 40),
+                   (1, 2, 1, 1, "F", 10), (1, 3, 1, 1, "B", 40)]
+    assert replay_window(one_f_one_b) == 130
+    # zero-bubble halves: W follows its rank's order only
+    assert replay_window(one_f_one_b + [(0, 4, 0, 0, "W", 5)]) == 135
+    # orders that no schedule produces (stage 0 runs B0 before F1, stage 1 needs F1 before its
+    # B0, so each waits for the other): refused, not guessed
+    assert replay_window([(0, 0, 0, 0, "F", 10), (0, 1, 0, 0, "B", 10), (0, 2, 0, 1, "F", 10),
+                          (1, 0, 1, 1, "F", 10), (1, 1, 1, 0, "F", 10), (1, 2, 1, 0, "B", 10)]) is None
+    assert replay_window([]) is None
+
+
+def test_bubble_decomposition_handovers(tmp_path):
+    # 10 ms hand-overs: window 110, busy 60 per rank -> measured 1 - 120/220; replayed 90 -> 1/3
+    write_rank(tmp_path, 0, {"dp": 0, "pp": 0, "tp": 0}, INFO, {"pipeline": handover_spans(0, 10)})
+    write_rank(tmp_path, 1, {"dp": 0, "pp": 1, "tp": 0}, INFO, {"pipeline": handover_spans(1, 10)})
+    res = pipeline.analyze(RunDir(tmp_path))
+    d = res.metrics["decomposition"]
+    assert res.metrics["bubble_fraction"] == pytest.approx(1 - 120 / 220)
+    assert d["replayed_free_handovers"] == pytest.approx(1 / 3)
+    assert d["uneven_compute"] == pytest.approx(0, abs=1e-12)
+    assert d["handovers"] == pytest.approx(1 - 120 / 220 - 1 / 3)
+    assert set(d["replayed_by_step"]) == {"1", "2", "3"}
+    f = [f for f in res.findings if f.kind == "pipeline_bubble"]
+    assert len(f) == 1 and "12 points come from hand-overs" in f[0].message, f[0].message
+    assert f[0].evidence["decomposition"] == d
+
+
+def test_bubble_decomposition_uneven_compute(tmp_path):
+    # stage 1 twice as slow, hand-overs free: stage 1 F0 10-30 F1 30-50 B0 50-90 B1 90-130,
+    # stage 0 F 0-20, B0 90-110 B1 130-150 -> window 150, busy 60 + 120: 1 - 180/300 = 0.4;
+    # the replay reproduces it, so all 6.7 points above theory are uneven compute
+    s0 = [span(s, 0, 0, "F", 0, 10) for s in range(4)] + [span(s, 0, 1, "F", 10, 20) for s in range(4)] \
+        + [span(s, 0, 0, "B", 90, 110) for s in range(4)] + [span(s, 0, 1, "B", 130, 150) for s in range(4)]
+    s1 = [span(s, 1, 0, "F", 10, 30) for s in range(4)] + [span(s, 1, 1, "F", 30, 50) for s in range(4)] \
+        + [span(s, 1, 0, "B", 50, 90) for s in range(4)] + [span(s, 1, 1, "B", 90, 130) for s in range(4)]
+    write_rank(tmp_path, 0, {"dp": 0, "pp": 0, "tp": 0}, INFO, {"pipeline": s0})
+    write_rank(tmp_path, 1, {"dp": 0, "pp": 1, "tp": 0}, INFO, {"pipeline": s1})
+    d = pipeline.analyze(RunDir(tmp_path)).metrics["decomposition"]
+    assert d["measured"] == pytest.approx(0.4) and d["replayed_free_handovers"] == pytest.approx(0.4)
+    assert d["handovers"] == pytest.approx(0, abs=1e-12)
+    assert d["uneven_compute"] == pytest.approx(0.4 - 1 / 3)

@@ -8,15 +8,24 @@ TITLE = "Pipeline"
 COLORS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
 
 
+def _points(x) -> str | None:
+    return f"{100 * x:+.1f} points" if isinstance(x, (int, float)) else None
+
+
 def _summary(m: dict) -> str:
     cfg = m.get("config") or {}
     th = m.get("theory") or {}
+    dec = m.get("decomposition") or {}
     shown = {
         "schedule": cfg.get("schedule"),
         "stages (p) × micro-batches (m)": f"{cfg.get('pp')} × {cfg.get('micro_batches')}",
         "virtual stages per rank (v)": cfg.get("virtual_stages"),
         "measured bubble (share of the pipeline window)": kit.fmt_pct(m.get("bubble_fraction")),
         "theory (share)": kit.fmt_pct(th.get("share")) if th else "unknown for this schedule",
+        "replayed with free hand-overs": kit.fmt_pct(dec.get("replayed_free_handovers"))
+        if dec else None,
+        "of which hand-overs / host work between actions": _points(dec.get("handovers")),
+        "of which uneven or varying compute (replayed − theory)": _points(dec.get("uneven_compute")),
         "bubble as share of the whole step": kit.fmt_pct(m.get("bubble_share_of_step"))
         if m.get("bubble_share_of_step") is not None else None,
         "measured bubble ÷ compute": m.get("bubble_ratio"),
@@ -85,5 +94,9 @@ def render(metrics: dict, summary: dict) -> str:
         "Bubble = share of the pipeline window (first span start to last span end of the step, "
         "clocks aligned) in which a rank ran no forward/backward/weight-grad span. Theory: "
         "bubble ÷ compute = (p−1)/m for GPipe and 1F1B, (p−1)/(v·m) interleaved; as a share of "
-        "the window ratio/(1+ratio), e.g. (p−1)/(m+p−1).", "note"))
+        "the window ratio/(1+ratio), e.g. (p−1)/(m+p−1). Replayed with free hand-overs: the "
+        "same step re-run on paper with the measured span durations, in each rank's order, every "
+        "stage-to-stage dependency met the moment its producer ends; what the measured bubble has "
+        "beyond it is hand-overs and host work between actions, what it has beyond theory is "
+        "uneven or varying compute.", "note"))
     return "".join(parts)
