@@ -10,8 +10,8 @@ every cross-stage dependency satisfied the moment its producer ends, gives the w
 would have had with free hand-overs. Its bubble minus theory is the uneven-compute part; the
 measured bubble minus it is the hand-over part: every idle gap the schedule's dependencies do not
 explain, i.e. the transfer and the waits around it, and any host work between two actions (the
-schedule's own Python, the last stage's loss, a pause of the process). The replay needs no clock alignment across ranks
-(only durations and order), so it holds on GPU device timelines too.
+schedule's own Python, the last stage's loss, a pause of the process). The replay needs no clock
+alignment across ranks (only durations and order), so it holds on GPU device timelines too.
 
 Dependencies (those of every GPipe/1F1B/interleaved/zero-bubble schedule of
 torch.distributed.pipelining): F of stage s, micro-batch i needs F of stage s−1, i; B (full or

@@ -252,14 +252,18 @@ def _decomposition(per, bubble, th) -> dict | None:
     p = per[ok]
     if p.empty:
         return None
-    by_step = p.groupby("step").apply(
-        lambda g: 1 - g["busy_ms"].sum() / g["replay_window_ms"].sum(), include_groups=False)
+    by_step = _idle_share_by_step(p, "replay_window_ms")
     replayed = float(by_step.median())
-    out = {"measured": bubble, "replayed_free_handovers": replayed,
-           "replayed_by_step": {str(int(s)): float(v) for s, v in by_step.items()},
-           "handovers": bubble - replayed, "theory": th["share"] if th else None,
-           "uneven_compute": replayed - th["share"] if th else None}
-    return out
+    return {"measured": bubble, "replayed_free_handovers": replayed,
+            "replayed_by_step": {str(int(s)): float(v) for s, v in by_step.items()},
+            "handovers": bubble - replayed, "theory": th["share"] if th else None,
+            "uneven_compute": replayed - th["share"] if th else None}
+
+
+def _idle_share_by_step(per, window_col) -> pd.Series:
+    """step -> idle share of all ranks' windows together (1 − Σbusy / Σwindow)."""
+    return per.groupby("step").apply(
+        lambda g: 1 - g["busy_ms"].sum() / g[window_col].sum(), include_groups=False)
 
 
 def _cause(d: dict | None) -> str:
@@ -365,8 +369,7 @@ def analyze(run) -> AnalyzerResult:
     stage_ranks = {s: sorted(v) for s, v in stage_ranks.items()}
 
     # job value per step: idle share of all ranks' windows together; job = median over steps
-    by_step = per.groupby("step").apply(
-        lambda g: 1 - g["busy_ms"].sum() / g["window_ms"].sum(), include_groups=False)
+    by_step = _idle_share_by_step(per, "window_ms")
     bubble = float(by_step.median())
     ratio = bubble / (1 - bubble) if bubble < 1 else None
     # the same idle time as a share of the whole step (optimizer, data, end-of-step collectives
