@@ -56,6 +56,11 @@ import time
 JOB_CALL = re.compile(r"^\s*(return\s+|\w+\s*=\s*)?(original|orig|_orig_backward|self\._packet|"
                       r"mesh_init|exec_module|start|end)\(")
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>.+):(?P<line>\d+)\)$")
+# The collective log's C hot path (probes/_fastlog.c): with --native its frames are in the
+# stacks; time below `call_job` is the job's own op, time in any other of its frames the probe's
+# (line numbers of inlined native frames are not reliable, function names are).
+NATIVE_FILE = "_fastlog.c"
+NATIVE_JOB_CALL = "call_job"
 # A thread whose innermost frame is still at a blocking call in threading/queue has been woken
 # but has not run yet (py-spy reads "runnable" as active): idle, whatever thread it is.
 WAIT_LEAF = re.compile(r"\.(acquire|wait)\(")
@@ -70,10 +75,16 @@ def main() -> int:
                     help="steps measured unsampled (step time, CPU per step) before sampling")
     ap.add_argument("--rate", type=int, default=200, help="samples per second per rank")
     ap.add_argument("--keep", help="keep the run directory and raw samples here")
+    ap.add_argument("--native", choices=("auto", "on", "off"), default="auto",
+                    help="unwind native frames too (py-spy --native), so the collective log's C "
+                         "path is counted; auto: on where trainprof.probes._fastlog is built")
     ap.add_argument("job_args", nargs="*", help="reference args (default: the demo mesh for 8 ranks)")
     a = ap.parse_args()
     if shutil.which("py-spy") is None:
         sys.exit("bench_probe_samples: needs py-spy (pip install py-spy)")
+    native = a.native == "on" or (a.native == "auto" and _fastlog_built())
+    if os.environ.get("TRAINPROF_COLLECTIVES_PY", "") in ("1", "true", "yes") and a.native == "auto":
+        native = False
     job_args = a.job_args or (["--dp", "2", "--pp", "2", "--tp", "2"] if a.nproc == 8 else [])
     root = a.keep or tempfile.mkdtemp(prefix="tp-samples-")
     os.makedirs(root, exist_ok=True)
@@ -98,13 +109,14 @@ def main() -> int:
         step_ms = statistics.median(r["dur_ms"] for r in calib)
         duration = max(5, int(remaining * step_ms / 1000 * 0.85))
         print(f"{a.nproc} ranks, steps {a.skip}..{a.skip + a.calib} unsampled: {step_ms:.0f} ms/step; "
-              f"sampling each rank for {duration} s at {a.rate} Hz")
+              f"sampling each rank for {duration} s at {a.rate} Hz"
+              + (" with native frames" if native else ""))
         spies = {}
         cpu0, t0 = {r: _cpu(pid) for r, pid in pids.items()}, time.time_ns()
         for rank, pid in sorted(pids.items()):
             out = os.path.join(root, f"rank{rank}.txt")
             spies[rank] = (out, subprocess.Popen(
-                ["py-spy", "record", "--pid", str(pid), "--threads",
+                ["py-spy", "record", "--pid", str(pid), "--threads", *(["--native"] if native else []),
                  "--full-filenames", "--rate", str(a.rate), "--duration", str(duration),
                  "--format", "raw", "--output", out],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
@@ -183,6 +195,14 @@ def _cpu(pid) -> tuple[float, float]:
     return total, main
 
 
+def _fastlog_built() -> bool:
+    try:
+        import trainprof.probes._fastlog  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _is_trainprof(path):
     # probes (installed as trainprof.probes) and trainprof's core, but not the reference workload
     norm = path.replace(os.sep, "/")
@@ -193,13 +213,18 @@ def _is_trainprof(path):
 
 def classify(stack):
     """'probe', 'job' or 'idle' for one sample (frames root first), with the probe function."""
-    if stack:
-        m = FRAME.match(stack[-1])
+    py = [f for f in stack if ".py:" in f]  # with --native, C frames may lie below
+    if py:
+        m = FRAME.match(py[-1])
         if (m is not None and os.path.basename(m["file"]) in ("threading.py", "queue.py")
                 and WAIT_LEAF.search(linecache.getline(m["file"], int(m["line"])))):
             return "idle", None
     for frame in reversed(stack):
         m = FRAME.match(frame)
+        if m is not None and m["file"].endswith(NATIVE_FILE):
+            if m["func"] == NATIVE_JOB_CALL:
+                return "job", None
+            return "probe", f"{NATIVE_FILE}:{m['func']}"
         if m is None or not _is_trainprof(m["file"]):
             continue
         src = linecache.getline(m["file"], int(m["line"]))

@@ -21,6 +21,7 @@ them even if the process hangs before the next flush. Record fields: docs/collec
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -29,9 +30,21 @@ import time
 
 from trainprof.probes import runtime
 
+try:  # the per-op hot path in C (setup.py builds it where a compiler is; optional)
+    from trainprof.probes import _fastlog as _fast
+except ImportError:  # pragma: no cover - exercised by the TRAINPROF_COLLECTIVES_PY tests
+    _fast = None
+ENV_PY = "TRAINPROF_COLLECTIVES_PY"  # =1: the pure-Python path even where the C one is built
+
 _LOG: "CollectiveLog | None" = None
 _patched = False
 _tls = threading.local()  # .busy: inside a recorded call (nested calls are the same wire op)
+
+
+# One flag per thread, shared by the C and the Python paths (bound to C's in _install_patches).
+# partial() of the builtins: a call without a Python frame, which the job's thread would pay per op.
+_busy = functools.partial(getattr, _tls, "busy", False)
+_set_busy = functools.partial(setattr, _tls, "busy")
 
 C10D_MODULE = "torch.distributed.distributed_c10d"
 P2P = ("send", "recv")
@@ -177,7 +190,7 @@ class CollectiveLog:
         self.groups_writer = session.stream("groups")
         self._lock = threading.Lock()
         self._rid = itertools.count()
-        self._seq: dict[str, itertools.count] = {}
+        self._seq: dict[str, int] = {}      # group name -> next sequence number
         self._groups: dict = {}             # id(pg) or name -> (name, ranks, backend)
         self._groups_written: set = set()
         self._groups_checked = 0  # len(_groups) when last written: new groups only, not per step
@@ -222,11 +235,11 @@ class CollectiveLog:
     # -- issue / complete
     def issue(self, op, pg_info, nbytes, numel, dtype, peer, is_async, api, cuda, sync, code=None):
         # the job's thread runs this for every op (70+ a step on a 3D mesh): keep it flat
+        # (where _fastlog is built, attach() replaces this method and complete() by its C twins)
         name = pg_info[0]
-        seq_counter = self._seq.get(name)
-        if seq_counter is None:
-            seq_counter = self._seq[name] = itertools.count()
-        rec = {"step": self.clock.step, "pg": name, "seq": next(seq_counter), "op": op,
+        seq = self._seq.get(name, 0)
+        self._seq[name] = seq + 1
+        rec = {"step": self.clock.step, "pg": name, "seq": seq, "op": op,
                "bytes": nbytes, "dtype": dtype, "numel": numel, "enqueue_ns": time.time_ns(),
                "end_ns": None, "blocked_ms": 0.0, "device_ms": None, "peer": peer,
                "async": is_async, "api": api}
@@ -416,7 +429,7 @@ def _cuda_event():
 
 def _active():
     log = _LOG
-    if log is None or log.closed or getattr(_tls, "busy", False):
+    if log is None or log.closed or _busy():
         return None
     return log
 
@@ -429,18 +442,18 @@ def _wrap_pg_method(cls, method, op, size_arg):
 
     def wrapper(self, *args, **kwargs):
         log = _LOG  # _active() inlined: every call of the job pays this line
-        if log is None or log.closed or getattr(_tls, "busy", False):
+        if log is None or log.closed or _busy():
             return original(self, *args, **kwargs)
         try:
             ops, cuda = _pg_issue(log, self, method, op, size_arg, args)
         except Exception as e:  # noqa: BLE001
             _note_error(log, e)
             return original(self, *args, **kwargs)
-        _tls.busy = True
+        _set_busy(True)
         try:
             work = original(self, *args, **kwargs)
         finally:
-            _tls.busy = False
+            _set_busy(False)
         try:
             co = log._coalescing.get(id(self))
             if co is not None:  # the work of the batch comes from _end_coalescing
@@ -568,7 +581,7 @@ class _FuncolProxy:
         # every Python call here costs several times its isolated price (cold caches): the
         # common case (one tensor in, one out, a group name) is inlined into this one frame.
         log = _LOG
-        if log is None or log.closed or getattr(_tls, "busy", False) or _is_compiling():
+        if log is None or log.closed or _busy() or _is_compiling():
             return self._packet(*args, **kwargs)
         o = None
         try:
@@ -589,11 +602,11 @@ class _FuncolProxy:
             o = log.issue(self._op, info, nbytes, numel, dtype, peer, True, self._api, cuda, False)
         except Exception as e:  # noqa: BLE001
             _note_error(log, e)
-        _tls.busy = True
+        _set_busy(True)
         try:
             out = self._packet(*args, **kwargs)
         finally:
-            _tls.busy = False
+            _set_busy(False)
         if o is not None:
             try:
                 f = log._funcol
@@ -605,16 +618,21 @@ class _FuncolProxy:
                     else:  # a reused storage whose op was not waited
                         prev.append(o)
                 else:
-                    for t in (out if isinstance(out, (list, tuple)) else (out,)):
-                        key = _storage_key(t)
-                        prev = f.get(key)
-                        if prev is None:
-                            f[key] = [o]
-                        else:  # a coalesced op's outputs in one storage
-                            prev.append(o)
+                    self._key_outputs(out, o)
             except Exception as e:  # noqa: BLE001
                 _note_error(log, e)
         return out
+
+    def _key_outputs(self, out, o):
+        """Key a list (coalesced op) or subclass output by storage, for the wait to find."""
+        f = _LOG._funcol
+        for t in (out if isinstance(out, (list, tuple)) else (out,)):
+            key = _storage_key(t)
+            prev = f.get(key)
+            if prev is None:
+                f[key] = [o]
+            else:  # a coalesced op's outputs in one storage
+                prev.append(o)
 
 
 def _wait_tensor_proxy(packet):
@@ -623,7 +641,7 @@ def _wait_tensor_proxy(packet):
 
         def __call__(self, *args, **kwargs):
             log = _LOG
-            if log is None or not log._funcol or getattr(_tls, "busy", False) or _is_compiling():
+            if log is None or not log._funcol or _busy() or _is_compiling():
                 return self._packet(*args, **kwargs)
             try:
                 t = args[0]
@@ -637,11 +655,11 @@ def _wait_tensor_proxy(packet):
             t0 = time.time_ns()
             # waiting on an AsyncCollectiveTensor dispatches to wait_tensor(elem) again: that
             # inner call is this same wait, no second lookup
-            _tls.busy = True
+            _set_busy(True)
             try:
                 return self._packet(*args, **kwargs)
             finally:
-                _tls.busy = False
+                _set_busy(False)
                 t1 = time.time_ns()
                 for o in ops:
                     o.t_wait += t1 - t0
@@ -686,24 +704,48 @@ def _patch_funcol():
                 packet = getattr(ns, name)
             except Exception:  # noqa: BLE001 - op not in this torch build
                 continue
-            if isinstance(packet, _FuncolProxy):
+            if _is_proxy(packet):
                 continue
-            setattr(ns, name, _FuncolProxy(packet, op, arg, times_n, group_arg, f"{api}.{name}"))
+            py = _FuncolProxy(packet, op, arg, times_n, group_arg, f"{api}.{name}")
+            setattr(ns, name, _c_proxy(py, packet, op, arg, times_n, group_arg, False) or py)
     ns = torch.ops._c10d_functional
     try:
         wt = ns.wait_tensor
-        if not isinstance(wt, _FuncolProxy):
-            ns.wait_tensor = _wait_tensor_proxy(wt)
+        if not _is_proxy(wt):
+            py = _wait_tensor_proxy(wt)
+            ns.wait_tensor = _c_proxy(py, wt, "wait", 0, False, 0, True) or py
     except Exception:  # noqa: BLE001
         pass
     # funcol.wait_tensor / ACT.trigger_wait look the packet up on the namespace at call time
 
 
+def _is_proxy(x) -> bool:
+    return isinstance(x, _FuncolProxy) or (_fast is not None and isinstance(x, _fast.Proxy))
+
+
+def _c_proxy(py, packet, op, arg, times_n, group_arg, wait):
+    """The C proxy in front of the Python one (which takes every uncommon case), or None."""
+    if not _C_ON or op in P2P:  # p2p (peers, tags): the Python proxy
+        return None
+    # calling an OpOverloadPacket runs its Python __call__, which calls the C++ _op unless the
+    # op has torchbind overloads: the proxy calls _op itself (one Python frame less per call)
+    call = packet
+    if not getattr(packet, "_has_torchbind_op_overload", True) and callable(getattr(packet, "_op", None)):
+        call = packet._op
+    return _fast.Proxy(packet, call, py, op, py._api, arg, group_arg, times_n, wait)
+
+
+_C_ON = False  # decided once, when the patches go in: the C path or the pure-Python one
+
+
 def _install_patches():
-    global _patched
+    global _patched, _busy, _set_busy, _C_ON
     if _patched:
         return
     _patched = True
+    _C_ON = _fast is not None and os.environ.get(ENV_PY, "") not in ("1", "true", "yes")
+    if _C_ON:
+        _busy, _set_busy = _fast.busy, _fast.set_busy
     from torch._C._distributed_c10d import ProcessGroup, Work
 
     for method, (op, size_arg) in PG_METHODS.items():
@@ -726,6 +768,8 @@ def _forget_in_child() -> None:
     here once instead of an os.getpid() per op."""
     global _LOG
     _LOG = None
+    if _fast is not None:
+        _fast.configure(None, None, None, None, None)
 
 
 def attach(session) -> None:
@@ -738,6 +782,11 @@ def attach(session) -> None:
     if not _patched:
         os.register_at_fork(after_in_child=_forget_in_child)
     _install_patches()
+    if _C_ON:
+        import torch
+
+        _fast.configure(log, _DTYPES, torch.Tensor, _is_compiling, _cuda_event)
+        log.issue, log.complete = _fast.issue, _fast.complete  # the C twins, same fields
     _LOG = log
     session.on_step(log.on_step)
     session.on_close(log.close)

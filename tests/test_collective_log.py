@@ -91,18 +91,33 @@ NPROC = 4
 STEPS = 4
 
 
-@pytest.fixture(scope="session")
-def collective_run(reference_run, tmp_path_factory):
-    """The job above under `trainprof wrap`, run once per test session (shared by the
-    collectives and clock tests)."""
+def _fast_built() -> bool:
+    try:
+        import trainprof.probes._fastlog  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# the C hot path (probes/_fastlog.c, where built) and the pure-Python reference path
+PATHS = [pytest.param("c", marks=pytest.mark.skipif(not _fast_built(), reason="_fastlog not built")),
+         "python"]
+
+
+@pytest.fixture(scope="session", params=PATHS)
+def collective_run(request, reference_run, tmp_path_factory):
+    """The job above under `trainprof wrap`, run once per test session and per path of the
+    collective log (C, pure Python) (shared by the collectives and clock tests)."""
+    path = request.param
     d = tmp_path_factory.mktemp("collective-job")
     (d / "trainprof_collective_job.py").write_text(JOB)
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(d)] + ([old] if old else []))
     try:
-        return reference_run("collective-job", nproc=NPROC, args=[str(STEPS)],
+        return reference_run(f"collective-job-{path}", nproc=NPROC, args=[str(STEPS)],
                              wrap_args=["--profile-steps", "none"],
-                             module="trainprof_collective_job")
+                             module="trainprof_collective_job",
+                             env={"TRAINPROF_COLLECTIVES_PY": "1" if path == "python" else "0"})
     finally:
         if old is None:
             os.environ.pop("PYTHONPATH", None)
@@ -237,10 +252,19 @@ def test_byte_sizes_follow_nccl_tests():
     assert _nbytes(None) == (0, 0, None)
 
 
-def test_funcol_wait_found_on_the_async_wrapper(tmp_path):
+def _port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_funcol_wait_found_on_the_async_wrapper(tmp_path, path):
     """fc.wait_tensor(AsyncCollectiveTensor) must match the op at the wrapper (asking a wrapper
     subclass for its storage raises a C++ error, which cost ~40 us per op before the unwrap),
-    and no key may be left behind once every output was waited."""
+    a view with an offset must find its op through the storage, and no key may be left behind
+    once every output was waited. Both the C and the Python path."""
     code = r'''
 import os, sys, torch, torch.distributed as dist, trainprof
 import torch.distributed._functional_collectives as fc
@@ -248,13 +272,22 @@ from trainprof.probes import collectives as C
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 with trainprof.session("run", profile_steps="none"):
     dist.init_process_group("gloo", rank=0, world_size=1)
+    want = "Proxy" if sys.argv[2] == "c" else "_FuncolProxy"
+    assert type(torch.ops._c10d_functional.all_reduce).__name__ == want
+    assert type(torch.ops._c10d_functional.wait_tensor).__name__ == ("Proxy" if want == "Proxy" else "_Wait")
+    assert torch.ops._c10d_functional.all_reduce.default is not None  # attributes: torch's packet
     a = fc.all_reduce(torch.ones(4), "sum", dist.group.WORLD)
     assert type(a).__name__ == "AsyncCollectiveTensor"
     assert C._storage_key(a) == C._storage_key(a.elem) == C._storage_key(a.elem.view(2, 2))
     fc.wait_tensor(a)
     v = fc.all_reduce(torch.ones(4), "sum", dist.group.WORLD).view(2, 2)  # a view of the ACT
     fc.wait_tensor(v)
+    b = fc.all_reduce(torch.ones(8), "sum", dist.group.WORLD)
+    fc.wait_tensor(b.elem[4:])  # a view with an offset: found through its storage
     assert not C._LOG._funcol, C._LOG._funcol
+    d = fc.all_reduce(torch.ones(2, dtype=torch.float64), "sum", dist.group.WORLD)  # a new dtype
+    fc.wait_tensor(d)
+    assert not C._LOG._funcol and not C._LOG.inflight, (C._LOG._funcol, C._LOG.inflight)
     r, w = os.pipe()  # a forked child (a DataLoader worker) logs nothing into this session
     pid = os.fork()
     if pid == 0:
@@ -265,13 +298,37 @@ with trainprof.session("run", profile_steps="none"):
     trainprof.step()
     dist.destroy_process_group()
 '''
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    res = subprocess.run([sys.executable, "-c", code, str(port)], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120)
+    env = dict(os.environ, TRAINPROF_COLLECTIVES_PY="1" if path == "python" else "0")
+    res = subprocess.run([sys.executable, "-c", code, str(_port()), path], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     recs = [json.loads(x) for x in (tmp_path / "run/ranks/rank-00000/collectives.jsonl").read_text().splitlines()]
     fc = [x for x in recs if x["api"] == "funcol.all_reduce"]
-    assert len(fc) == 2 and all(x["end_ns"] >= x["enqueue_ns"] and x["blocked_ms"] > 0 for x in fc)
+    assert len(fc) == 4 and all(x["end_ns"] >= x["enqueue_ns"] and x["blocked_ms"] > 0 for x in fc)
+    assert [x["seq"] for x in fc] == [0, 1, 2, 3]
+    assert [(x["bytes"], x["numel"], x["dtype"]) for x in fc] == [
+        (16, 4, "float32"), (16, 4, "float32"), (32, 8, "float32"), (16, 2, "float64")]
+    assert all(x["step"] == 0 and x["pg"] == fc[0]["pg"] and x["op"] == "all_reduce" and x["async"]
+               and x["device_ms"] is None and x["peer"] is None for x in fc)
+
+
+@pytest.mark.skipif(not _fast_built(), reason="_fastlog not built")
+def test_funcol_under_torch_compile_is_logged(tmp_path):
+    """A compiled function calling a functional collective still runs, and its op is logged:
+    dynamo cannot trace the C proxy, so it breaks the graph there and runs the op eagerly."""
+    code = r'''
+import os, sys, torch, torch.distributed as dist, trainprof
+import torch.distributed._functional_collectives as fc
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+with trainprof.session("run", profile_steps="none"):
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    f = torch.compile(lambda x: fc.all_reduce(x * 2, "sum", dist.group.WORLD) + 1, backend="eager")
+    assert f(torch.ones(4)).tolist() == [3.0] * 4
+    dist.destroy_process_group()
+'''
+    res = subprocess.run([sys.executable, "-c", code, str(_port())], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = [json.loads(x) for x in (tmp_path / "run/ranks/rank-00000/collectives.jsonl").read_text().splitlines()]
+    assert [(x["api"], x["bytes"]) for x in recs] == [("funcol.all_reduce", 16)]
+    assert recs[0]["end_ns"] >= recs[0]["enqueue_ns"]
