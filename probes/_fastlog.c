@@ -577,15 +577,8 @@ Proxy_get_packet(Proxy *p, void *closure)
     return Py_NewRef(p->packet);
 }
 
-static PyObject *
-Proxy_get_slow(Proxy *p, void *closure)
-{
-    return Py_NewRef(p->slow);
-}
-
 static PyGetSetDef Proxy_getset[] = {
     {"_packet", (getter)Proxy_get_packet, NULL, NULL, NULL},
-    {"_slow", (getter)Proxy_get_slow, NULL, NULL, NULL},
     {NULL},
 };
 
