@@ -16,14 +16,17 @@ a collective), so a rank's samples count the time its Python threads ran. A samp
 probes' when its innermost frame in trainprof's code (not the reference workload) is anything but
 a wrapper's call into the job's own work (`original(...)`, the real functional op, the real
 backward): then the sample is in the probe itself or in what the probe called (a tensor reduction,
-a file write). Background threads (stream flusher, heartbeat, telemetry, watchdog) count in full.
+a file write). The probes' own threads (trainprof-tick: stream flushes, heartbeats, hang-trigger
+polls; trainprof-telemetry on GPU) are all probe: their CPU is read from /proc (below).
 
 Before sampling, `--calib` steps run unsampled: their step time and each rank's CPU per step
 (/proc, all threads and the main thread) are the job's own. Printed per rank: probe samples / all
 samples of the rank (the probes' share of its Python-thread CPU) with a Wilson 95 % interval, the
 same for the main thread, and probe ms per step = main-thread share x main-thread CPU per
-unsampled step. The last line says which ratio is the wall overhead: when the ranks keep the cores
-busy (CPU-bound), probe ms / the ranks' CPU; otherwise the main thread's probe ms / step time.
+unsampled step; "+threads": the CPU of the probes' own threads (named tp-*) per unsampled step.
+The last line says which ratio is the wall overhead: when the ranks keep the cores busy
+(CPU-bound), probe ms (with the probes' threads) / the ranks' CPU; otherwise the main thread's
+probe ms / step time.
 Not counted as probe time: GC passes that a probe's allocations trigger inside the job's frames
 (bench_probes_ab.py prints GC time per step with and without probes), and costs a probe causes
 inside torch (a hook sending nn.Module down its slow path) — the A/B's. The gloo/NCCL C++ threads
@@ -179,20 +182,30 @@ def _records(path):
         return []
 
 
-def _cpu(pid) -> tuple[float, float]:
-    """CPU ms (user + system) of a process so far: all its threads, and its main thread."""
+def _cpu(pid) -> tuple[float, float, float]:
+    """CPU ms (user + system) of a process so far: all its threads, its main thread, and the
+    probes' own threads (named tp-* by runtime.name_native_thread)."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = main = 0.0
+    total = main = probe = 0.0
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
-            fields = open(f"/proc/{pid}/task/{task}/stat").read().rsplit(")", 1)[1].split()
+            stat = open(f"/proc/{pid}/task/{task}/stat").read()
+            try:  # ns on the CPU: the probes' threads run ~1 ms a step, below stat's 10 ms ticks
+                ms = int(open(f"/proc/{pid}/task/{task}/schedstat").read().split()[0]) / 1e6
+            except (OSError, ValueError, IndexError):
+                ms = None
         except OSError:  # a thread that just ended
             continue
-        ms = (int(fields[11]) + int(fields[12])) * 1000 / tick  # utime, stime
+        comm, _, rest = stat.partition(" (")[2].rpartition(")")
+        if ms is None:
+            fields = rest.split()
+            ms = (int(fields[11]) + int(fields[12])) * 1000 / tick  # utime, stime
         total += ms
         if int(task) == pid:
             main = ms
-    return total, main
+        elif comm.startswith("tp-"):
+            probe += ms
+    return total, main, probe
 
 
 def _fastlog_built() -> bool:
@@ -275,9 +288,10 @@ def report(spies, a, job_args, calib, cpu_calib, sampled, cpu_sampled):
     print("share: probe samples / the rank's Python-thread samples. CPU columns: /proc, unsampled "
           "steps. probe ms: main-thread share x main-thread CPU per unsampled step")
     print(f"{'rank':>4s} {'samples':>8s} {'probe':>6s} {'share %':>8s} {'95 % interval':>15s}"
-          f" {'main %':>7s} {'CPU ms/step':>12s} {'main':>6s} {'probe ms':>9s} {'% of step':>10s}")
+          f" {'main %':>7s} {'CPU ms/step':>12s} {'main':>6s} {'probe ms':>9s} {'+threads':>8s}"
+          f" {'% of step':>10s}")
     tot_all = tot_probe = 0
-    probe_ms = []
+    probe_ms, bg_probe_ms = [], []
     funcs = collections.Counter()
     for rank, (out, _) in sorted(spies.items()):
         threads, by_func = parse(out)
@@ -285,26 +299,35 @@ def report(spies, a, job_args, calib, cpu_calib, sampled, cpu_sampled):
         k = sum(v[1] for v in threads.values())
         main = max(threads.values(), key=lambda v: v[0])  # the training thread runs the most
         lo, hi = _interval(k, n)
-        c_all, c_main = cpu_calib[rank]
+        c_all, c_main, c_probe = cpu_calib[rank]
         main_share = main[1] / max(main[0], 1)
+        # the probes' own threads (ticker: flushes, heartbeats, trigger polls; telemetry): their CPU in the
+        # unsampled window, from /proc. Not from their samples: they wake by the wall clock, and
+        # sampling stretches the steps several-fold, so per step they would be sampled that
+        # many times too often
+        bg_ms = c_probe
         probe_ms.append(c_main * main_share)
+        bg_probe_ms.append(bg_ms)
         print(f"{rank:4d} {n:8d} {k:6d} {100 * k / max(n, 1):8.2f} {lo:7.2f}..{hi:5.2f}"
               f" {100 * main_share:7.2f} {c_all:12.1f} {c_main:6.1f} {probe_ms[-1]:9.2f}"
-              f" {100 * probe_ms[-1] / step_ms:10.2f}")
+              f" {bg_ms:8.2f} {100 * probe_ms[-1] / step_ms:10.2f}")
         tot_all, tot_probe = tot_all + n, tot_probe + k
         funcs.update(by_func)
     lo, hi = _interval(tot_probe, tot_all)
     mean_ms = statistics.fmean(probe_ms)
     print(f" all {tot_all:8d} {tot_probe:6d} {100 * tot_probe / max(tot_all, 1):8.2f} "
-          f"{lo:7.2f}..{hi:5.2f} {'':7s} {'':12s} {'':6s} {mean_ms:9.2f} {100 * mean_ms / step_ms:10.2f}")
+          f"{lo:7.2f}..{hi:5.2f} {'':7s} {'':12s} {'':6s} {mean_ms:9.2f}"
+          f" {statistics.fmean(bg_probe_ms):8.2f} {100 * mean_ms / step_ms:10.2f}")
     cpu_total = sum(c[0] for c in cpu_calib.values())
     busy = cpu_total / (os.cpu_count() * step_ms)
+    with_bg = sum(probe_ms) + sum(bg_probe_ms)
     print(f"machine: the ranks' CPU per step {cpu_total:.0f} ms over {os.cpu_count()} cores x "
           f"{step_ms:.0f} ms = {100 * busy:.0f} % busy"
           + (f" -> CPU-bound: wall overhead ~ probe ms / the ranks' CPU = "
-             f"{100 * sum(probe_ms) / cpu_total:.2f} %" if busy > 0.8 else
+             f"{100 * sum(probe_ms) / cpu_total:.2f} % (main threads), "
+             f"{100 * with_bg / cpu_total:.2f} % with the probes' own threads" if busy > 0.8 else
              f" -> not CPU-bound: wall overhead ~ main-thread probe ms / step = "
-             f"{100 * mean_ms / step_ms:.2f} %"))
+             f"{100 * mean_ms / step_ms:.2f} % (the probes' own threads run on spare cores)"))
     print("probe samples by function (all ranks):")
     for f, n in funcs.most_common(15):
         print(f"  {n:6d}  {100 * n / max(tot_all, 1):5.2f} %  {f}")

@@ -27,6 +27,8 @@ static PyObject *g_ops;      /* rid -> Op, until flushed */
 static PyObject *g_inflight; /* rid -> record */
 static PyObject *g_seq;      /* group name -> next sequence number */
 static PyObject *g_funcol;   /* storage pointer of a functional op's output -> [Op] */
+static PyObject *g_works;    /* id(Work) -> (Work, [Op]): c10d ops waiting for their wait() */
+static PyObject *g_coalescing; /* id(ProcessGroup) -> [Op] issued inside _start/_end_coalescing */
 static PyObject *g_groups;   /* group name or id -> (name, ranks, backend) */
 static PyObject *g_dtypes;   /* torch.dtype -> (itemsize, name) */
 static PyObject *g_tensor;   /* torch.Tensor */
@@ -34,12 +36,13 @@ static PyObject *g_compiling;  /* torch.compiler.is_compiling */
 static PyObject *g_compiler_ns; /* vars(torch.compiler): its _is_compiling_flag, read directly */
 static PyObject *g_cuda_event; /* () -> a recorded torch.cuda.Event */
 static long long g_rid;
+static PyObject *g_template; /* a record with every field: end_ns None, blocked_ms 0.0, ... */
 
 static _Thread_local int t_busy; /* inside a recorded call: nested calls are the same wire op */
 
 static PyObject *s_step, *s_pg, *s_seq, *s_op, *s_bytes, *s_dtype, *s_numel, *s_enqueue_ns,
     *s_end_ns, *s_blocked_ms, *s_device_ms, *s_peer, *s_async, *s_api, *s_replay, *s_nan_replay,
-    *s_last_collective, *s_closed, *s_data_ptr, *s_storage_offset, *s_is_cuda, *s_elem, *s_flag;
+    *s_last_collective, *s_data_ptr, *s_storage_offset, *s_is_cuda, *s_elem, *s_flag;
 
 static long long
 now_ns(void)
@@ -152,7 +155,9 @@ issue(PyObject *op, PyObject *name, long long nbytes, long long numel, PyObject 
     step = PyObject_GetAttr(g_clock, s_step);
     if (step == NULL)
         return NULL;
-    rec = PyDict_New();
+    /* a copy of the template has every key in place, in collectives.py's order: one
+     * allocation, and the sets below replace values instead of growing the table */
+    rec = PyDict_Copy(g_template);
     if (rec == NULL)
         goto fail;
     if (PyDict_SetItem(rec, s_step, step) < 0 || PyDict_SetItem(rec, s_pg, name) < 0 ||
@@ -162,9 +167,7 @@ issue(PyObject *op, PyObject *name, long long nbytes, long long numel, PyObject 
         PyDict_SetItem(rec, s_dtype, dtype) < 0 ||
         set_item_steal(rec, s_numel, PyLong_FromLongLong(numel)) < 0 ||
         set_item_steal(rec, s_enqueue_ns, PyLong_FromLongLong(now_ns())) < 0 ||
-        PyDict_SetItem(rec, s_end_ns, Py_None) < 0 ||
-        set_item_steal(rec, s_blocked_ms, PyFloat_FromDouble(0.0)) < 0 ||
-        PyDict_SetItem(rec, s_device_ms, Py_None) < 0 || PyDict_SetItem(rec, s_peer, peer) < 0 ||
+        PyDict_SetItem(rec, s_peer, peer) < 0 ||
         PyDict_SetItem(rec, s_async, is_async ? Py_True : Py_False) < 0 ||
         PyDict_SetItem(rec, s_api, api) < 0)
         goto fail;
@@ -269,19 +272,9 @@ complete(Op *o, long long t_end)
 static int
 active(void)
 {
+    /* CollectiveLog.close() clears g_log (close_log): no attribute read per op */
     if (g_log == NULL || t_busy)
         return 0;
-    PyObject *closed = PyObject_GetAttr(g_log, s_closed);
-    if (closed == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    int c = PyObject_IsTrue(closed);
-    Py_DECREF(closed);
-    if (c != 0) {
-        PyErr_Clear();
-        return 0;
-    }
     /* under torch.compile / export tracing: the op alone. is_compiling() returns this module
      * flag outside TorchScript; reading it saves a Python call per op */
     if (g_compiler_ns != NULL) {
@@ -295,7 +288,7 @@ active(void)
         PyErr_Clear();
         return 0;
     }
-    c = comp == Py_True;
+    int c = comp == Py_True;
     Py_DECREF(comp);
     return !c;
 }
@@ -597,6 +590,270 @@ static PyTypeObject ProxyType = {
     .tp_getset = Proxy_getset,
 };
 
+/* ------------------------------------------------------------------ c10d: ProcessGroup methods, Work.wait */
+
+/* Stands in for a method of the pybind classes ProcessGroup (allreduce, _allgather_base, send,
+ * ...) or Work (wait). A method descriptor: `pg.allreduce(...)` calls it with the instance first
+ * and no bound method is made. The common case (a plain CPU tensor or [tensor], a known group
+ * and call site, positional arguments) is handled here; every other goes to the Python wrapper
+ * (slow), which is the reference implementation and fills the group and site caches. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *original; /* the pybind method */
+    PyObject *slow;     /* the Python wrapper (None for Work.wait: it has no uncommon case) */
+    PyObject *op;       /* canonical op name */
+    PyObject *sites;    /* caller's code -> (api, the code if it waits on its Work itself) */
+    PyObject *dict;     /* __name__, __doc__, _trainprof_original */
+    int size_arg;       /* index (after self) of the argument whose size is the op's; -1: none */
+    int p2p;            /* 1: peer = the group's rank args[1]; 2: any source (no peer) */
+    int is_wait;        /* Work.wait */
+} Method;
+
+static void
+Method_dealloc(Method *m)
+{
+    Py_XDECREF(m->original);
+    Py_XDECREF(m->slow);
+    Py_XDECREF(m->op);
+    Py_XDECREF(m->sites);
+    Py_XDECREF(m->dict);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static int
+Method_init(Method *m, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"original", "slow", "op", "sites", "size_arg", "p2p", "is_wait", NULL};
+    PyObject *original, *slow, *op, *sites;
+    int size_arg, p2p, is_wait;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO!iip", kw, &original, &slow, &op,
+                                     &PyDict_Type, &sites, &size_arg, &p2p, &is_wait))
+        return -1;
+    Py_XSETREF(m->original, Py_NewRef(original));
+    Py_XSETREF(m->slow, Py_NewRef(slow));
+    Py_XSETREF(m->op, Py_NewRef(op));
+    Py_XSETREF(m->sites, Py_NewRef(sites));
+    m->size_arg = size_arg;
+    m->p2p = p2p;
+    m->is_wait = is_wait;
+    return 0;
+}
+
+/* The code object of the Python function that called the method (sys._getframe(1) of a
+ * Python wrapper: this C call makes no frame). New reference or NULL (no error set). */
+static PyObject *
+caller_code(void)
+{
+    PyFrameObject *f = PyEval_GetFrame(); /* borrowed */
+    return f != NULL ? (PyObject *)PyFrame_GetCode(f) : NULL;
+}
+
+/* Work.wait: time the wait, then close the ops that the Work carries (CollectiveLog.waited). */
+static PyObject *
+work_wait(Method *m, PyObject *args, PyObject *kwargs)
+{
+    if (g_log == NULL || PyTuple_GET_SIZE(args) < 1 || PyDict_GET_SIZE(g_works) == 0)
+        return call_job(m->original, args, kwargs, 0);
+    PyObject *work = PyTuple_GET_ITEM(args, 0);
+    PyObject *key = PyLong_FromVoidPtr(work); /* id(work) */
+    PyObject *entry = key ? PyDict_GetItemWithError(g_works, key) : NULL;
+    if (entry == NULL) {
+        PyErr_Clear();
+        Py_XDECREF(key);
+        return call_job(m->original, args, kwargs, 0);
+    }
+    /* c10d functions called with async_op=False wait on their Work themselves: the waiter
+     * being the op's issuing function means the caller was blocked for all of it */
+    PyObject *waiter = caller_code();
+    long long t0 = now_ns();
+    PyObject *out = call_job(m->original, args, kwargs, 0);
+    long long t1 = now_ns();
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    entry = PyDict_GetItemWithError(g_works, key); /* the wait ran Python: look again */
+    if (entry != NULL) {
+        Py_INCREF(entry);
+        PyDict_DelItem(g_works, key);
+        if (PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 2 &&
+            PyTuple_GET_ITEM(entry, 0) == work && PyList_Check(PyTuple_GET_ITEM(entry, 1))) {
+            PyObject *ops = PyTuple_GET_ITEM(entry, 1);
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ops); i++) {
+                PyObject *x = PyList_GET_ITEM(ops, i);
+                if (Py_TYPE(x) != &OpType)
+                    continue;
+                Op *o = (Op *)x;
+                if (o->code != NULL && o->code == waiter) {
+                    o->sync = 1;
+                    if (PyDict_SetItem(o->rec, s_async, Py_False) < 0)
+                        PyErr_Clear();
+                }
+                o->t_wait += t1 - t0;
+                if (complete(o, t1) < 0)
+                    PyErr_Clear();
+            }
+        }
+        Py_DECREF(entry);
+    }
+    PyErr_Clear();
+    PyErr_Restore(et, ev, tb);
+    Py_XDECREF(waiter);
+    Py_DECREF(key);
+    return out;
+}
+
+/* After the op was issued: hand the Op to its Work (CollectiveLog.attach_work), or to the
+ * coalescing batch its group is in. Errors are the probe's: cleared. */
+static void
+attach_work(Op *o, PyObject *pg_key, PyObject *work)
+{
+    if (PyDict_GET_SIZE(g_coalescing) > 0) {
+        PyObject *co = PyDict_GetItemWithError(g_coalescing, pg_key);
+        if (co != NULL && PyList_Check(co)) { /* the batch's Work comes from _end_coalescing */
+            PyList_Append(co, (PyObject *)o);
+            PyErr_Clear();
+            return;
+        }
+    }
+    if (work == Py_None) { /* the backend completed the op inside the call */
+        if (o->code != NULL) {
+            o->sync = 1;
+            PyDict_SetItem(o->rec, s_async, Py_False);
+        }
+        complete(o, now_ns());
+        PyErr_Clear();
+        return;
+    }
+    PyObject *key = PyLong_FromVoidPtr(work);
+    PyObject *entry = key ? PyDict_GetItemWithError(g_works, key) : NULL;
+    if (entry != NULL && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 2 &&
+        PyTuple_GET_ITEM(entry, 0) == work && PyList_Check(PyTuple_GET_ITEM(entry, 1))) {
+        PyList_Append(PyTuple_GET_ITEM(entry, 1), (PyObject *)o);
+    }
+    else if (key != NULL && !PyErr_Occurred()) {
+        PyObject *ops = PyList_New(1);
+        if (ops != NULL) {
+            PyList_SET_ITEM(ops, 0, Py_NewRef((PyObject *)o));
+            PyObject *t = PyTuple_Pack(2, work, ops);
+            if (t != NULL) {
+                PyDict_SetItem(g_works, key, t);
+                Py_DECREF(t);
+            }
+            Py_DECREF(ops);
+        }
+    }
+    Py_XSETREF(o->work, Py_NewRef(work));
+    Py_XDECREF(key);
+    PyErr_Clear();
+}
+
+/* A ProcessGroup method: the record, the op with the busy flag set, the Work's book-keeping. */
+static PyObject *
+pg_call(Method *m, PyObject *args, PyObject *kwargs)
+{
+    if (g_log == NULL || t_busy)
+        return call_job(m->original, args, kwargs, 0);
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if ((kwargs != NULL && PyDict_GET_SIZE(kwargs)) || m->size_arg < 0 || n <= 1 + m->size_arg)
+        return PyObject_Call(m->slow, args, kwargs);
+    PyObject *pg_key = PyLong_FromVoidPtr(PyTuple_GET_ITEM(args, 0)); /* id(pg) */
+    PyObject *info = pg_key ? PyDict_GetItemWithError(g_groups, pg_key) : NULL;
+    PyObject *code = info != NULL ? caller_code() : NULL;
+    PyObject *site = code != NULL ? PyDict_GetItemWithError(m->sites, code) : NULL;
+    Py_XDECREF(code);
+    PyObject *x = PyTuple_GET_ITEM(args, 1 + m->size_arg);
+    if (PyList_CheckExact(x) && PyList_GET_SIZE(x) == 1) /* c10d passes [tensor] */
+        x = PyList_GET_ITEM(x, 0);
+    if (site == NULL || !PyTuple_Check(info) || PyTuple_GET_SIZE(info) < 2 ||
+        !PyTuple_Check(site) || PyTuple_GET_SIZE(site) != 2 ||
+        (PyObject *)Py_TYPE(x) != g_tensor) {
+        PyErr_Clear();
+        Py_XDECREF(pg_key);
+        return PyObject_Call(m->slow, args, kwargs); /* it resolves and caches group and site */
+    }
+    PyObject *dt = PyObject_GetAttr(x, s_dtype);
+    PyObject *d = dt ? PyDict_GetItemWithError(g_dtypes, dt) : NULL;
+    Py_XDECREF(dt);
+    PyObject *cuda = d ? PyObject_GetAttr(x, s_is_cuda) : NULL;
+    int on_cuda = cuda == NULL || cuda != Py_False;
+    Py_XDECREF(cuda);
+    long long numel = -1;
+    if (d != NULL && !on_cuda) {
+        PyObject *nobj = PyObject_CallMethodNoArgs(x, s_numel);
+        if (nobj != NULL) {
+            numel = PyLong_AsLongLong(nobj);
+            Py_DECREF(nobj);
+        }
+    }
+    PyObject *peer = Py_NewRef(Py_None);
+    PyObject *ranks = PyTuple_GET_ITEM(info, 1);
+    if (m->p2p == 1 && n > 2 && numel >= 0) { /* args[1]: the peer's rank in the group */
+        long r = PyLong_AsLong(PyTuple_GET_ITEM(args, 2));
+        Py_SETREF(peer, NULL);
+        if (r == -1 && PyErr_Occurred())
+            numel = -1;
+        else if (PyList_Check(ranks) && PyList_GET_SIZE(ranks) > 0) /* its global rank */
+            peer = (r >= 0 && r < PyList_GET_SIZE(ranks)) ? Py_NewRef(PyList_GET_ITEM(ranks, r)) : NULL;
+        else
+            peer = PyLong_FromLong(r);
+    }
+    if (numel < 0 || peer == NULL || PyErr_Occurred()) { /* a first dtype, CUDA events, ... */
+        PyErr_Clear();
+        Py_XDECREF(peer);
+        Py_DECREF(pg_key);
+        return PyObject_Call(m->slow, args, kwargs);
+    }
+    long long size = PyLong_AsLongLong(PyTuple_GET_ITEM(d, 0));
+    PyObject *waits = PyTuple_GET_ITEM(site, 1);
+    Op *o = issue(m->op, PyTuple_GET_ITEM(info, 0), numel * size, numel, PyTuple_GET_ITEM(d, 1),
+                  peer, 1, PyTuple_GET_ITEM(site, 0), 0, 0, waits == Py_None ? NULL : waits);
+    Py_DECREF(peer);
+    if (o == NULL) {
+        PyErr_Clear(); /* the probe failed: the op still runs, unrecorded */
+        Py_DECREF(pg_key);
+        return call_job(m->original, args, kwargs, 0);
+    }
+    PyObject *work = call_job(m->original, args, kwargs, 1);
+    if (work != NULL)
+        attach_work(o, pg_key, work); /* an op that raised stays in flight until the flush */
+    Py_DECREF((PyObject *)o);
+    Py_DECREF(pg_key);
+    return work;
+}
+
+static PyObject *
+Method_call(Method *m, PyObject *args, PyObject *kwargs)
+{
+    return m->is_wait ? work_wait(m, args, kwargs) : pg_call(m, args, kwargs);
+}
+
+static PyObject *
+Method_get(PyObject *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None)
+        return Py_NewRef(self); /* looked up on the class: the method itself */
+    return PyMethod_New(self, obj);
+}
+
+static PyMemberDef Method_members[] = {
+    {"_trainprof_original", T_OBJECT, offsetof(Method, original), READONLY, NULL},
+    {NULL},
+};
+
+static PyTypeObject MethodType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "trainprof.probes._fastlog.Method",
+    .tp_doc = "Stands in for a ProcessGroup method or Work.wait (see collectives.py).",
+    .tp_basicsize = sizeof(Method),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Method_init,
+    .tp_dealloc = (destructor)Method_dealloc,
+    .tp_call = (ternaryfunc)Method_call,
+    .tp_descr_get = Method_get,
+    .tp_dictoffset = offsetof(Method, dict),
+    .tp_members = Method_members,
+};
+
 /* ------------------------------------------------------------------ module functions */
 
 static PyObject *
@@ -616,10 +873,14 @@ m_configure(PyObject *self, PyObject *args)
     PyObject *seq = PyObject_GetAttrString(log, "_seq");
     PyObject *funcol = PyObject_GetAttrString(log, "_funcol");
     PyObject *groups = PyObject_GetAttrString(log, "_groups");
-    if (!clock || !state || !ops || !inflight || !seq || !funcol || !groups ||
-        !PyDict_Check(state) || !PyDict_Check(ops) || !PyDict_Check(inflight) ||
+    PyObject *works = PyObject_GetAttrString(log, "_works");
+    PyObject *coalescing = PyObject_GetAttrString(log, "_coalescing");
+    if (!clock || !state || !ops || !inflight || !seq || !funcol || !groups || !works ||
+        !coalescing || !PyDict_Check(state) || !PyDict_Check(ops) || !PyDict_Check(inflight) ||
         !PyDict_Check(seq) || !PyDict_Check(funcol) || !PyDict_Check(groups) ||
-        !PyDict_Check(dtypes)) {
+        !PyDict_Check(works) || !PyDict_Check(coalescing) || !PyDict_Check(dtypes)) {
+        Py_XDECREF(works);
+        Py_XDECREF(coalescing);
         Py_XDECREF(clock);
         Py_XDECREF(state);
         Py_XDECREF(ops);
@@ -638,6 +899,8 @@ m_configure(PyObject *self, PyObject *args)
     Py_XSETREF(g_seq, seq);
     Py_XSETREF(g_funcol, funcol);
     Py_XSETREF(g_groups, groups);
+    Py_XSETREF(g_works, works);
+    Py_XSETREF(g_coalescing, coalescing);
     Py_XSETREF(g_dtypes, Py_NewRef(dtypes));
     Py_XSETREF(g_tensor, Py_NewRef(tensor));
     Py_XSETREF(g_compiling, Py_NewRef(compiling));
@@ -680,12 +943,20 @@ m_complete(PyObject *self, PyObject *args)
     long long t;
     if (!PyArg_ParseTuple(args, "O!L", &OpType, &o, &t))
         return NULL;
-    if (g_log == NULL) {
+    if (g_inflight == NULL) { /* also after close: the flush completes what is left */
         PyErr_SetString(PyExc_RuntimeError, "_fastlog is not configured");
         return NULL;
     }
     if (complete((Op *)o, t) < 0)
         return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+m_close(PyObject *self, PyObject *log)
+{
+    if (g_log == log) /* a later session's log stays on */
+        Py_CLEAR(g_log);
     Py_RETURN_NONE;
 }
 
@@ -709,6 +980,7 @@ static PyMethodDef methods[] = {
     {"issue", (PyCFunction)(void (*)(void))m_issue, METH_VARARGS | METH_KEYWORDS,
      "CollectiveLog.issue: a new in-flight Op."},
     {"complete", m_complete, METH_VARARGS, "CollectiveLog.complete(op, t_end_ns)."},
+    {"close", m_close, METH_O, "close(log): stop logging into this CollectiveLog."},
     {"busy", m_busy, METH_NOARGS, "Inside a recorded call on this thread?"},
     {"set_busy", m_set_busy, METH_O, "Mark this thread inside (True) or outside a recorded call."},
     {NULL},
@@ -741,20 +1013,32 @@ PyInit__fastlog(void)
     INTERN(s_replay, "replay");
     INTERN(s_nan_replay, "nan_replay");
     INTERN(s_last_collective, "last_collective");
-    INTERN(s_closed, "closed");
     INTERN(s_data_ptr, "data_ptr");
     INTERN(s_storage_offset, "storage_offset");
     INTERN(s_is_cuda, "is_cuda");
     INTERN(s_elem, "elem");
     INTERN(s_flag, "_is_compiling_flag");
 #undef INTERN
-    if (PyType_Ready(&OpType) < 0 || PyType_Ready(&ProxyType) < 0)
+    /* collectives.py's CollectiveLog.issue writes the fields in this order */
+    PyObject *zero = PyFloat_FromDouble(0.0);
+    g_template = PyDict_New();
+    if (zero == NULL || g_template == NULL)
+        return NULL;
+    PyObject *keys[] = {s_step, s_pg, s_seq, s_op, s_bytes, s_dtype, s_numel, s_enqueue_ns,
+                        s_end_ns, s_blocked_ms, s_device_ms, s_peer, s_async, s_api};
+    for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++)
+        if (PyDict_SetItem(g_template, keys[i], keys[i] == s_blocked_ms ? zero : Py_None) < 0)
+            return NULL;
+    Py_DECREF(zero);
+    if (PyType_Ready(&OpType) < 0 || PyType_Ready(&ProxyType) < 0 ||
+        PyType_Ready(&MethodType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "Op", (PyObject *)&OpType) < 0 ||
-        PyModule_AddObjectRef(m, "Proxy", (PyObject *)&ProxyType) < 0) {
+        PyModule_AddObjectRef(m, "Proxy", (PyObject *)&ProxyType) < 0 ||
+        PyModule_AddObjectRef(m, "Method", (PyObject *)&MethodType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -143,6 +143,7 @@ class ClockProbe:
         self._run("end", budget, budget)
 
     def _run(self, phase, timeout_s, deadline_s) -> None:
+        runtime.name_native_thread()  # on the trainprof-clock thread only
         # keys of an earlier attempt of an elastic job live on in the agent's store
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         key_phase = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{attempt}-{phase}"

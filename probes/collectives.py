@@ -14,7 +14,7 @@ it compares by identity (pipelining tests `p.op is dist.isend`):
 * ``Work.wait`` and ``_c10d_functional.wait_tensor``: where the calling thread blocks.
 
 Finished records are handed to the stream at each step boundary and at close, and serialized and
-written by the session's flusher thread, not the job's; issued but
+written by the session's ticker thread, not the job's; issued but
 unfinished ops live in ``session.state["inflight_collectives"]`` so the heartbeat/watchdog see
 them even if the process hangs before the next flush. Record fields: docs/collectives.md.
 """
@@ -186,7 +186,7 @@ class CollectiveLog:
         self.state, self.clock = session.state, session.clock  # read per op
         self.pid = os.getpid()
         self.closed = False
-        self.writer = session.stream("collectives")  # deferred: written by the flusher thread
+        self.writer = session.stream("collectives")  # deferred: written by the ticker thread
         self.groups_writer = session.stream("groups")
         self._lock = threading.Lock()
         self._rid = itertools.count()
@@ -341,7 +341,7 @@ class CollectiveLog:
                                 if any(o.rid in self._ops for o in v)}
         if len(self._groups) != self._groups_checked:
             self._write_groups()
-        if lines:  # serialized by the flusher thread, not the job's
+        if lines:  # serialized by the ticker thread, not the job's
             self.writer.write_records(lines)
 
     def _write_groups(self):
@@ -363,6 +363,8 @@ class CollectiveLog:
             self.flush(final=True)
         finally:
             self.closed = True
+            if _C_ON:
+                _fast.close(self)  # the C paths test this, not .closed
             self.writer.flush()
 
 
@@ -468,15 +470,26 @@ def _wrap_pg_method(cls, method, op, size_arg):
     wrapper.__qualname__ = f"{cls.__name__}.{method}"
     wrapper.__doc__ = original.__doc__
     wrapper._trainprof_original = original
+    if _C_ON:  # the C method takes the common case and hands every other to this wrapper
+        # gather/scatter size the whole buffer and barrier has none: always the wrapper's
+        size = size_arg if size_arg is not None and op not in ("gather", "scatter") else -1
+        p2p = (2 if method == "recv_anysource" else 1) if op in P2P else 0
+        fast = _fast.Method(original, wrapper, op, _SITES.setdefault(method, {}), size, p2p, False)
+        fast.__name__, fast.__qualname__, fast.__doc__ = method, wrapper.__qualname__, original.__doc__
+        wrapper = fast
     setattr(cls, method, wrapper)
 
 
-_SITES: dict = {}  # (caller's code object, method) -> (api, code if it waits itself when sync)
+# ProcessGroup method -> {caller's code object: (api, the code if it waits itself when sync)}
+_SITES: dict[str, dict] = {}
 
 
 def _site(caller, method) -> tuple:
     code = caller.f_code
-    site = _SITES.get((code, method))
+    sites = _SITES.get(method)
+    if sites is None:
+        sites = _SITES[method] = {}
+    site = sites.get(code)
     if site is None:
         c10d = caller.f_globals.get("__name__") == C10D_MODULE
         fname = code.co_name
@@ -484,7 +497,7 @@ def _site(caller, method) -> tuple:
         # a raw ProcessGroup call hands its Work to the caller (async); c10d isend/irecv (and
         # send/recv, which call them) are async at this level; other c10d functions wait on the
         # Work themselves when async_op=False, which CollectiveLog.waited recognizes
-        site = _SITES[(code, method)] = (api, code if c10d and fname not in ("isend", "irecv") else None)
+        site = sites[code] = (api, code if c10d and fname not in ("isend", "irecv") else None)
     return site
 
 
@@ -557,6 +570,9 @@ def _patch_work(cls):
 
     wait.__doc__ = original.__doc__
     wait._trainprof_original = original
+    if _C_ON:  # the same in C: no Python frame per wait
+        wait = _fast.Method(original, None, "wait", {}, -1, 0, True)
+        wait.__name__, wait.__qualname__, wait.__doc__ = "wait", f"{cls.__name__}.wait", original.__doc__
     cls.wait = wait
 
 

@@ -73,7 +73,7 @@ def _patch():
 
     def __next__(self):
         probe = _PROBE
-        if probe is None or probe.closed or probe.pid != os.getpid():
+        if probe is None or probe.closed:  # a forked child has none (_forget_in_child)
             return original(self)
         t0 = time.time_ns()
         ok = False
@@ -93,8 +93,17 @@ def _patch():
     _patched = True
 
 
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker iterating a loader of its own) must not record
+    into its parent's session: cleared once at fork instead of an os.getpid() per batch."""
+    global _PROBE
+    _PROBE = None
+
+
 def attach(session) -> None:
     global _PROBE
+    if not _patched:
+        os.register_at_fork(after_in_child=_forget_in_child)
     _patch()
     _PROBE = DataWait(session)
     session.on_step(_PROBE.on_step)

@@ -2,9 +2,9 @@
 last collectives and PyTorch's flight-recorder trace into its rank directory.
 
 The request is a file, not a signal: a Python signal handler runs only when the main thread
-executes bytecode, and a rank stuck in a C collective call never does. A daemon thread stats
-RUN/hang-trigger.json every TRAINPROF_HANG_POLL_S (default 0.5 s; one stat, no read unless it
-changed). The launcher writes the trigger (`trainprof wrap --hang-timeout`), and so does
+executes bytecode, and a rank stuck in a C collective call never does. The session's ticker
+thread (probes/ticker.py) stats RUN/hang-trigger.json every TRAINPROF_HANG_POLL_S (default 1 s;
+one stat, no read unless it changed). The launcher writes the trigger (`trainprof wrap --hang-timeout`), and so does
 `trainprof hang --dump RUN` for a live job.
 
 Output (ranks/rank-N/):
@@ -140,22 +140,20 @@ class Watchdog:
         self.session = session
         self.trigger_path = Path(session.run_dir) / TRIGGER
         try:
-            self.poll = max(0.05, float(os.environ.get(ENV_POLL, "0.5")))
+            self.poll = max(0.05, float(os.environ.get(ENV_POLL, "1")))
         except ValueError:
-            self.poll = 0.5
+            self.poll = 1.0
         self._seen = self._stat()
         t = read_trigger(self.trigger_path) if self._seen else None
         self.handled = t.get("id") if t else None  # a trigger older than this rank is stale
         self.dumps = 0
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="trainprof-hang-watchdog",
-                                       daemon=True)
+        self._stopped = False
 
     def start(self) -> None:
-        self.thread.start()
+        self.session.ticker.every(self.poll, self.check)  # the probes' periodic thread
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopped = True
 
     def _stat(self):
         try:
@@ -164,20 +162,22 @@ class Watchdog:
         except OSError:
             return None
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll):
-            try:
-                st = self._stat()
-                if st is None or st == self._seen:
-                    continue
-                self._seen = st
-                t = read_trigger(self.trigger_path)
-                if t is None or t.get("id") == self.handled:
-                    continue
-                self.handled = t.get("id")
-                self.dump(t)
-            except Exception as e:  # noqa: BLE001
-                runtime.warn(f"hang dump failed: {type(e).__name__}: {e}")
+    def check(self) -> None:
+        """One poll: a new trigger (one stat; read only when it changed) gets a dump."""
+        if self._stopped:
+            return
+        try:
+            st = self._stat()
+            if st is None or st == self._seen:
+                return
+            self._seen = st
+            t = read_trigger(self.trigger_path)
+            if t is None or t.get("id") == self.handled:
+                return
+            self.handled = t.get("id")
+            self.dump(t)
+        except Exception as e:  # noqa: BLE001
+            runtime.warn(f"hang dump failed: {type(e).__name__}: {e}")
 
     def dump(self, trigger: dict | None = None) -> Path:
         from trainprof.probes.heartbeat import compact, inflight_records

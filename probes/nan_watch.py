@@ -1022,7 +1022,7 @@ class NanWatch:
             self._off -= 1
 
     def _write(self, rec):
-        # detections go out at once (the job may die of them); step records ride the flusher
+        # detections go out at once (the job may die of them); step records ride the ticker
         kind = rec.get("kind")  # step records hold finite numbers or None: no conversion pass
         self.out.write(rec if kind == "step" else _jsonable(rec), urgent=kind not in ("step", "root"))
 

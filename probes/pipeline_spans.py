@@ -32,6 +32,9 @@ MAX_PENDING_STEPS = 8  # steps whose CUDA events are not complete yet, at most
 CLOSE_WAIT_S = 5.0     # at close, how long to wait for the GPU to pass the last events
 
 _REC: "SpanRecorder | None" = None
+_ON_CUDA: dict[int, bool] = {}  # id(stage.device) -> a CUDA device?
+_DEVICES: list = []  # the devices _ON_CUDA names, kept alive
+_fork_hooked = False
 _patched: set = set()  # modules patched
 
 
@@ -81,8 +84,8 @@ class SpanRecorder:
             buf, self._buf = self._buf, []
         host = [x for x in buf if x[7] is None]
         timed = [x for x in buf if x[7] is not None]
-        for x in host:
-            self._write(x)
+        if host:  # serialized by the session's ticker thread, not the job's
+            self.writer.write_records([self._record(x) for x in host])
         if timed:
             self._pending.append(timed)
         self._resolve(wait)
@@ -105,19 +108,21 @@ class SpanRecorder:
                 return
             self._pending.pop(0)
             if not done:  # the GPU is far behind, or the run ends without it
-                for x in spans:
-                    self._write(x)
+                self.writer.write_records([self._record(x) for x in spans])
                 continue
             anchor = min(spans, key=lambda x: x[4])[7][0]  # the step's first span on this rank
+            recs = []
             for x in spans:
                 ev_start, ev_end = x[7]
                 try:
                     dev = (anchor.elapsed_time(ev_start), ev_start.elapsed_time(ev_end))
                 except Exception:  # noqa: BLE001 - e.g. an event never recorded
                     dev = None
-                self._write(x, dev)
+                recs.append(self._record(x, dev))
+            self.writer.write_records(recs)
 
-    def _write(self, x, dev=None):
+    @staticmethod
+    def _record(x, dev=None) -> dict:
         step, idx, chunk, kind, t0, t1, full, _ = x
         rec = {"step": step, "stage": idx, "microbatch": chunk, "kind": kind,
                "start_ns": t0, "end_ns": t1}
@@ -125,7 +130,7 @@ class SpanRecorder:
             rec["full"] = False
         if dev is not None:
             rec["device_start_ms"], rec["device_ms"] = dev
-        self.writer.write(rec)
+        return rec
 
     def close(self):
         if not self.closed:
@@ -135,9 +140,14 @@ class SpanRecorder:
 
 def _active():
     rec = _REC
-    if rec is None or rec.closed or rec.pid != os.getpid():
+    if rec is None or rec.closed:  # a forked child has none (_forget_in_child)
         return None
     return rec
+
+
+def _forget_in_child() -> None:
+    global _REC
+    _REC = None
 
 
 def _chunk_id(args, kwargs, name):
@@ -151,7 +161,11 @@ def _start_events(stage):
     on the stage's current stream; None on CPU. The host span of a GPU stage only covers the
     kernel launches: the device runs them later, so the bubble needs device times."""
     device = getattr(stage, "device", None)
-    if getattr(device, "type", None) != "cuda":
+    on_cuda = _ON_CUDA.get(id(device))
+    if on_cuda is None:  # torch.device.type builds a new str per read: once per device object
+        on_cuda = _ON_CUDA[id(device)] = getattr(device, "type", None) == "cuda"
+        _DEVICES.append(device)  # alive, so its id is not reused
+    if not on_cuda:
         return None
     try:
         import torch
@@ -292,8 +306,11 @@ def _install_patches():
 
 
 def attach(session) -> None:
-    global _REC
+    global _REC, _fork_hooked
     rec = SpanRecorder(session)
+    if not _fork_hooked:
+        os.register_at_fork(after_in_child=_forget_in_child)
+        _fork_hooked = True
     _install_patches()
     _REC = rec
     session.on_step(rec.flush)

@@ -72,3 +72,27 @@ def warn(msg: str) -> None:
         sys.stderr.write(f"trainprof: {msg}\n")
     except Exception:  # noqa: BLE001
         pass
+
+
+_prctl = None
+
+
+def name_native_thread() -> None:
+    """Give the calling probe thread its OS name ("trainprof-tick" -> "tp-tick", 15
+    characters at most): `top -H`, py-spy and /proc/PID/task/*/comm then tell the probes' own
+    threads apart from the job's (benchmarks/bench_probe_samples.py sums their CPU by it)."""
+    global _prctl
+    try:
+        if not sys.platform.startswith("linux"):
+            return
+        if _prctl is None:
+            import ctypes
+
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        name = threading.current_thread().name
+        if not name.startswith("trainprof-"):  # never rename the job's own threads
+            return
+        name = "tp-" + name[len("trainprof-"):]
+        _prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except Exception:  # noqa: BLE001 - a name is a convenience
+        pass

@@ -18,6 +18,7 @@ from pathlib import Path
 from trainprof.probes import runtime
 from trainprof.probes.rankinfo import identity, mesh_info
 from trainprof.probes.steps import StepClock
+from trainprof.probes.ticker import Ticker
 from trainprof.rundir import (META, STEPS, JsonlWriter, profiler_trace_path, rank_dir,
                               write_json_atomic)
 
@@ -54,11 +55,11 @@ class ProbeSession:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._writers: dict[str, JsonlWriter] = {}
         try:
-            self.flush_interval = max(0.01, float(os.environ.get(ENV_FLUSH_S, "0.5")))
+            self.flush_interval = max(0.01, float(os.environ.get(ENV_FLUSH_S, "1")))
         except ValueError:
-            self.flush_interval = 0.5
-        self._flush_stop = threading.Event()
-        self._flusher = threading.Thread(target=self._flush_loop, name="trainprof-flush", daemon=True)
+            self.flush_interval = 1.0
+        # the probes' periodic work (this flush, heartbeats, hang-trigger polls): one thread
+        self.ticker = Ticker()
         self._step_listeners: list = []
         self._close_listeners: list = []
         self._meta_lock = threading.Lock()
@@ -84,13 +85,14 @@ class ProbeSession:
         for name in ATTACHED_PROBES:
             if name.rsplit(".", 1)[-1] not in off:
                 self._attach(name)
-        self._flusher.start()
+        self.ticker.every(self.flush_interval, self.flush_streams)
+        self.ticker.start()
         atexit.register(self._atexit)
 
     # -- plumbing other probes use
     def stream(self, name: str) -> JsonlWriter:
         """A deferred JSONL stream of this rank: records are queued on the job's thread and
-        written by the flusher thread (one write per stream per interval, off the hot path);
+        written by the ticker thread (one write per stream per interval, off the hot path);
         records that must survive a SIGKILL at once are written with ``urgent=True``."""
         if name not in self._writers:
             self._writers[name] = JsonlWriter(self.dir / f"{name}.jsonl", deferred=True)
@@ -99,10 +101,6 @@ class ProbeSession:
     def flush_streams(self) -> None:
         for w in list(self._writers.values()):
             w.flush()
-
-    def _flush_loop(self) -> None:
-        while not self._flush_stop.wait(self.flush_interval):
-            self.flush_streams()
 
     def on_step(self, fn) -> None:
         self._step_listeners.append(fn)
@@ -250,7 +248,7 @@ class ProbeSession:
         self.meta["ended_ns"] = time.time_ns()
         self.meta["steps_recorded"] = self.clock.step
         self.write_meta()
-        self._flush_stop.set()
+        self.ticker.stop()
         for w in list(self._writers.values()):
             w.close()
 

@@ -16,6 +16,8 @@ import os
 import threading
 import time
 
+from trainprof.probes import runtime
+
 
 # NVML clock-event (throttle) reason bits -> short names (nvml.h, nvmlClocksEventReason*).
 THROTTLE_REASONS = {
@@ -102,6 +104,7 @@ class TelemetrySampler:
         self._thread.start()
 
     def _run(self) -> None:
+        runtime.name_native_thread()
         while not self._stop.is_set():
             try:
                 self.writer.write(self.sample())

@@ -108,7 +108,10 @@ PATHS = [pytest.param("c", marks=pytest.mark.skipif(not _fast_built(), reason="_
 def collective_run(request, reference_run, tmp_path_factory):
     """The job above under `trainprof wrap`, run once per test session and per path of the
     collective log (C, pure Python) (shared by the collectives and clock tests)."""
-    path = request.param
+    return _collective_job(reference_run, tmp_path_factory, request.param)
+
+
+def _collective_job(reference_run, tmp_path_factory, path):
     d = tmp_path_factory.mktemp("collective-job")
     (d / "trainprof_collective_job.py").write_text(JOB)
     old = os.environ.get("PYTHONPATH")
@@ -226,6 +229,22 @@ def test_record_fields(collective_run):
     assert labels == {None, "pp", "tp"}
 
 
+@pytest.mark.multiproc
+@pytest.mark.skipif(not _fast_built(), reason="_fastlog not built")
+def test_c_and_python_paths_log_the_same_records(reference_run, tmp_path_factory):
+    """The C paths (functional proxies, ProcessGroup methods, Work.wait) write what the Python
+    reference writes: the same records, in the same order, with the same fields and values
+    but the times (the same job, run once on each path)."""
+    runs = {p: _load(_collective_job(reference_run, tmp_path_factory, p))[1] for p in ("c", "python")}
+    timed = ("enqueue_ns", "end_ns", "blocked_ms")
+    for r in range(NPROC):
+        got = [{k: v for k, v in x.items() if k not in timed} for x in runs["c"][r]]
+        want = [{k: v for k, v in x.items() if k not in timed} for x in runs["python"][r]]
+        assert len(got) == len(want) > 0, r
+        assert got == want, next((g, w) for g, w in zip(got, want) if g != w)
+        assert {k for x in runs["c"][r] for k in x} == {k for x in runs["python"][r] for k in x}
+
+
 def test_mesh_dim_mapping():
     from trainprof.probes.collectives import mesh_dim
 
@@ -276,6 +295,10 @@ with trainprof.session("run", profile_steps="none"):
     assert type(torch.ops._c10d_functional.all_reduce).__name__ == want
     assert type(torch.ops._c10d_functional.wait_tensor).__name__ == ("Proxy" if want == "Proxy" else "_Wait")
     assert torch.ops._c10d_functional.all_reduce.default is not None  # attributes: torch's packet
+    from torch._C._distributed_c10d import ProcessGroup, Work
+    for m in (ProcessGroup.allreduce, ProcessGroup.send, Work.wait):  # the c10d wrappers
+        assert type(m).__name__ == ("Method" if want == "Proxy" else "function"), m
+        assert m._trainprof_original is not None and m.__name__ in ("allreduce", "send", "wait")
     a = fc.all_reduce(torch.ones(4), "sum", dist.group.WORLD)
     assert type(a).__name__ == "AsyncCollectiveTensor"
     assert C._storage_key(a) == C._storage_key(a.elem) == C._storage_key(a.elem.view(2, 2))

@@ -16,6 +16,7 @@ import pytest
 from helpers import run_cli, wait_for, write_script
 from trainprof.analyzers import hang as hang_analyzer
 from trainprof.launcher import HANG_EXIT_CODE
+from trainprof.probes.ticker import Ticker
 from trainprof.rundir import RunDir, write_json_atomic
 
 HAVE_REFERENCE = importlib.util.find_spec("trainprof.reference.__main__") is not None
@@ -38,6 +39,8 @@ class _Session:
         self.clock = _Clock()
         self.state: dict = {}
         self.closers = []
+        self.ticker = Ticker()  # the probes' periodic thread, as in ProbeSession
+        self.ticker.start()
 
     def on_close(self, fn):
         self.closers.append(fn)
@@ -45,6 +48,7 @@ class _Session:
     def close(self):
         for fn in self.closers:
             fn()
+        self.ticker.stop()
 
 
 def _lines(path: Path):
@@ -107,7 +111,7 @@ def test_trigger_file_makes_every_thread_stack_dump(tmp_path, monkeypatch):
         assert own[-1]["function"] == "parked_in_collective" and own[-1]["code"] == "ev.wait(30)"
         assert worker["frames"][-1]["lib"] is True  # threading.py: library, not the job
         assert any(x["main"] for x in d["threads"])
-        assert not any(x["name"] == "trainprof-hang-watchdog" for x in d["threads"])
+        assert not any(x["name"] == "trainprof-tick" for x in d["threads"])  # the dumping thread
         assert "file" in d["flight_recorder"] or "error" in d["flight_recorder"]
     finally:
         ev.set()

@@ -59,11 +59,11 @@ try:
 
     _OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
-    def _dumps(obj: Any) -> str:
+    def dumps_line(obj: Any) -> str:
         # ~10x faster than json on the probes' hot path; NaN/Inf become null (strict JSON)
         return orjson.dumps(obj, default=str, option=_OPTS).decode()
 except ImportError:  # a dependency, but writers inside a job must not need it
-    def _dumps(obj: Any) -> str:
+    def dumps_line(obj: Any) -> str:
         return json.dumps(obj, separators=(",", ":"), default=str, allow_nan=True)
 
 
@@ -85,7 +85,7 @@ class JsonlWriter:
 
     Immediate mode (default): each record is one write() of a complete line. Deferred mode (the
     probes' streams): write() only queues the line (a deque append, ~1 µs); flush() — called by
-    the session's flusher thread every TRAINPROF_FLUSH_S seconds and at close — appends the queued
+    the session's ticker thread every TRAINPROF_FLUSH_S seconds and at close — appends the queued
     lines with one write(). ``urgent=True`` records (a NaN origin, an OOM) go out at once with
     everything queued before them. Either way a killed process leaves at most one torn line at the
     end, which readers skip; a deferred stream loses at most the last interval's records.
@@ -107,7 +107,7 @@ class JsonlWriter:
         if self._closed:
             return
         try:
-            self.write_text(_dumps(record) + "\n", urgent)
+            self.write_text(dumps_line(record) + "\n", urgent)
         except Exception:  # noqa: BLE001 - never raise into the training job
             self.errors += 1
 
@@ -120,7 +120,7 @@ class JsonlWriter:
             self.flush(wait=True)
 
     def write_records(self, records: list) -> None:
-        """Queue records to be serialized by whoever flushes (the flusher thread for a deferred
+        """Queue records to be serialized by whoever flushes (the ticker thread for a deferred
         stream): the job's thread pays a deque append instead of a dumps per record. The
         caller hands the dicts over: it must not change them afterwards."""
         if self._closed or not records:
@@ -147,7 +147,7 @@ class JsonlWriter:
             if not parts:
                 return
             try:
-                data = "".join(p if type(p) is str else "".join(_dumps(r) + "\n" for r in p)
+                data = "".join(p if type(p) is str else "".join(dumps_line(r) + "\n" for r in p)
                                for p in parts).encode("utf-8")
                 if self._fd is None:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
