@@ -6,7 +6,9 @@
  * reference, most of the collective log's share. Here the common case (one plain CPU tensor in,
  * one out, a known group) makes no Python frame: the same record dict, the same _Op
  * book-keeping, the same containers as collectives.py, which stays the reference implementation
- * and takes every other case (CUDA events, lists, unknown groups, p2p, kwargs).
+ * and takes every other case (CUDA events, lists, unknown groups, p2p, kwargs). The same holds
+ * for the c10d side (Method): the ProcessGroup methods that every torch.distributed API funnels
+ * into (FSDP2's all-gather / reduce-scatter, pipelining's send / recv) and Work.wait.
  *
  * Nothing here may break the job: any failure on the probe's side of the fast path clears the
  * error and hands the call to the Python proxy (or to the op itself); errors of the op propagate
@@ -252,6 +254,8 @@ complete(Op *o, long long t_end)
         Py_XSETREF(o->ev_end, ev);
     }
     o->done = 1;
+    /* the job's Work (and the tensors it holds) goes when the job drops it, not at our flush */
+    Py_CLEAR(o->work);
     PyObject *rid = PyLong_FromLongLong(o->rid);
     if (rid == NULL)
         return -1;
@@ -371,6 +375,10 @@ Proxy_init(Proxy *p, PyObject *args, PyObject *kwds)
                          "wait", NULL};
     PyObject *packet, *call, *slow, *op, *api;
     int arg, group_arg, times_n, wait;
+    if (p->call != NULL) {
+        PyErr_SetString(PyExc_TypeError, "Proxy is initialized once");
+        return -1;
+    }
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOiipp", kw, &packet, &call, &slow, &op, &api,
                                      &arg, &group_arg, &times_n, &wait))
         return -1;
@@ -396,7 +404,9 @@ call_job(PyObject *fn, PyObject *args, PyObject *kwargs, int recorded)
     int prev = t_busy;
     if (recorded)
         t_busy = 1;
+    Py_INCREF(fn); /* a re-init of the wrapper must not free it while it runs */
     PyObject *out = PyObject_Call(fn, args, kwargs);
+    Py_DECREF(fn);
     t_busy = prev;
     return out;
 }
@@ -407,40 +417,40 @@ issue_call(Proxy *p, PyObject *args, PyObject *kwargs)
     Py_ssize_t n = PyTuple_GET_SIZE(args);
     if ((kwargs != NULL && PyDict_GET_SIZE(kwargs)) || n <= p->arg || n <= p->group_arg)
         return PyObject_Call(p->slow, args, kwargs);
-    PyObject *src = PyTuple_GET_ITEM(args, p->arg);
-    PyObject *info = PyDict_GetItemWithError(g_groups, PyTuple_GET_ITEM(args, p->group_arg));
+    PyObject *src = PyTuple_GET_ITEM(args, p->arg); /* held by the args tuple */
+    /* owned: reading the tensor below may run Python (a TorchFunctionMode) */
+    PyObject *info = Py_XNewRef(PyDict_GetItemWithError(g_groups, PyTuple_GET_ITEM(args, p->group_arg)));
+    PyObject *d = NULL;
+    long long numel = -1, size = 0;
     if (info == NULL || (PyObject *)Py_TYPE(src) != g_tensor || !PyTuple_Check(info) ||
-        PyTuple_GET_SIZE(info) < 2) {
-        PyErr_Clear();
-        return PyObject_Call(p->slow, args, kwargs); /* it resolves and caches the group */
-    }
-    Op *o = NULL;
+        PyTuple_GET_SIZE(info) < 2)
+        goto slow; /* the Python proxy resolves and caches the group */
     PyObject *dt = PyObject_GetAttr(src, s_dtype);
-    PyObject *d = dt ? PyDict_GetItemWithError(g_dtypes, dt) : NULL;
+    d = dt ? Py_XNewRef(PyDict_GetItemWithError(g_dtypes, dt)) : NULL;
     Py_XDECREF(dt);
-    PyObject *cuda = d ? PyObject_GetAttr(src, s_is_cuda) : NULL;
+    if (d == NULL || !PyTuple_CheckExact(d) || PyTuple_GET_SIZE(d) != 2)
+        goto slow; /* a first dtype */
+    PyObject *cuda = PyObject_GetAttr(src, s_is_cuda);
     int on_cuda = cuda == NULL || cuda != Py_False;
     Py_XDECREF(cuda);
-    if (d == NULL || on_cuda) { /* a first dtype, or CUDA events: the Python proxy */
-        PyErr_Clear();
-        return PyObject_Call(p->slow, args, kwargs);
-    }
-    long long numel = -1, size = PyLong_AsLongLong(PyTuple_GET_ITEM(d, 0));
+    if (on_cuda)
+        goto slow; /* CUDA events */
+    size = PyLong_AsLongLong(PyTuple_GET_ITEM(d, 0));
     PyObject *nobj = PyObject_CallMethodNoArgs(src, s_numel);
     if (nobj != NULL) {
         numel = PyLong_AsLongLong(nobj);
         Py_DECREF(nobj);
     }
-    if (numel < 0 || PyErr_Occurred()) {
-        PyErr_Clear();
-        return PyObject_Call(p->slow, args, kwargs);
-    }
+    if (numel < 0 || size <= 0 || PyErr_Occurred())
+        goto slow;
     if (p->times_n) {
         Py_ssize_t k = PyList_Check(PyTuple_GET_ITEM(info, 1)) ? PyList_GET_SIZE(PyTuple_GET_ITEM(info, 1)) : 0;
         numel *= k > 0 ? k : 1;
     }
-    o = issue(p->op, PyTuple_GET_ITEM(info, 0), numel * size, numel, PyTuple_GET_ITEM(d, 1),
-              Py_None, 1, p->api, 0, 0, NULL);
+    Op *o = issue(p->op, PyTuple_GET_ITEM(info, 0), numel * size, numel, PyTuple_GET_ITEM(d, 1),
+                  Py_None, 1, p->api, 0, 0, NULL);
+    Py_DECREF(info);
+    Py_DECREF(d);
     if (o == NULL)
         PyErr_Clear(); /* the probe failed: the op still runs, unrecorded */
     PyObject *out = call_job(p->call, args, kwargs, 1);
@@ -474,6 +484,11 @@ issue_call(Proxy *p, PyObject *args, PyObject *kwargs)
     }
     Py_DECREF((PyObject *)o);
     return out;
+slow:
+    PyErr_Clear();
+    Py_XDECREF(info);
+    Py_XDECREF(d);
+    return PyObject_Call(p->slow, args, kwargs);
 }
 
 static PyObject *
@@ -541,6 +556,10 @@ wait_call(Proxy *p, PyObject *args, PyObject *kwargs)
 static PyObject *
 Proxy_call(Proxy *p, PyObject *args, PyObject *kwargs)
 {
+    if (p->call == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Proxy was not initialized");
+        return NULL;
+    }
     if (!active())
         return call_job(p->call, args, kwargs, 0);
     return p->wait ? wait_call(p, args, kwargs) : issue_call(p, args, kwargs);
@@ -609,14 +628,33 @@ typedef struct {
     int is_wait;        /* Work.wait */
 } Method;
 
+static int
+Method_traverse(Method *m, visitproc visit, void *arg)
+{
+    Py_VISIT(m->original);
+    Py_VISIT(m->slow);
+    Py_VISIT(m->op);
+    Py_VISIT(m->sites);
+    Py_VISIT(m->dict);
+    return 0;
+}
+
+static int
+Method_clear(Method *m)
+{
+    Py_CLEAR(m->original);
+    Py_CLEAR(m->slow);
+    Py_CLEAR(m->op);
+    Py_CLEAR(m->sites);
+    Py_CLEAR(m->dict);
+    return 0;
+}
+
 static void
 Method_dealloc(Method *m)
 {
-    Py_XDECREF(m->original);
-    Py_XDECREF(m->slow);
-    Py_XDECREF(m->op);
-    Py_XDECREF(m->sites);
-    Py_XDECREF(m->dict);
+    PyObject_GC_UnTrack(m);
+    Method_clear(m);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
 
@@ -626,6 +664,10 @@ Method_init(Method *m, PyObject *args, PyObject *kwds)
     static char *kw[] = {"original", "slow", "op", "sites", "size_arg", "p2p", "is_wait", NULL};
     PyObject *original, *slow, *op, *sites;
     int size_arg, p2p, is_wait;
+    if (m->original != NULL) {
+        PyErr_SetString(PyExc_TypeError, "Method is initialized once");
+        return -1;
+    }
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO!iip", kw, &original, &slow, &op,
                                      &PyDict_Type, &sites, &size_arg, &p2p, &is_wait))
         return -1;
@@ -714,10 +756,12 @@ attach_work(Op *o, PyObject *pg_key, PyObject *work)
             return;
         }
     }
+    PyErr_Clear();
     if (work == Py_None) { /* the backend completed the op inside the call */
         if (o->code != NULL) {
             o->sync = 1;
-            PyDict_SetItem(o->rec, s_async, Py_False);
+            if (PyDict_SetItem(o->rec, s_async, Py_False) < 0)
+                PyErr_Clear();
         }
         complete(o, now_ns());
         PyErr_Clear();
@@ -729,7 +773,7 @@ attach_work(Op *o, PyObject *pg_key, PyObject *work)
         PyTuple_GET_ITEM(entry, 0) == work && PyList_Check(PyTuple_GET_ITEM(entry, 1))) {
         PyList_Append(PyTuple_GET_ITEM(entry, 1), (PyObject *)o);
     }
-    else if (key != NULL && !PyErr_Occurred()) {
+    else if (key != NULL && !PyErr_Occurred()) { /* a new Work */
         PyObject *ops = PyList_New(1);
         if (ops != NULL) {
             PyList_SET_ITEM(ops, 0, Py_NewRef((PyObject *)o));
@@ -755,58 +799,66 @@ pg_call(Method *m, PyObject *args, PyObject *kwargs)
     Py_ssize_t n = PyTuple_GET_SIZE(args);
     if ((kwargs != NULL && PyDict_GET_SIZE(kwargs)) || m->size_arg < 0 || n <= 1 + m->size_arg)
         return PyObject_Call(m->slow, args, kwargs);
+    /* owned from here: reading the tensor may run Python (a TorchFunctionMode) */
+    PyObject *info = NULL, *site = NULL, *x = NULL, *d = NULL, *peer = NULL;
+    long long numel = -1, size = 0;
     PyObject *pg_key = PyLong_FromVoidPtr(PyTuple_GET_ITEM(args, 0)); /* id(pg) */
-    PyObject *info = pg_key ? PyDict_GetItemWithError(g_groups, pg_key) : NULL;
-    PyObject *code = info != NULL ? caller_code() : NULL;
-    PyObject *site = code != NULL ? PyDict_GetItemWithError(m->sites, code) : NULL;
+    if (pg_key == NULL)
+        goto slow;
+    info = Py_XNewRef(PyDict_GetItemWithError(g_groups, pg_key));
+    if (info == NULL || !PyTuple_Check(info) || PyTuple_GET_SIZE(info) < 2)
+        goto slow; /* the Python wrapper resolves and caches the group */
+    PyObject *code = caller_code();
+    site = code != NULL ? Py_XNewRef(PyDict_GetItemWithError(m->sites, code)) : NULL;
     Py_XDECREF(code);
-    PyObject *x = PyTuple_GET_ITEM(args, 1 + m->size_arg);
+    if (site == NULL || !PyTuple_Check(site) || PyTuple_GET_SIZE(site) != 2)
+        goto slow; /* and the call site */
+    x = PyTuple_GET_ITEM(args, 1 + m->size_arg);
     if (PyList_CheckExact(x) && PyList_GET_SIZE(x) == 1) /* c10d passes [tensor] */
         x = PyList_GET_ITEM(x, 0);
-    if (site == NULL || !PyTuple_Check(info) || PyTuple_GET_SIZE(info) < 2 ||
-        !PyTuple_Check(site) || PyTuple_GET_SIZE(site) != 2 ||
-        (PyObject *)Py_TYPE(x) != g_tensor) {
-        PyErr_Clear();
-        Py_XDECREF(pg_key);
-        return PyObject_Call(m->slow, args, kwargs); /* it resolves and caches group and site */
-    }
+    Py_INCREF(x);
+    if ((PyObject *)Py_TYPE(x) != g_tensor)
+        goto slow;
     PyObject *dt = PyObject_GetAttr(x, s_dtype);
-    PyObject *d = dt ? PyDict_GetItemWithError(g_dtypes, dt) : NULL;
+    d = dt ? Py_XNewRef(PyDict_GetItemWithError(g_dtypes, dt)) : NULL;
     Py_XDECREF(dt);
-    PyObject *cuda = d ? PyObject_GetAttr(x, s_is_cuda) : NULL;
+    if (d == NULL || !PyTuple_CheckExact(d) || PyTuple_GET_SIZE(d) != 2)
+        goto slow; /* a first dtype */
+    PyObject *cuda = PyObject_GetAttr(x, s_is_cuda);
     int on_cuda = cuda == NULL || cuda != Py_False;
     Py_XDECREF(cuda);
-    long long numel = -1;
-    if (d != NULL && !on_cuda) {
-        PyObject *nobj = PyObject_CallMethodNoArgs(x, s_numel);
-        if (nobj != NULL) {
-            numel = PyLong_AsLongLong(nobj);
-            Py_DECREF(nobj);
-        }
+    if (on_cuda)
+        goto slow; /* CUDA events */
+    size = PyLong_AsLongLong(PyTuple_GET_ITEM(d, 0));
+    PyObject *nobj = PyObject_CallMethodNoArgs(x, s_numel);
+    if (nobj != NULL) {
+        numel = PyLong_AsLongLong(nobj);
+        Py_DECREF(nobj);
     }
-    PyObject *peer = Py_NewRef(Py_None);
+    if (numel < 0 || size <= 0 || PyErr_Occurred())
+        goto slow;
+    peer = Py_NewRef(Py_None);
     PyObject *ranks = PyTuple_GET_ITEM(info, 1);
-    if (m->p2p == 1 && n > 2 && numel >= 0) { /* args[1]: the peer's rank in the group */
+    if (m->p2p == 1 && n > 2) { /* args[1]: the peer's rank in the group */
         long r = PyLong_AsLong(PyTuple_GET_ITEM(args, 2));
         Py_SETREF(peer, NULL);
         if (r == -1 && PyErr_Occurred())
-            numel = -1;
-        else if (PyList_Check(ranks) && PyList_GET_SIZE(ranks) > 0) /* its global rank */
+            goto slow;
+        if (PyList_Check(ranks) && PyList_GET_SIZE(ranks) > 0) /* its global rank */
             peer = (r >= 0 && r < PyList_GET_SIZE(ranks)) ? Py_NewRef(PyList_GET_ITEM(ranks, r)) : NULL;
         else
             peer = PyLong_FromLong(r);
+        if (peer == NULL)
+            goto slow; /* the wrapper records no peer */
     }
-    if (numel < 0 || peer == NULL || PyErr_Occurred()) { /* a first dtype, CUDA events, ... */
-        PyErr_Clear();
-        Py_XDECREF(peer);
-        Py_DECREF(pg_key);
-        return PyObject_Call(m->slow, args, kwargs);
-    }
-    long long size = PyLong_AsLongLong(PyTuple_GET_ITEM(d, 0));
     PyObject *waits = PyTuple_GET_ITEM(site, 1);
     Op *o = issue(m->op, PyTuple_GET_ITEM(info, 0), numel * size, numel, PyTuple_GET_ITEM(d, 1),
                   peer, 1, PyTuple_GET_ITEM(site, 0), 0, 0, waits == Py_None ? NULL : waits);
     Py_DECREF(peer);
+    Py_DECREF(info);
+    Py_DECREF(site);
+    Py_DECREF(x);
+    Py_DECREF(d);
     if (o == NULL) {
         PyErr_Clear(); /* the probe failed: the op still runs, unrecorded */
         Py_DECREF(pg_key);
@@ -818,11 +870,24 @@ pg_call(Method *m, PyObject *args, PyObject *kwargs)
     Py_DECREF((PyObject *)o);
     Py_DECREF(pg_key);
     return work;
+slow:
+    PyErr_Clear();
+    Py_XDECREF(pg_key);
+    Py_XDECREF(info);
+    Py_XDECREF(site);
+    Py_XDECREF(x);
+    Py_XDECREF(d);
+    Py_XDECREF(peer);
+    return PyObject_Call(m->slow, args, kwargs);
 }
 
 static PyObject *
 Method_call(Method *m, PyObject *args, PyObject *kwargs)
 {
+    if (m->original == NULL || m->slow == NULL || m->sites == NULL || m->op == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Method was not initialized");
+        return NULL;
+    }
     return m->is_wait ? work_wait(m, args, kwargs) : pg_call(m, args, kwargs);
 }
 
@@ -839,19 +904,28 @@ static PyMemberDef Method_members[] = {
     {NULL},
 };
 
+static PyGetSetDef Method_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL},
+};
+
 static PyTypeObject MethodType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "trainprof.probes._fastlog.Method",
     .tp_doc = "Stands in for a ProcessGroup method or Work.wait (see collectives.py).",
     .tp_basicsize = sizeof(Method),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Method_init,
     .tp_dealloc = (destructor)Method_dealloc,
+    .tp_free = PyObject_GC_Del,
+    .tp_traverse = (traverseproc)Method_traverse,
+    .tp_clear = (inquiry)Method_clear,
     .tp_call = (ternaryfunc)Method_call,
     .tp_descr_get = Method_get,
     .tp_dictoffset = offsetof(Method, dict),
     .tp_members = Method_members,
+    .tp_getset = Method_getset,
 };
 
 /* ------------------------------------------------------------------ module functions */
@@ -1023,12 +1097,12 @@ PyInit__fastlog(void)
     PyObject *zero = PyFloat_FromDouble(0.0);
     g_template = PyDict_New();
     if (zero == NULL || g_template == NULL)
-        return NULL;
+        goto fail_template;
     PyObject *keys[] = {s_step, s_pg, s_seq, s_op, s_bytes, s_dtype, s_numel, s_enqueue_ns,
                         s_end_ns, s_blocked_ms, s_device_ms, s_peer, s_async, s_api};
     for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++)
         if (PyDict_SetItem(g_template, keys[i], keys[i] == s_blocked_ms ? zero : Py_None) < 0)
-            return NULL;
+            goto fail_template;
     Py_DECREF(zero);
     if (PyType_Ready(&OpType) < 0 || PyType_Ready(&ProxyType) < 0 ||
         PyType_Ready(&MethodType) < 0)
@@ -1043,4 +1117,8 @@ PyInit__fastlog(void)
         return NULL;
     }
     return m;
+fail_template:
+    Py_XDECREF(zero);
+    Py_CLEAR(g_template);
+    return NULL;
 }

@@ -298,6 +298,7 @@ class CollectiveLog:
         if o.ev_start is not None:
             o.ev_end = _cuda_event()
         o.done = True
+        o.work = None  # the job's Work (and its tensors) goes when the job drops it
         self.inflight.pop(o.rid, None)
 
     # -- flushing
@@ -336,9 +337,12 @@ class CollectiveLog:
                 del self._ops[rid]
                 lines.append(o.rec)  # done: nothing changes it any more
             # funcol outputs freed without a wait leave stale keys: drop those of written ops
+            # (in place: _fastlog holds this dict, a new one would leave it writing the old)
             if self._funcol and len(self._funcol) > 4096:
-                self._funcol = {k: v for k, v in self._funcol.items()
-                                if any(o.rid in self._ops for o in v)}
+                stale = [k for k, v in self._funcol.items()
+                         if not any(o.rid in self._ops for o in v)]
+                for k in stale:
+                    del self._funcol[k]
         if len(self._groups) != self._groups_checked:
             self._write_groups()
         if lines:  # serialized by the ticker thread, not the job's

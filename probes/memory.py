@@ -57,8 +57,12 @@ def rss_bytes() -> int | None:
         return None
 
 
+# the process's high-water RSS either way; RUSAGE_THREAD skips summing every thread's CPU times
+_RUSAGE = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return resource.getrusage(_RUSAGE).ru_maxrss * 1024  # Linux reports KiB
 
 
 def _cuda_in_use() -> bool:

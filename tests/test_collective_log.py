@@ -311,6 +311,20 @@ with trainprof.session("run", profile_steps="none"):
     d = fc.all_reduce(torch.ones(2, dtype=torch.float64), "sum", dist.group.WORLD)  # a new dtype
     fc.wait_tensor(d)
     assert not C._LOG._funcol and not C._LOG.inflight, (C._LOG._funcol, C._LOG.inflight)
+    # stale keys (outputs freed unwaited) are pruned in place: the C side holds this very dict
+    funcol = C._LOG._funcol
+    class Gone:
+        rid = -1
+    funcol.update({-k: [Gone()] for k in range(1, 5000)})
+    C._LOG.flush()
+    assert C._LOG._funcol is funcol and not funcol
+    w = dist.all_reduce(torch.ones(2), async_op=True)  # c10d: the Work is let go once waited
+    assert any(o.work is w for o in C._LOG._ops.values())
+    w.wait()
+    assert all(o.work is None for o in C._LOG._ops.values() if o.done), "a waited Work is kept"
+    e = fc.all_reduce(torch.ones(3), "sum", dist.group.WORLD)  # still found after the prune
+    fc.wait_tensor(e)
+    assert not C._LOG._funcol and not C._LOG.inflight, (C._LOG._funcol, C._LOG.inflight)
     r, w = os.pipe()  # a forked child (a DataLoader worker) logs nothing into this session
     pid = os.fork()
     if pid == 0:
@@ -327,10 +341,11 @@ with trainprof.session("run", profile_steps="none"):
     assert res.returncode == 0, res.stderr[-3000:]
     recs = [json.loads(x) for x in (tmp_path / "run/ranks/rank-00000/collectives.jsonl").read_text().splitlines()]
     fc = [x for x in recs if x["api"] == "funcol.all_reduce"]
-    assert len(fc) == 4 and all(x["end_ns"] >= x["enqueue_ns"] and x["blocked_ms"] > 0 for x in fc)
-    assert [x["seq"] for x in fc] == [0, 1, 2, 3]
+    assert len(fc) == 5 and all(x["end_ns"] >= x["enqueue_ns"] and x["blocked_ms"] > 0 for x in fc)
+    assert [x["seq"] for x in fc] == [0, 1, 2, 3, 5]  # seq 4: the c10d all_reduce, same group
     assert [(x["bytes"], x["numel"], x["dtype"]) for x in fc] == [
-        (16, 4, "float32"), (16, 4, "float32"), (32, 8, "float32"), (16, 2, "float64")]
+        (16, 4, "float32"), (16, 4, "float32"), (32, 8, "float32"), (16, 2, "float64"),
+        (12, 3, "float32")]
     assert all(x["step"] == 0 and x["pg"] == fc[0]["pg"] and x["op"] == "all_reduce" and x["async"]
                and x["device_ms"] is None and x["peer"] is None for x in fc)
 
