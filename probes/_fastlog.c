@@ -411,6 +411,41 @@ call_job(PyObject *fn, PyObject *args, PyObject *kwargs, int recorded)
     return out;
 }
 
+/* numel and the dtype entry (itemsize, name) of a plain CPU tensor whose dtype was seen; *d
+ * gets a new reference. -1 with no exception set for any other case (a first dtype, CUDA
+ * events, not a tensor): the Python side takes those. Reading the tensor may run Python. */
+static int
+cpu_tensor_size(PyObject *t, long long *numel, PyObject **d)
+{
+    *d = NULL;
+    if ((PyObject *)Py_TYPE(t) != g_tensor)
+        return -1;
+    PyObject *dt = PyObject_GetAttr(t, s_dtype);
+    *d = dt ? Py_XNewRef(PyDict_GetItemWithError(g_dtypes, dt)) : NULL;
+    Py_XDECREF(dt);
+    if (*d == NULL || !PyTuple_CheckExact(*d) || PyTuple_GET_SIZE(*d) != 2)
+        goto other;
+    PyObject *cuda = PyObject_GetAttr(t, s_is_cuda);
+    int on_cuda = cuda == NULL || cuda != Py_False;
+    Py_XDECREF(cuda);
+    if (on_cuda)
+        goto other;
+    long long size = PyLong_AsLongLong(PyTuple_GET_ITEM(*d, 0));
+    PyObject *nobj = PyObject_CallMethodNoArgs(t, s_numel);
+    *numel = -1;
+    if (nobj != NULL) {
+        *numel = PyLong_AsLongLong(nobj);
+        Py_DECREF(nobj);
+    }
+    if (*numel < 0 || size <= 0 || PyErr_Occurred())
+        goto other;
+    return 0;
+other:
+    PyErr_Clear();
+    Py_CLEAR(*d);
+    return -1;
+}
+
 static PyObject *
 issue_call(Proxy *p, PyObject *args, PyObject *kwargs)
 {
@@ -421,28 +456,12 @@ issue_call(Proxy *p, PyObject *args, PyObject *kwargs)
     /* owned: reading the tensor below may run Python (a TorchFunctionMode) */
     PyObject *info = Py_XNewRef(PyDict_GetItemWithError(g_groups, PyTuple_GET_ITEM(args, p->group_arg)));
     PyObject *d = NULL;
-    long long numel = -1, size = 0;
-    if (info == NULL || (PyObject *)Py_TYPE(src) != g_tensor || !PyTuple_Check(info) ||
-        PyTuple_GET_SIZE(info) < 2)
+    long long numel = -1;
+    if (info == NULL || !PyTuple_Check(info) || PyTuple_GET_SIZE(info) < 2)
         goto slow; /* the Python proxy resolves and caches the group */
-    PyObject *dt = PyObject_GetAttr(src, s_dtype);
-    d = dt ? Py_XNewRef(PyDict_GetItemWithError(g_dtypes, dt)) : NULL;
-    Py_XDECREF(dt);
-    if (d == NULL || !PyTuple_CheckExact(d) || PyTuple_GET_SIZE(d) != 2)
-        goto slow; /* a first dtype */
-    PyObject *cuda = PyObject_GetAttr(src, s_is_cuda);
-    int on_cuda = cuda == NULL || cuda != Py_False;
-    Py_XDECREF(cuda);
-    if (on_cuda)
-        goto slow; /* CUDA events */
-    size = PyLong_AsLongLong(PyTuple_GET_ITEM(d, 0));
-    PyObject *nobj = PyObject_CallMethodNoArgs(src, s_numel);
-    if (nobj != NULL) {
-        numel = PyLong_AsLongLong(nobj);
-        Py_DECREF(nobj);
-    }
-    if (numel < 0 || size <= 0 || PyErr_Occurred())
+    if (cpu_tensor_size(src, &numel, &d) < 0)
         goto slow;
+    long long size = PyLong_AsLongLong(PyTuple_GET_ITEM(d, 0));
     if (p->times_n) {
         Py_ssize_t k = PyList_Check(PyTuple_GET_ITEM(info, 1)) ? PyList_GET_SIZE(PyTuple_GET_ITEM(info, 1)) : 0;
         numel *= k > 0 ? k : 1;
@@ -801,7 +820,7 @@ pg_call(Method *m, PyObject *args, PyObject *kwargs)
         return PyObject_Call(m->slow, args, kwargs);
     /* owned from here: reading the tensor may run Python (a TorchFunctionMode) */
     PyObject *info = NULL, *site = NULL, *x = NULL, *d = NULL, *peer = NULL;
-    long long numel = -1, size = 0;
+    long long numel = -1;
     PyObject *pg_key = PyLong_FromVoidPtr(PyTuple_GET_ITEM(args, 0)); /* id(pg) */
     if (pg_key == NULL)
         goto slow;
@@ -817,26 +836,9 @@ pg_call(Method *m, PyObject *args, PyObject *kwargs)
     if (PyList_CheckExact(x) && PyList_GET_SIZE(x) == 1) /* c10d passes [tensor] */
         x = PyList_GET_ITEM(x, 0);
     Py_INCREF(x);
-    if ((PyObject *)Py_TYPE(x) != g_tensor)
+    if (cpu_tensor_size(x, &numel, &d) < 0)
         goto slow;
-    PyObject *dt = PyObject_GetAttr(x, s_dtype);
-    d = dt ? Py_XNewRef(PyDict_GetItemWithError(g_dtypes, dt)) : NULL;
-    Py_XDECREF(dt);
-    if (d == NULL || !PyTuple_CheckExact(d) || PyTuple_GET_SIZE(d) != 2)
-        goto slow; /* a first dtype */
-    PyObject *cuda = PyObject_GetAttr(x, s_is_cuda);
-    int on_cuda = cuda == NULL || cuda != Py_False;
-    Py_XDECREF(cuda);
-    if (on_cuda)
-        goto slow; /* CUDA events */
-    size = PyLong_AsLongLong(PyTuple_GET_ITEM(d, 0));
-    PyObject *nobj = PyObject_CallMethodNoArgs(x, s_numel);
-    if (nobj != NULL) {
-        numel = PyLong_AsLongLong(nobj);
-        Py_DECREF(nobj);
-    }
-    if (numel < 0 || size <= 0 || PyErr_Occurred())
-        goto slow;
+    long long size = PyLong_AsLongLong(PyTuple_GET_ITEM(d, 0));
     peer = Py_NewRef(Py_None);
     PyObject *ranks = PyTuple_GET_ITEM(info, 1);
     if (m->p2p == 1 && n > 2) { /* args[1]: the peer's rank in the group */
