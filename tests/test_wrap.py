@@ -63,9 +63,12 @@ def test_signal_to_wrap_reaches_job_and_run_dir_stays_readable(tmp_path, sig):
     flag = tmp_path / "started"
     out = tmp_path / "run"
     env = {**os.environ, "STEPS": "1000", "SLEEP": "0.05", "FLAG": str(flag)}
+    # a test run in a background shell inherits SIGINT ignored, and so would wrap and the job
+    # (as they should: a bare job would ignore it too); this test is about forwarding it
     proc = subprocess.Popen(TRAINPROF + ["wrap", "--out", str(out), "--profile-steps", "none", "--",
                                          sys.executable, str(script)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert wait_for(flag.exists, timeout=60)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
