@@ -4,10 +4,10 @@ Every wake-up of a Python thread inside a busy rank costs ~0.1 ms of CPU on a lo
 thread must take the GIL from the job's thread, and both pay the hand-off. Three threads waking
 5 times a second (flusher 2, heartbeat 1, watchdog 2) cost the 8-rank reference demo ~0.4 % of
 its CPU. Here the tasks share one thread, and their periods are counted from one origin, so
-tasks whose periods divide each other fire in the same wake-up (0.5 s and 1 s: 2 wake-ups a
-second in all).
+tasks whose periods divide each other fire in the same wake-up (with the defaults, all 1 s:
+one wake-up a second; 0.35 ms per rank and step on the demo, docs/overhead.md).
 
-A task that raises is reported once and keeps its schedule; a slow task delays the others
+A task that raises is reported (three times at most) and keeps its schedule; a slow task delays the others
 (they run late, never twice). Telemetry keeps its own thread: an NVML call can block for as
 long as a GPU is falling off the bus, and it must not stall the heartbeat.
 """
