@@ -184,7 +184,6 @@ class CollectiveLog:
     def __init__(self, session):
         self.session = session
         self.state, self.clock = session.state, session.clock  # read per op
-        self.pid = os.getpid()
         self.closed = False
         self.writer = session.stream("collectives")  # deferred: written by the ticker thread
         self.groups_writer = session.stream("groups")

@@ -22,7 +22,6 @@ _patched = False
 class DataWait:
     def __init__(self, session):
         self.session = session
-        self.pid = os.getpid()
         self.writer = session.stream(STREAM)
         self.step = None      # step the accumulators belong to
         self.wait_ns = 0

@@ -32,8 +32,7 @@ MAX_PENDING_STEPS = 8  # steps whose CUDA events are not complete yet, at most
 CLOSE_WAIT_S = 5.0     # at close, how long to wait for the GPU to pass the last events
 
 _REC: "SpanRecorder | None" = None
-_ON_CUDA: dict[int, bool] = {}  # id(stage.device) -> a CUDA device?
-_DEVICES: list = []  # the devices _ON_CUDA names, kept alive
+_ON_CUDA: dict = {}  # torch.device -> a CUDA device? (hashing a device builds no string)
 _fork_hooked = False
 _patched: set = set()  # modules patched
 
@@ -41,7 +40,6 @@ _patched: set = set()  # modules patched
 class SpanRecorder:
     def __init__(self, session):
         self.session = session
-        self.pid = os.getpid()
         self.writer = session.stream(STREAM)
         self._buf: list[tuple] = []
         self._lock = threading.Lock()
@@ -161,10 +159,12 @@ def _start_events(stage):
     on the stage's current stream; None on CPU. The host span of a GPU stage only covers the
     kernel launches: the device runs them later, so the bubble needs device times."""
     device = getattr(stage, "device", None)
-    on_cuda = _ON_CUDA.get(id(device))
-    if on_cuda is None:  # torch.device.type builds a new str per read: once per device object
-        on_cuda = _ON_CUDA[id(device)] = getattr(device, "type", None) == "cuda"
-        _DEVICES.append(device)  # alive, so its id is not reused
+    try:
+        on_cuda = _ON_CUDA.get(device)
+    except TypeError:  # not hashable: not a torch.device either
+        return None
+    if on_cuda is None:  # torch.device.type builds a new str per read: once per device
+        on_cuda = _ON_CUDA[device] = getattr(device, "type", None) == "cuda"
     if not on_cuda:
         return None
     try:

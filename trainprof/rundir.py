@@ -59,11 +59,12 @@ try:
 
     _OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
-    def dumps_line(obj: Any) -> str:
+    def dumps_compact(obj: Any) -> str:
+        """One JSON document on one line (no newline): orjson where installed."""
         # ~10x faster than json on the probes' hot path; NaN/Inf become null (strict JSON)
         return orjson.dumps(obj, default=str, option=_OPTS).decode()
 except ImportError:  # a dependency, but writers inside a job must not need it
-    def dumps_line(obj: Any) -> str:
+    def dumps_compact(obj: Any) -> str:
         return json.dumps(obj, separators=(",", ":"), default=str, allow_nan=True)
 
 
@@ -107,7 +108,7 @@ class JsonlWriter:
         if self._closed:
             return
         try:
-            self.write_text(dumps_line(record) + "\n", urgent)
+            self.write_text(dumps_compact(record) + "\n", urgent)
         except Exception:  # noqa: BLE001 - never raise into the training job
             self.errors += 1
 
@@ -147,7 +148,7 @@ class JsonlWriter:
             if not parts:
                 return
             try:
-                data = "".join(p if type(p) is str else "".join(dumps_line(r) + "\n" for r in p)
+                data = "".join(p if type(p) is str else "".join(dumps_compact(r) + "\n" for r in p)
                                for p in parts).encode("utf-8")
                 if self._fd is None:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
