@@ -198,6 +198,7 @@ class CollectiveLog:
         self._funcol: dict[int, list] = {}  # storage data_ptr of a funcol output -> [ops]
         self._coalescing: dict[int, list] = {}  # id(pg) -> ops issued inside _start/_end_coalescing
         self.inflight: dict[int, dict] = {}
+        self.dim_hints: dict[str, str] = {}  # pg name -> mesh dim known otherwise (DDP's group: dp)
         session.state["inflight_collectives"] = self.inflight
         session.state["last_collective"] = None
         self.errors = 0
@@ -354,9 +355,9 @@ class CollectiveLog:
             if (name, tuple(ranks)) in self._groups_written or not isinstance(key, int):
                 continue
             self._groups_written.add((name, tuple(ranks)))
+            dim = mesh_dim(self.session.meta.get("mesh"), ranks, self.session.rank)
             self.groups_writer.write({"pg": name, "ranks": ranks,
-                                      "mesh_dim": mesh_dim(self.session.meta.get("mesh"), ranks,
-                                                           self.session.rank),
+                                      "mesh_dim": dim or self.dim_hints.get(name),
                                       "backend": backend, "size": len(ranks)})
 
     def close(self):

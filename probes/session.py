@@ -31,6 +31,7 @@ ENV_FLUSH_S = "TRAINPROF_FLUSH_S"  # how often queued stream records are written
 ATTACHED_PROBES: tuple[str, ...] = (
     "trainprof.probes.clock",           # clock offsets to a reference rank (start and end)
     "trainprof.probes.collectives",     # always-on log of every collective and p2p op
+    "trainprof.probes.ddp",             # DDP's bucketed gradient all-reduce into that log
     "trainprof.probes.pipeline_spans",  # forward/backward spans per stage and micro-batch
     "trainprof.probes.heartbeat",       # crash-safe progress record per rank
     "trainprof.probes.hang_watchdog",   # dumps stacks and in-flight collectives when stuck
