@@ -9,9 +9,12 @@ A dump is a pickle (``torch._C._distributed_c10d._dump_fr_trace``) or JSON
               profiling_name: "nccl:all_reduce", input_sizes, input_dtypes, output_sizes, state,
               retired, time_created_ns, is_p2p, timeout_ms, frames[{name, filename, line}]}]}
 
-Someone hands you a dump from a broken job: unpickling it must not run code. The unpickler
-accepts only the opcodes of plain data (dict, list, tuple, str, bytes, numbers, None, bool,
-set); any global (``os.system``, a class, a reduce) is refused with an error naming the file.
+Someone hands you a dump from a broken job: unpickling it must not run code nor exhaust memory.
+The data-only unpickler (trainprof/safepickle.py) accepts only the opcodes of plain data (dict,
+list, tuple, str, bytes, numbers, None, bool, set); any global (``os.system``, a class, a
+reduce, ``bytearray(2_000_000_000)``), and shared references expanding beyond what a real dump
+holds, are refused with an error naming the file. Only a regular file within the input limit
+is read (trainprof/safeio.py).
 
 gloo (torch >= 2.8) records entries but never updates ``state`` (stays "scheduled") and writes
 ``pg_config`` with an empty key; ``pg_status`` counters and ``retired`` do advance, and they are
@@ -20,49 +23,22 @@ what tells in-flight from completed here.
 
 from __future__ import annotations
 
-import io
 import json
-import pickle
 from pathlib import Path
 
+from trainprof import safeio, safepickle
+
 FILES = ("flight-recorder.pkl", "flight-recorder.json")
-MAX_BYTES = 1 << 30
 P2P_OPS = {"send", "recv", "isend", "irecv", "batch_isend_irecv", "sendrecv"}
-# Globals a plain-data pickle may legitimately name (protocol 0-1 spell some containers so).
-_SAFE_GLOBALS = {("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "str",
-                                           "bytes", "bytearray", "int", "float", "bool",
-                                           "complex")}
-_SAFE_GLOBALS |= {("__builtin__", n) for _, n in _SAFE_GLOBALS}
 
 
 class FlightRecorderError(Exception):
     """A dump cannot be read; the message names the file."""
 
 
-class _DataOnlyUnpickler(pickle.Unpickler):
-    def __init__(self, f, path):
-        super().__init__(f)
-        self.path = path
-
-    def find_class(self, module, name):
-        if (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        raise FlightRecorderError(
-            f"{self.path}: refused to load {module}.{name}: a flight-recorder dump holds only "
-            f"plain data, and this pickle asks to import code (malicious or not a dump)")
-
-    def persistent_load(self, pid):
-        raise FlightRecorderError(f"{self.path}: refused a persistent id in the pickle")
-
-
 def safe_loads(data: bytes, path="<bytes>"):
     """Unpickle plain data only. Raises FlightRecorderError naming ``path`` otherwise."""
-    try:
-        return _DataOnlyUnpickler(io.BytesIO(data), path).load()
-    except FlightRecorderError:
-        raise
-    except Exception as e:  # noqa: BLE001 - truncated or not a pickle at all
-        raise FlightRecorderError(f"{path}: not a readable pickle ({type(e).__name__}: {e})") from e
+    return safepickle.loads(data, str(path), FlightRecorderError)
 
 
 def load(path: str | Path) -> dict:
@@ -70,20 +46,23 @@ def load(path: str | Path) -> dict:
     {format, version, pg_config, pg_status{pg: {enqueued, started, completed}}, entries[...]}."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        if size > MAX_BYTES:
-            raise FlightRecorderError(f"{path}: {size} bytes, larger than a dump can be")
-        data = path.read_bytes()
+        data = safeio.read_limited(path, what="flight-recorder dump")
+    except safeio.InputRefused as e:
+        raise FlightRecorderError(str(e)) from None
     except OSError as e:
-        raise FlightRecorderError(f"{path}: cannot read: {e.strerror or e}") from e
+        raise FlightRecorderError(f"{path}: cannot read: {e.strerror or e}") from None
     if data.lstrip()[:1] == b"{":
         try:
             raw, fmt = json.loads(data), "json"
-        except ValueError as e:
-            raise FlightRecorderError(f"{path}: not valid JSON ({e})") from e
+        except (ValueError, RecursionError) as e:
+            raise FlightRecorderError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
     else:
         raw, fmt = safe_loads(data, path), "pickle"
-    return normalize(raw, path, fmt)
+    try:
+        return normalize(raw, path, fmt)
+    except (TypeError, ValueError, OverflowError, AttributeError) as e:
+        raise FlightRecorderError(f"{path}: not a flight-recorder dump (a field has the wrong "
+                                  f"type: {type(e).__name__}: {e})") from None
 
 
 def normalize(raw, path, fmt: str) -> dict:
@@ -123,6 +102,22 @@ def _ranks(x):
     return [int(r) for r in x] if isinstance(x, (list, tuple)) else None
 
 
+def _sizes(x):
+    """A list of shapes (lists of ints), as the recorder writes them; None for anything else."""
+    if not isinstance(x, (list, tuple)):
+        return None
+    out = []
+    for shape in x:
+        if not isinstance(shape, (list, tuple)) or not all(type(d) is int for d in shape):
+            return None
+        out.append(list(shape))
+    return out
+
+
+def _strs(x):
+    return [str(v) for v in x] if isinstance(x, (list, tuple)) else None
+
+
 def _entry(e: dict) -> dict:
     pg = e.get("process_group")
     pg_name = str(pg[0]) if isinstance(pg, (list, tuple)) and pg else str(e.get("pg_id"))
@@ -133,8 +128,8 @@ def _entry(e: dict) -> dict:
               for f in (e.get("frames") or []) if isinstance(f, dict)]
     return {"pg": pg_name, "pg_desc": pg_desc, "seq": _int(e.get("collective_seq_id")),
             "p2p_seq": _int(e.get("p2p_seq_id")), "op": op, "profiling_name": name,
-            "input_sizes": e.get("input_sizes"), "input_dtypes": e.get("input_dtypes"),
-            "output_sizes": e.get("output_sizes"), "state": e.get("state"),
+            "input_sizes": _sizes(e.get("input_sizes")), "input_dtypes": _strs(e.get("input_dtypes")),
+            "output_sizes": _sizes(e.get("output_sizes")), "state": e.get("state"),
             "retired": e.get("retired"), "time_created_ns": e.get("time_created_ns"),
             "is_p2p": bool(e.get("is_p2p")) or op in P2P_OPS, "frames": frames}
 

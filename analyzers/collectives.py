@@ -17,6 +17,8 @@ for all_gather, input size for reduce_scatter / all_to_all, the buffer otherwise
 
 from __future__ import annotations
 
+import itertools
+
 import math
 from collections import Counter
 
@@ -117,7 +119,8 @@ def _consistency(df) -> dict:
         expect = np.arange(len(seqs))
         if not np.array_equal(np.sort(seqs), expect):
             have = set(seqs.tolist())
-            lost = [int(s) for s in range(int(seqs.max()) + 1) if s not in have][:10]
+            # the first 10 gaps, never a loop bounded by a value read from a file
+            lost = list(itertools.islice((s for s in range(int(seqs.max()) + 1) if s not in have), 10))
             dup = int(len(seqs) - len(have))
             gaps.append({"rank": int(r), "pg": pg, "missing_seq": lost, "duplicates": dup})
     ranks_present = set(df["rank"].unique().tolist())
@@ -324,15 +327,48 @@ def analyze(run) -> AnalyzerResult:
     findings = []
     # With profiler traces, comm_compute judges exposed communication (it sees overlap with
     # compute); the collective log's blocked time is the fallback when no trace was captured.
-    if blocked and blocked["median_fraction"] is not None and not run.profiler_traces() \
-            and blocked["median_fraction"] >= EXPOSED_FRACTION:
+    # Time spent waiting for a late rank (a straggler, a rank starved of input) is that rank's
+    # finding, not communication: it is left out here.
+    late = _late_waits(run, blocked)
+    if blocked and late["median_fraction"] is not None and not run.profiler_traces() \
+            and late["median_fraction"] >= EXPOSED_FRACTION:
         top = blocked["top_groups"][:3]
         names = ", ".join(f"{t['group']} ({t['mesh_dim'] or 'world/other'}, "
                           f"{t['blocked_ms_per_step']:.1f} ms/step)" for t in top)
         findings.append(Finding(
             "exposed_comm", "warning", [],
-            f"ranks spend {100 * blocked['median_fraction']:.0f} % of each step blocked in "
-            f"collectives (median over ranks); most in {names}",
-            evidence={"median_blocked_fraction": blocked["median_fraction"], "top_groups": top,
-                      "per_rank": blocked["per_rank"], "source": "collective log"}))
+            f"ranks spend {100 * late['median_fraction']:.0f} % of each step blocked in "
+            f"collectives (median over ranks); most in {names}" + late["note"],
+            evidence={"median_blocked_fraction": late["median_fraction"], "top_groups": top,
+                      "per_rank": blocked["per_rank"], "source": "collective log",
+                      "waiting_for_late_ranks_ms": late["wait_ms"], "late_ranks": late["late"]}))
+    if blocked is not None:
+        blocked["median_fraction_excl_late_ranks"] = late["median_fraction"]
     return AnalyzerResult(metrics=metrics, findings=findings)
+
+
+def _late_waits(run, blocked) -> dict:
+    """The blocked fraction without the waits for late ranks (stragglers analyzer)."""
+    out = {"median_fraction": blocked["median_fraction"] if blocked else None, "late": [],
+           "wait_ms": {}, "note": ""}
+    if not blocked:
+        return out
+    try:
+        from trainprof.analyzers.stragglers import waits_for_stragglers
+
+        w = waits_for_stragglers(run)
+    except Exception as e:  # noqa: BLE001 - a refinement: keep the plain fraction
+        run.problems.append(f"collectives: waits for stragglers unavailable ({type(e).__name__}: {e})")
+        return out
+    if not w["wait_ms"]:
+        return out
+    n = max(1, blocked["steps"])
+    fr = [max(0.0, p["blocked_ms"] - n * w["wait_ms"].get(p["rank"], 0.0)) / p["step_ms"]
+          for p in blocked["per_rank"] if p["step_ms"]]
+    waited = max(w["wait_ms"].values())
+    out.update(median_fraction=float(np.median(fr)) if fr else None, late=w["late"],
+               wait_ms={str(k): v for k, v in w["wait_ms"].items()},
+               note=f" (not counting the waits for late rank{'s' if len(w['late']) > 1 else ''} "
+                    f"{', '.join(map(str, w['late']))}, up to {waited:.0f} ms/step per rank: "
+                    "see that rank's finding)")
+    return out

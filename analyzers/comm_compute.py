@@ -323,7 +323,35 @@ def analyze(run) -> AnalyzerResult:
                                                   "host_stall": HOST_STALL_FINDING,
                                                   "warmup_factor": WARMUP_FACTOR},
                "definitions": "docs/comm-compute.md"}
-    return AnalyzerResult(metrics=metrics, findings=_findings(per_rank, job["exposed_comm_fraction"]))
+    late = _late_waits(run, per_rank)
+    if late["wait_ms"]:
+        metrics["exposed_comm_fraction_excl_late_ranks"] = late["exposed"]
+        metrics["waiting_for_late_ranks"] = {"late": late["late"], "wait_ms_per_step": late["wait_ms"]}
+    return AnalyzerResult(metrics=metrics, findings=_findings(per_rank, job["exposed_comm_fraction"], late))
+
+
+def _late_waits(run, per_rank: list[dict]) -> dict:
+    """Per rank, the exposed-communication fraction without the time it waits in collectives
+    for a late rank (a straggler or a rank starved of input: the stragglers analyzer's finding,
+    from the collective log; ms per step over its analysed steps ÷ the profiled step window)."""
+    out = {"late": [], "wait_ms": {}, "adjusted": {}, "exposed": None}
+    try:
+        from trainprof.analyzers.stragglers import waits_for_stragglers
+
+        w = waits_for_stragglers(run)
+    except Exception as e:  # noqa: BLE001 - a refinement: keep the plain fractions
+        run.problems.append(f"comm_compute: waits for stragglers unavailable ({type(e).__name__}: {e})")
+        return out
+    if not w["wait_ms"]:
+        return out
+    for r in per_rank:
+        wait = w["wait_ms"].get(r["rank"], 0.0)
+        win = r["step_window_ms"] or 0.0
+        out["adjusted"][r["rank"]] = round(max(0.0, r["exposed_comm_fraction"] - wait / win), 4) \
+            if win > 0 else r["exposed_comm_fraction"]
+    out.update(late=w["late"], wait_ms={str(k): round(v, 3) for k, v in w["wait_ms"].items()},
+               exposed=round(float(np.median(list(out["adjusted"].values()))), 4))
+    return out
 
 
 def _run_steps(run, rank, n: int) -> list:
@@ -343,10 +371,14 @@ def _coords(run, rank) -> dict:
         return {}
 
 
-def _findings(per_rank: list[dict], exposed: float) -> list[Finding]:
+def _findings(per_rank: list[dict], exposed: float, late: dict | None = None) -> list[Finding]:
     out = []
-    if exposed >= EXPOSED_COMM_FINDING:
-        worst = sorted(per_rank, key=lambda r: -r["exposed_comm_fraction"])
+    # waits for a late rank are that rank's finding (stragglers analyzer), not communication
+    adjusted = (late or {}).get("adjusted") or {}
+    own = {r["rank"]: adjusted.get(r["rank"], r["exposed_comm_fraction"]) for r in per_rank}
+    judged = late["exposed"] if adjusted else exposed
+    if judged >= EXPOSED_COMM_FINDING:
+        worst = sorted(per_rank, key=lambda r: -own[r["rank"]])
         dims: dict[str, float] = {}
         for r in per_rank:
             for d, v in r["by_dim_ms_per_step"].items():
@@ -358,14 +390,22 @@ def _findings(per_rank: list[dict], exposed: float) -> list[Finding]:
         top_dims = sorted(dims.items(), key=lambda kv: -kv[1])[:3]
         top = sorted(types.items(), key=lambda kv: -kv[1])[:3]
         where = ("; exposed most in " + ", ".join(f"{d} {v:.1f} ms/step" for d, v in top_dims)) if top_dims else ""
+        note = ""
+        if adjusted:
+            lr = late["late"]
+            note = (f" (not counting the time spent waiting for late rank{'s' if len(lr) > 1 else ''} "
+                    f"{', '.join(map(str, lr))}: {exposed:.0%} with it; see that rank's finding)")
         out.append(Finding(
             kind="exposed_comm", severity="warning",  # every rank above the threshold
-            ranks=[r["rank"] for r in worst if r["exposed_comm_fraction"] >= EXPOSED_COMM_FINDING],
-            message=(f"communication not hidden by compute takes {exposed:.0%} of the profiled "
+            ranks=[r["rank"] for r in worst if own[r["rank"]] >= EXPOSED_COMM_FINDING],
+            message=(f"communication not hidden by compute takes {judged:.0%} of the profiled "
                      f"steps (median rank, threshold {EXPOSED_COMM_FINDING:.0%}); largest: "
-                     + ", ".join(f"{t} {v:.1f} ms/step" for t, v in top) + where),
-            evidence={"exposed_comm_fraction": exposed, "threshold": EXPOSED_COMM_FINDING,
-                      "per_rank": {str(r["rank"]): r["exposed_comm_fraction"] for r in per_rank},
+                     + ", ".join(f"{t} {v:.1f} ms/step" for t, v in top) + where + note),
+            evidence={"exposed_comm_fraction": judged, "threshold": EXPOSED_COMM_FINDING,
+                      **({"exposed_comm_fraction_with_waits": exposed,
+                          "waiting_for_late_ranks_ms": late["wait_ms"], "late_ranks": late["late"]}
+                         if adjusted else {}),
+                      "per_rank": {str(r["rank"]): own[r["rank"]] for r in per_rank},
                       "comm_by_type_ms_per_step": {t: round(v, 2) for t, v in top},
                       "exposed_by_dim_ms_per_step": {d: round(v, 2) for d, v in top_dims}}))
     stalls = [r for r in per_rank if r["sync_fraction"] >= HOST_STALL_FINDING]

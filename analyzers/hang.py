@@ -8,12 +8,18 @@ Inputs (every one optional; a kill -9 leaves some missing or torn):
   ranks/rank-N/flight-recorder.pkl|json  torch's flight recorder (read by _flight_recorder)
   ranks/rank-N/collectives.jsonl, groups.jsonl  the collectives probe's log
   ranks/rank-N/steps.jsonl      last step closed
+  worker-exits.jsonl            how each worker process ended, recorded by the torchrun agent
+                                (probes/elastic_agent.py): a rank killed by SIGKILL says nothing
+                                itself
 
 A hang is present when the launcher said so (status "hung", hangs[] events), when ranks dumped,
 or when every rank's progress stopped long before the job ended (stall > max(5 s, 3x the usual
 gap between heartbeats, 2x the longest step)) without the ranks closing their heartbeat. A
 desynchronization (different op or size at one sequence number of a group) is reported even if
-the job crashed instead of hanging. Clean runs (every heartbeat closed) are silent.
+the job crashed instead of hanging. A rank whose process died first (a signal or a non-zero exit
+the launcher saw before it stopped the others; or, without that record, a heartbeat that stopped
+while the other ranks went on) is named with its step, last collective and signal. Clean runs
+(every heartbeat closed) are silent.
 
 Two collective sources are analyzed side by side and never mixed, as their sequence numbers
 differ: "probe" (collectives probe: 0-based seq per group) and "flight_recorder" (torch's
@@ -23,14 +29,21 @@ collective_seq_id, 1-based, from dumps or the heartbeats' fr counters).
 from __future__ import annotations
 
 import json
+import os
+import stat
+
+from trainprof import safeio
 from trainprof.analyzers import _flight_recorder as fr
 from trainprof.findings import AnalyzerResult, Finding
-from trainprof.rundir import RunDirError, rank_dir, read_json
+from trainprof.probes import elastic_agent
+from trainprof.rundir import RunDirError, iter_jsonl, rank_dir, read_json
 
 NAME = "hang"
 DUMP = "hang-dump.json"       # written by probes/hang_watchdog.py
 HEARTBEAT, HEARTBEAT_PREV = "heartbeat", "heartbeat.prev"
 MIN_STALL_S = 5.0
+MIN_LEAD_S = 2.0   # a heartbeat must stop this long before the others' to single its rank out
+MAX_EXITS_BYTES = 64 << 20
 P2P_OPS = fr.P2P_OPS
 SIZE_STRICT_OPS = {"all_reduce", "allreduce", "broadcast", "reduce", "all_gather",
                    "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "barrier"}
@@ -40,7 +53,7 @@ def analyze(run) -> AnalyzerResult:
     pm = postmortem(run)
     if pm is None:
         return AnalyzerResult()
-    if not pm["hung"] and not pm["desync"]:
+    if not pm["hung"] and not pm["desync"] and not pm["died"]:
         keys = ("hung", "ranks_with_heartbeat", "stalled_s", "stall_threshold_s")
         return AnalyzerResult(metrics={k: pm[k] for k in keys})
     return AnalyzerResult(metrics=pm, findings=[finding(pm)])
@@ -51,10 +64,10 @@ def analyze(run) -> AnalyzerResult:
 
 def _read_dump(run, r):
     p = rank_dir(run.path, r) / DUMP
-    if not p.exists():
+    if not os.path.exists(p):  # (False also when its folder cannot be read: RunDir says so)
         return None
     try:
-        d = read_json(p)
+        d = run.hang_dump(p) if hasattr(run, "hang_dump") else read_json(p)  # fields type-checked
     except RunDirError as e:
         run.problems.append(f"{e} (hang dump ignored)")
         return None
@@ -69,7 +82,7 @@ def _read_dump(run, r):
 def _read_fr(run, r):
     for name in fr.FILES:
         p = rank_dir(run.path, r) / name
-        if p.exists():
+        if os.path.exists(p):
             try:
                 return fr.load(p)
             except fr.FlightRecorderError as e:
@@ -103,7 +116,7 @@ def fmt_frame(f: dict | None) -> str | None:
 
 def _torn_tail(path) -> bool:
     try:
-        with open(path, "rb") as f:
+        with open(safeio.open_regular(path)[0], "rb") as f:  # never blocks on a FIFO
             f.seek(0, 2)
             if f.tell() == 0:
                 return False
@@ -147,6 +160,19 @@ class RankView:
         user = [f for f in self.stack or [] if not _is_lib(f)]
         self.user_frame = user[-1] if user else None
         self.fr_inflight = fr.inflight(self.fr) if self.fr else []
+        done = [s.get("step") for s in self.steps[-1:] if isinstance(s.get("step"), int)]
+        self.last_step_done = done[0] if done else None
+
+    def latest_collective(self) -> dict | None:
+        """The newest collective this rank is known to have issued: the last record of its
+        collectives log, or of its heartbeat / dump when newer (the log is flushed at
+        intervals, so a killed rank's last ones may be only in the heartbeat)."""
+        cands = [c for c in ([self.last_collective] + self.collectives[-1:] + self.inflight)
+                 if isinstance(c, dict) and c.get("op")]
+        if not cands:
+            return None
+        c = max(cands, key=lambda c: (c.get("enqueue_ns") or 0, c.get("seq") or 0))
+        return {k: c.get(k) for k in ("pg", "seq", "op", "bytes", "step", "enqueue_ns", "end_ns")}
 
     @property
     def blocked(self) -> bool:
@@ -298,7 +324,7 @@ def _stack_groups(views) -> list[dict]:
 # --------------------------------------------------------------------------- detection
 
 
-def _detect(run, views) -> dict:
+def _detect(run, views, exits=None) -> dict:
     man = run.launcher
     reasons = []
     if man.get("status") == "hung":
@@ -318,6 +344,10 @@ def _detect(run, views) -> dict:
                         if s.get("step", 0) >= 1), default=0.0)  # step 0 includes set-up
     threshold = max(MIN_STALL_S, 3 * p90_gap, 2 * longest_step)
     end_ns = (man.get("end_time") or {}).get("ns")
+    closes = [w["t_close_ns"] for w in (exits or {}).get("first_failures", [])
+              if isinstance(w.get("t_close_ns"), int)]
+    if closes:  # the torchrun agent stopped the workers then: the job's end, not its own exit
+        end_ns = min([end_ns] + closes) if end_ns else min(closes)
     if end_ns is None:
         ended = [run.rank_meta(r).get("ended_ns") for r in views]
         end_ns = max((e for e in ended if e), default=None)
@@ -328,9 +358,93 @@ def _detect(run, views) -> dict:
         reasons.append(f"no rank progressed during the last {stalled:.1f} s before the job ended "
                        f"(threshold {threshold:.1f} s) and {len(live)} rank(s) never closed")
     recovered = bool(reasons) and man.get("status") == "ok" and not live
-    return {"reasons": reasons, "end_ns": end_ns, "last_progress_ns": last,
+    return {"reasons": reasons, "end_ns": end_ns, "last_progress_ns": last, "p90_gap_s": p90_gap,
             "stalled_s": None if stalled is None else round(stalled, 3),
             "threshold_s": round(threshold, 3), "recovered": recovered}
+
+
+# --------------------------------------------------------------------------- process exits
+
+
+def _worker_exits(run) -> dict:
+    """elastic_agent.summarize() of RUN/worker-exits.jsonl ({} workers when absent)."""
+    p = run.path / elastic_agent.STREAM
+    records: list = []
+    try:
+        st = os.stat(p)
+    except OSError:
+        st = None
+    if st is not None:
+        if not stat.S_ISREG(st.st_mode):
+            run.problems.append(f"{p}: not a regular file, ignored")
+        elif st.st_size > MAX_EXITS_BYTES:
+            run.problems.append(f"{p}: {st.st_size} bytes, over the {MAX_EXITS_BYTES} read; ignored")
+        else:
+            records = list(iter_jsonl(p, run.problems))
+    return elastic_agent.summarize(records)
+
+
+def _died(run, views, exits, det) -> list[dict]:
+    """The ranks whose process ended first: from the torchrun agent's record of how its
+    workers ended; for a one-process job, from the launcher's own exit status; else a rank
+    whose heartbeat stopped while every other rank went on (MIN_LEAD_S and 2x the usual gap
+    between heartbeats ahead of them) in a job that failed."""
+    man = run.launcher
+    stopped_ns = _stopped_by_us_ns(man)
+    first = [dict(w, source="torchrun agent (worker-exits.jsonl)")
+             for w in exits["first_failures"] if w["rank"] in views
+             and not (stopped_ns and (w.get("t_close_ns") or 0) >= stopped_ns)]
+    if len(first) > 1 and len(first) == len(views) and len({w["signal"] for w in first}) == 1 \
+            and first[0]["signal"]:
+        first = []  # every rank killed by one signal at once: the job was stopped from outside
+    if not first and not exits["workers"] and len(views) == 1 and not stopped_ns \
+            and man.get("status") in ("failed", "killed"):
+        (r,) = views
+        code = man.get("signal")
+        row = elastic_agent.describe_exit(-code if isinstance(code, int) and code > 0
+                                          else man.get("exit_code"))
+        if row["exitcode"]:
+            first = [dict(row, rank=r, pid=None, host=man.get("host"),
+                          source="the launcher's exit status (manifest.json)")]
+    if not first and not exits["workers"] and man.get("status") in ("failed", "killed") \
+            and not det["reasons"] and not stopped_ns:
+        lp = {r: v.last_progress_ns for r, v in views.items() if v.last_progress_ns and v.heartbeats}
+        lead = max(MIN_LEAD_S, 2 * det.get("p90_gap_s", 0.0))
+        if len(lp) > 1:
+            r0 = min(lp, key=lp.get)
+            rest = min(t for r, t in lp.items() if r != r0)
+            if not views[r0].closed and (rest - lp[r0]) / 1e9 > lead:
+                first = [dict(elastic_agent.describe_exit(None), rank=r0, pid=None, host=None,
+                              source=f"heartbeat: it stopped {(rest - lp[r0]) / 1e9:.1f} s before "
+                                     f"any other rank's and never closed")]
+    # a death by a signal is a cause; an error exit beside it is usually its consequence (a
+    # collective failing on the dead peer): signals first, then the earliest last progress
+    first.sort(key=lambda w: (not w.get("signal"), views[w["rank"]].last_progress_ns or 0))
+    out = []
+    for w in first:
+        v = views[w["rank"]]
+        out.append({**{k: w.get(k) for k in ("rank", "pid", "host", "exitcode", "signal",
+                                               "signal_name", "source")},
+                    "step": v.step, "last_step_done": v.last_step_done,
+                    "last_collective": v.latest_collective(),
+                    "last_progress_ns": v.last_progress_ns})
+    return out
+
+
+def _stopped_by_us_ns(man: dict) -> int | None:
+    """When `trainprof wrap` itself stopped the job (a signal it passed on, e.g. Ctrl-C, or the
+    hang watchdog's kill): worker exits from then on are that stop, not failures."""
+    times = [x.get("t_ns") for x in man.get("signals_forwarded") or [] if isinstance(x, dict)]
+    times += [h.get("killed_ns") for h in man.get("hangs") or [] if isinstance(h, dict)]
+    times = [t for t in times if isinstance(t, int)]
+    return min(times) if times else None
+
+
+def _fmt_collective(c: dict | None) -> str | None:
+    if not c:
+        return None
+    step = f" in step {c['step']}" if c.get("step") is not None else ""
+    return f"{c.get('op')} #{c.get('seq')} of group {c.get('pg')}{step}"
 
 
 # --------------------------------------------------------------------------- assembly
@@ -341,10 +455,12 @@ def postmortem(run) -> dict | None:
     ranks = list(range(run.world_size)) if run.world_size else list(run.ranks)
     ranks = sorted(set(ranks) | set(run.ranks))
     views = {r: RankView(run, r) for r in ranks}
+    exits = _worker_exits(run)
     if not any(v.heartbeats or v.dump or v.fr for v in views.values()) \
-            and run.launcher.get("status") != "hung":
+            and run.launcher.get("status") != "hung" and not exits["first_failures"]:
         return None
-    det = _detect(run, views)
+    det = _detect(run, views, exits)
+    died = _died(run, views, exits, det)
     ledger, members = _probe_ledger(run, views)
     fr_dumps = {r: v.fr for r, v in views.items() if v.fr}
     cmp = fr.compare(fr_dumps) if fr_dumps else {}
@@ -359,11 +475,14 @@ def postmortem(run) -> dict | None:
             m["unknown_ranks"] = unknown
     hung = bool(det["reasons"])
     stacks = _stack_groups(views)
-    culprit = _culprit(views, desync, missing, stacks, hung)
+    culprit = _culprit(views, desync, missing, stacks, hung, died)
     rows = []
     for r, v in views.items():
         w = v.waiting_in()
-        state = ("no_data" if not v.present else "exited" if v.closed else
+        ex = exits["workers"].get(r)
+        state = ("died" if any(d["rank"] == r for d in died) else
+                 "ended_by_launcher" if ex and ex["ended_by_launcher"] else
+                 "no_data" if not v.present else "exited" if v.closed else
                  "unknown (heartbeat torn)" if v.torn and v.stack is None else
                  "in_collective" if v.blocked else "outside_collective" if v.stack is not None
                  or v.heartbeats else "unknown")
@@ -375,12 +494,16 @@ def postmortem(run) -> dict | None:
             "flight_recorder": bool(v.fr), "frame": fmt_frame(v.frame),
             "user_frame": fmt_frame(v.user_frame),
             "code": (v.user_frame or {}).get("code"),
-            "stack_group": next((g["id"] for g in stacks if r in g["ranks"]), None)})
+            "stack_group": next((g["id"] for g in stacks if r in g["ranks"]), None),
+            "exit": {k: ex.get(k) for k in ("pid", "host", "exitcode", "signal", "signal_name",
+                                            "first", "ended_by_launcher")} if ex else None})
     pm = {
         "hung": hung, "recovered": det["recovered"], "detected_by": det["reasons"],
         "desync": desync, "never_arrived": missing, "stack_groups": stacks, "culprit": culprit,
-        "ranks": rows, "job": {k: run.launcher.get(k) for k in ("status", "exit_code",
-                                                                  "job_exit_code", "hangs")},
+        "died": died,
+        "ranks": rows, "job": {k: run.launcher.get(k) for k in ("status", "exit_code", "signal",
+                                                                  "signal_name", "job_exit_code",
+                                                                  "hangs", "signals_forwarded")},
         "last_progress_ns": det["last_progress_ns"], "stalled_s": det["stalled_s"],
         "stall_threshold_s": det["threshold_s"],
         "ranks_with_heartbeat": sum(1 for v in views.values() if v.heartbeats),
@@ -392,12 +515,25 @@ def postmortem(run) -> dict | None:
     return pm
 
 
-def _culprit(views, desync, missing, stacks, hung) -> dict | None:
+def _culprit(views, desync, missing, stacks, hung, died=()) -> dict | None:
     def describe(ranks, reason, how):
         v = views[ranks[0]]
         return {"ranks": ranks, "reason": reason, "how": how,
                 "frame": fmt_frame(v.user_frame or v.frame), "innermost_frame": fmt_frame(v.frame),
                 "code": (v.user_frame or v.frame or {}).get("code"), "step": v.step}
+
+    if died:  # a process that died is the cause of whatever the others did next
+        d = died[0]
+        what = elastic_agent.how(d) if d.get("exitcode") is not None else "stopped (its process died?)"
+        where = f" in step {d['step']}" if d.get("step") is not None else ""
+        done = f" (last completed step {d['last_step_done']})" if d.get("last_step_done") is not None else ""
+        coll = _fmt_collective(d.get("last_collective"))
+        how = f"{what}{where}{done}" + (f"; its last recorded collective: {coll}" if coll else "")
+        c = describe([d["rank"]], "died", how)
+        c.update({k: d.get(k) for k in ("exitcode", "signal", "signal_name", "pid", "host", "source",
+                                        "last_step_done", "last_collective")})
+        c["also_failed"] = [x["rank"] for x in died[1:]]
+        return c
 
     if desync:
         d = desync[0]
@@ -444,16 +580,29 @@ def _ranks(rs) -> str:
     return ",".join(str(r) for r in rs)
 
 
+def _rank_s(rs) -> str:
+    return f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}"
+
+
 def _message(pm) -> str:
     parts = []
     c = pm["culprit"]
-    head = "Hang" if pm["hung"] else "Collective desynchronization"
+    head = "Hang" if pm["hung"] else "Collective desynchronization" if pm["desync"] \
+        else "Rank failure"
     if pm["recovered"]:
         head = "Stall (the job recovered)"
     if c:
         where = f"; it is at {c['frame']}" if c["frame"] else ""
         code = f" (`{c['code']}`)" if c["frame"] and c.get("code") else ""
         parts.append(f"{head}: rank {_ranks(c['ranks'])} {c['how']}{where}{code}")
+        if c["reason"] == "died":
+            parts[-1] = f"{head}: rank {c['ranks'][0]} was the first to fail: {c['how']}{where}{code}"
+            if c.get("also_failed"):
+                parts.append(f"{_rank_s(c['also_failed'])} had also ended before the launcher "
+                             f"stopped the job")
+            ended = [row["rank"] for row in pm["ranks"] if row["state"] == "ended_by_launcher"]
+            if ended:
+                parts.append(f"the launcher then ended {_rank_s(ended)}")
     else:
         parts.append(f"{head}: no culprit could be singled out")
     if pm["desync"] and not (c and c["reason"] == "desync"):
@@ -480,7 +629,7 @@ def finding(pm) -> Finding:
     ranks = c["ranks"] if c else [r["rank"] for r in pm["ranks"] if r["state"] != "exited"]
     severity = "warning" if pm["recovered"] else ("critical" if pm["hung"] else "error")
     evidence = {k: pm[k]
-                for k in ("culprit", "desync", "never_arrived", "detected_by", "stalled_s")}
+                for k in ("culprit", "desync", "never_arrived", "detected_by", "stalled_s", "died")}
     keys = ("ranks", "majority", "frame", "user_frame", "code", "in_collective")
     evidence["stack_groups"] = [{k: g[k] for k in keys} for g in pm["stack_groups"]]
     evidence["waiting_in"] = {str(r["rank"]): r["waiting_in"] for r in pm["ranks"]

@@ -7,10 +7,16 @@ first on the aligned clock is the origin; the others received it through collect
 module and op come from the origin rank's replay records ("op"), else from its first creation
 record. Without creation evidence anywhere the earliest detection is reported as such.
 
-loss_spike: per rank, each step's loss against the median of the trailing WINDOW finite losses;
-z = (loss - median) / (1.4826 * MAD), MAD floored at 1e-3 x |median| so a flat series does not
-turn noise into spikes; upward z > Z_THRESHOLD is a spike. Steps with non-finite loss belong to
-nan_origin, not here.
+loss_spike: judged on the mean loss over the ranks at each step (ranks of a data-parallel job see
+different batches: one rank's unlucky batch is noise, a jump of the mean is the model's), each
+step against the trailing WINDOW finite values once MIN_HISTORY of them exist:
+z = (loss − median) / scale, scale = the largest of the window's 1.4826·MAD, its step-to-step
+noise 1.4826·median|Δ|/√2, its upper-tail spread (q90 − median)/1.2816 (per-batch losses are
+skewed upwards) and 1e-3·|median|, on log(loss) when the losses are positive; upward
+z > Z_THRESHOLD · √(WINDOW / history) is a spike (warning). The same test on each rank's own
+series with Z_RANK: a rank's spike at a step where the mean shows none is info. Steps with a
+non-finite loss belong to nan_origin, not here (a step enters the mean only when every rank that
+reports losses has a finite one).
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ from trainprof.findings import AnalyzerResult, Finding
 NAME = "nan_origin"
 STREAM = "nan"
 WINDOW = 20
-MIN_HISTORY = 5
+MIN_HISTORY = 10
 Z_THRESHOLD = 6.0
+Z_RANK = 10.0        # a rank's own series (info only: thousands of series × steps are judged)
 MAD_FLOOR_REL = 1e-3
+TAIL_Q = 0.9         # upper-tail spread: (q90 − median) / z(0.9)
+TAIL_Z = 1.2816
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 MAX_SERIES = 5000
 
@@ -60,21 +69,36 @@ def analyze(run) -> AnalyzerResult:
     except Exception as e:  # noqa: BLE001 - alignment is a refinement
         run.problems.append(f"clock alignment unavailable for nan_origin: {e}")
         align = {}
-    metrics = {"ranks_watched": sorted(recs), "window": WINDOW, "z_threshold": Z_THRESHOLD}
+    metrics = {"ranks_watched": sorted(recs), "window": WINDOW, "z_threshold": Z_THRESHOLD,
+               "z_rank": Z_RANK}
     findings = []
     origin = find_origin(recs, align)
     metrics["origin"] = origin
     if origin is not None:
         findings.append(origin_finding(origin))
     series = loss_series(recs)
-    spikes = detect_spikes(series)
+    mean = mean_series(series)
+    spikes = detect_spikes({"mean": mean}) if len(series) > 1 else detect_spikes(series)
+    rank_spikes = detect_spikes(series, z_thr=Z_RANK) if len(series) > 1 else []
+    for sp in spikes:
+        sp["rank"] = sp["rank"] if len(series) == 1 else None
+        sp["ranks"] = sorted({x["rank"] for x in rank_spikes if x["step"] == sp["step"]}
+                             or series)
+    seen = {sp["step"] for sp in spikes}
+    outliers = [x for x in rank_spikes if x["step"] not in seen]
     metrics["loss"] = {str(r): s[-MAX_SERIES:] for r, s in series.items()}
+    if len(series) > 1:
+        metrics["mean_loss"] = mean[-MAX_SERIES:]
     metrics["grad_norm"] = {str(r): [[_int(x.get("step")), _num(x.get("grad_norm"))]
                                      for x in v if x.get("kind") == "step"][-MAX_SERIES:]
                             for r, v in recs.items()}
     metrics["spikes"] = spikes
+    metrics["rank_spikes"] = outliers[:200]
+    metrics["min_history"] = MIN_HISTORY
     if spikes:
-        findings.append(spike_finding(spikes))
+        findings.append(spike_finding(spikes, len(series)))
+    if outliers:
+        findings.append(rank_outlier_finding(outliers))
     return AnalyzerResult(metrics=metrics, findings=findings)
 
 
@@ -220,8 +244,38 @@ def loss_series(recs: dict) -> dict:
     return out
 
 
+def mean_series(series: dict) -> list:
+    """[[step, mean loss over the ranks], ...] for the steps where every rank that reports
+    losses has a finite one (a step some rank did not report or saw non-finite is left out)."""
+    by_step: dict[int, list] = {}
+    for pts in series.values():
+        for step, loss in pts:
+            by_step.setdefault(step, []).append(loss)
+    n = len(series)
+    return [[s, sum(v) / n] for s, v in sorted(by_step.items())
+            if len(v) == n and all(x is not None for x in v)]
+
+
+def spike_scale(w: list[float], log: bool = False) -> tuple[float, float, float]:
+    """(median, MAD, scale) of a trailing window: scale = the largest of 1.4826·MAD, the
+    step-to-step noise 1.4826·median|Δ|/√2, the upper-tail spread (q90 − median)/1.2816 and
+    MAD_FLOOR_REL·|median| (MAD_FLOOR_REL itself for a window of log losses: 0.1 %)."""
+    med = statistics.median(w)
+    mad = statistics.median(abs(x - med) for x in w)
+    steps = [abs(b - a) for a, b in zip(w, w[1:])]
+    diff = 1.4826 * statistics.median(steps) / math.sqrt(2) if steps else 0.0
+    srt = sorted(w)
+    pos = TAIL_Q * (len(srt) - 1)
+    lo = int(math.floor(pos))
+    q = srt[lo] + (srt[min(lo + 1, len(srt) - 1)] - srt[lo]) * (pos - lo)
+    tail = max(q - med, 0.0) / TAIL_Z
+    floor = MAD_FLOOR_REL if log else MAD_FLOOR_REL * abs(med)
+    return med, mad, max(1.4826 * mad, diff, tail, floor, 1e-12)
+
+
 def detect_spikes(series: dict, window: int = WINDOW, z_thr: float = Z_THRESHOLD,
                   min_history: int = MIN_HISTORY) -> list[dict]:
+    """Upward jumps of each series (key -> [[step, loss]]) against its trailing window."""
     spikes = []
     for r, pts in series.items():
         hist: list[float] = []
@@ -230,26 +284,47 @@ def detect_spikes(series: dict, window: int = WINDOW, z_thr: float = Z_THRESHOLD
                 continue
             if len(hist) >= min_history:
                 w = hist[-window:]
-                med = statistics.median(w)
-                mad = statistics.median(abs(x - med) for x in w)
-                scale = max(1.4826 * mad, MAD_FLOOR_REL * abs(med), 1e-12)
-                z = (loss - med) / scale
-                if z > z_thr:
-                    spikes.append({"rank": r, "step": step, "loss": loss, "median": med,
-                                   "mad": mad, "z": z})
+                log = loss > 0 and min(w) > 0  # losses are skewed upwards: judge log(loss)
+                med, _, scale = spike_scale([math.log(x) for x in w] if log else w, log)
+                z = ((math.log(loss) if log else loss) - med) / scale
+                # a short history estimates the scale poorly: it needs a larger jump
+                if z > z_thr * math.sqrt(window / len(w)):
+                    spikes.append({"rank": r, "step": step, "loss": loss,
+                                   "median": statistics.median(w), "scale": scale, "log": log,
+                                   "z": z})
             hist.append(loss)
-    return sorted(spikes, key=lambda s: (s["step"], s["rank"]))
+    return sorted(spikes, key=lambda s: (s["step"], str(s["rank"])))
 
 
-def spike_finding(spikes: list[dict]) -> Finding:
+def spike_finding(spikes: list[dict], nranks: int) -> Finding:
     steps = sorted({s["step"] for s in spikes})
-    ranks = sorted({s["rank"] for s in spikes})
+    ranks = sorted({r for s in spikes for r in s["ranks"]})
     top = max(spikes, key=lambda s: s["z"])
+    what = "loss" if nranks == 1 else f"mean loss over {nranks} ranks"
     msg = (f"Loss spike{'s' if len(steps) > 1 else ''} at step{'s' if len(steps) > 1 else ''} "
-           f"{', '.join(map(str, steps[:10]))}{' ...' if len(steps) > 10 else ''} on rank"
-           f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: worst step {top['step']} "
-           f"loss {top['loss']:.4g} vs trailing median {top['median']:.4g} (robust z {top['z']:.1f} "
-           f"> {Z_THRESHOLD:g}, window {WINDOW})")
+           f"{', '.join(map(str, steps[:10]))}{' ...' if len(steps) > 10 else ''}: worst step "
+           f"{top['step']} {what} {top['loss']:.4g} vs trailing median {top['median']:.4g} "
+           f"(z {top['z']:.1f} > {Z_THRESHOLD:g} in units of its own step-to-step variation "
+           f"{top['scale']:.3g}, window {WINDOW})"
+           + (f"; carried by rank{'s' if len(top['ranks']) > 1 else ''} "
+              f"{', '.join(map(str, top['ranks']))}" if nranks > 1 and len(top["ranks"]) < nranks else ""))
     return Finding("loss_spike", "warning", ranks, msg,
                    {"steps": steps, "spikes": spikes[:50], "z_threshold": Z_THRESHOLD,
-                    "window": WINDOW, "method": "median/MAD robust z over trailing window"})
+                    "window": WINDOW, "min_history": MIN_HISTORY,
+                    "series": "loss" if nranks == 1 else "mean over ranks",
+                    "method": "z over trailing window; scale = max(MAD, step-to-step, upper tail)"})
+
+
+def rank_outlier_finding(outliers: list[dict]) -> Finding:
+    steps = sorted({s["step"] for s in outliers})
+    ranks = sorted({s["rank"] for s in outliers})
+    top = max(outliers, key=lambda s: s["z"])
+    return Finding(
+        "loss_spike", "info", ranks,
+        f"rank-local loss outlier{'s' if len(outliers) > 1 else ''} not seen in the mean loss "
+        f"over the ranks: step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps[:10]))}"
+        f"{' ...' if len(steps) > 10 else ''}; worst rank {top['rank']} step {top['step']} loss "
+        f"{top['loss']:.4g} vs its trailing median {top['median']:.4g} (z {top['z']:.1f}): one "
+        "rank's batch, not the model",
+        {"steps": steps, "spikes": outliers[:50], "z_threshold": Z_RANK, "window": WINDOW,
+         "series": "per rank"})

@@ -13,6 +13,9 @@ Definitions (docs/stragglers-pipeline.md):
 * compute per micro-batch of a stage = its span time minus the time the rank was blocked in
   collectives inside those spans (TP all-reduces, FSDP all-gathers: waiting for a slow peer is
   not the stage's own work), divided by the number of micro-batches.
+* The job's bubble needs every stage of every pipeline: when a rank left no spans (its files
+  missing, a rank that never started) the job-level figures are withheld (``withheld`` says why,
+  ``partial`` which ranks); per-rank and per-stage figures stay.
 """
 
 from __future__ import annotations
@@ -348,6 +351,27 @@ def _imbalance(stage_df, cfg, stage_ranks) -> tuple[list[dict], list[Finding]]:
     return stages, findings
 
 
+def _incomplete(run, df, cfg, ranks) -> tuple[str | None, dict | None]:
+    """(why the job-level bubble is withheld, what is missing), or (None, None): ranks of the
+    job without files, or a pipeline with fewer stages in its spans than the schedule has."""
+    from trainprof.analyzers.step_time import partial_note
+
+    partial = partial_note(run, len(ranks))
+    if partial:
+        missing = partial.get("missing_ranks") or []
+        return (f"spans from {len(ranks)} of {partial.get('world_size')} ranks"
+                + (f" (missing: {', '.join(map(str, missing[:8]))})" if missing else "")), partial
+    want = cfg.get("num_stages") or 0
+    k = df[["rank", "stage"]].drop_duplicates()
+    pipes = _pipelines(run, ranks)
+    for pipe, g in k.groupby(k["rank"].map(lambda r: pipes[int(r)])):
+        if g["stage"].nunique() < want:
+            return (f"pipeline {pipe or '0'} has spans of {g['stage'].nunique()} of {want} "
+                    f"stages"), {"world_size": run.world_size, "ranks_reporting": len(ranks),
+                                 "missing_ranks": []}
+    return None, None
+
+
 def analyze(run) -> AnalyzerResult:
     df = _frame(run)
     if df.empty:
@@ -398,13 +422,17 @@ def analyze(run) -> AnalyzerResult:
     stages, findings = _imbalance(stage_df, cfg, stage_ranks)
     critical = max(stages, key=lambda x: x["compute_ms_per_mb"]) if stages else None
 
+    withheld, partial = _incomplete(run, df, cfg, ranks)
+    if withheld:  # computed from part of the pipeline, the job's bubble would be wrong
+        bubble = ratio = of_step = decomposition = None
+        by_step = by_step.iloc[0:0]
     metrics = {
         "config": cfg, "theory": th, "steps_analysed": kept, "excluded_steps": excluded,
         "timeline": "device" if bool(df["device"].all()) else
                     ("mixed" if bool(df["device"].any()) else "host"),
         "bubble_fraction": bubble, "bubble_ratio": ratio, "bubble_share_of_step": of_step,
         "bubble_fraction_by_step": {str(int(s)): float(v) for s, v in by_step.items()},
-        "excess_over_theory": (bubble - th["share"]) if th else None,
+        "excess_over_theory": (bubble - th["share"]) if th and bubble is not None else None,
         "decomposition": decomposition,
         "per_stage": per_stage, "stages": stages,
         "critical_stage": critical["stage"] if critical else None,
@@ -414,8 +442,9 @@ def analyze(run) -> AnalyzerResult:
                       "p2p_wait_ms": float(g["p2p_wait_ms"].median()),
                       "window_ms": float(g["window_ms"].median())} for r, g in per.groupby("rank")],
         "gantt": _gantt(df, run, pipes, per, kept),
+        **({"withheld": withheld, "partial": partial} if withheld else {}),
     }
-    if th and bubble > th["share"] + BUBBLE_MARGIN:
+    if th and bubble is not None and bubble > th["share"] + BUBBLE_MARGIN:
         worst = max(per_stage, key=lambda x: x["bubble_share"])
         imbalanced = [f.evidence["stage"] for f in findings if f.kind == "stage_imbalance"]
         findings.append(Finding(

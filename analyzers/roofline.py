@@ -101,10 +101,14 @@ def mfu_metrics(run, peaks: dict[int, dict]) -> dict:
                       "N = non-embedding parameters, no causal halving",
            "tokens_per_step": tokens, "step_ms": med, "devices": len(peaks),
            "peak_flops_per_s_total": total_peak or None}
-    if not per_tok or not tokens or not med or not total_peak:
+    withheld = _withheld(run, peaks, st)
+    if withheld:
+        out["withheld"] = withheld
+    if not per_tok or not tokens or not med or not total_peak or withheld:
         out["missing"] = [k for k, v in (("run_info n_params/layers/heads/seq_len", per_tok),
                                          ("run_info tokens_per_step", tokens), ("step times", med),
-                                         ("device peak", total_peak)) if not v]
+                                         ("device peak", total_peak),
+                                         ("every rank of the job", not withheld)) if not v]
         return out
     flops_step = per_tok["total"] * tokens
     ckpt = bool(info.get("activation_checkpointing"))
@@ -119,6 +123,21 @@ def mfu_metrics(run, peaks: dict[int, dict]) -> dict:
                      for s in st.get("per_step", []) if s.get("max_ms")],
     })
     return out
+
+
+def _withheld(run, peaks: dict, st: dict) -> str | None:
+    """Why MFU cannot be given for the job (None when it can): MFU divides the job's FLOPs by
+    the peaks of all its devices, so a rank without files (or without a known peak) would
+    inflate it; the figure is withheld rather than computed from part of the job."""
+    partial = (st.get("job") or {}).get("partial")
+    if partial:
+        n = partial.get("ranks_reporting", partial.get("ranks_present"))
+        return (f"only {n} of {partial.get('world_size')} ranks have step records "
+                f"(missing: {', '.join(map(str, partial.get('missing_ranks', [])[:8])) or '?'})")
+    world = run.world_size
+    if peaks and len(peaks) < world:
+        return f"device peak known for {len(peaks)} of {world} ranks"
+    return None
 
 
 # --------------------------------------------------------------------------- per op
@@ -235,7 +254,7 @@ def analyze(run) -> AnalyzerResult:
         # what the trace counted (all ranks, per step) against the model formula
         mfu["trace_flops_per_step"] = float(sum(trace_flops))
         mfu["trace_over_model"] = mfu["trace_flops_per_step"] / mfu["model_flops_per_step"]
-    if not classes and "mfu" not in mfu:
+    if not classes and "mfu" not in mfu and "withheld" not in mfu:
         return AnalyzerResult()
     plot = None
     if ref_peak:

@@ -3,7 +3,9 @@
 Excluded from statistics (and listed in the metrics): step 0, which runs from probe activation
 to the first step boundary and so includes set-up, and the steps the profiler window touched
 (its warm-up step, the recorded steps, and the step that paid for the trace export), whose
-times include profiler overhead. The job's step time for a step is the slowest rank's.
+times include profiler overhead. The job's step time for a step is the slowest rank's; when
+some ranks of the job left no step records (a rank directory missing, a rank that never
+started), the job figures carry ``partial`` (the slowest rank may be among those not seen).
 """
 
 from __future__ import annotations
@@ -21,9 +23,22 @@ def excluded_steps(steps) -> dict[str, list[int]]:
     if "profiled" in steps:
         prof = sorted(int(s) for s in steps.loc[steps["profiled"].fillna(False).astype(bool), "step"].unique())
         if prof:
-            # one warm-up step before the window and the export step after it
-            out["profiler"] = list(range(prof[0] - 1, prof[-1] + 2))
+            # one warm-up step before each window and the export step after it (the steps
+            # themselves, never a range between them: step numbers come from files)
+            seen = set(prof)
+            edges = {s - 1 for s in seen if s - 1 not in seen} | {s + 1 for s in seen if s + 1 not in seen}
+            out["profiler"] = sorted(seen | edges)
     return out
+
+
+def partial_note(run, ranks_reporting: int) -> dict | None:
+    """What a job-level figure computed from ``ranks_reporting`` ranks lacks: None when every
+    rank of the job is there, else {world_size, ranks_reporting, missing_ranks, ...}."""
+    p = run.partial() if hasattr(run, "partial") else None
+    world = max(run.world_size, (p or {}).get("world_size") or 0)
+    if p is None and ranks_reporting >= world:
+        return None
+    return {**(p or {"world_size": world, "missing_ranks": []}), "ranks_reporting": ranks_reporting}
 
 
 def analyze(run) -> AnalyzerResult:
@@ -70,6 +85,9 @@ def analyze(run) -> AnalyzerResult:
         "steps_recorded": int(steps["step"].max()) + 1,
         "ranks_reporting": int(steps["rank"].nunique()),
     }
+    partial = partial_note(run, job["ranks_reporting"])
+    if partial:
+        job["partial"] = partial
     return AnalyzerResult(metrics={
         "job": job, "per_rank": per_rank, "per_step": per_step,
         "step_ms_by_rank": step_ms_by_rank, "first_step": first_step,

@@ -1,50 +1,72 @@
-"""Stragglers: ranks slower than the peers doing the same work, and ranks starved of input.
+"""Stragglers: ranks that make the others wait, with the cause named, and ranks starved of input.
 
 In synchronous training every rank's step takes as long as the slowest one's, so step time
 says nothing about who is slow. What differs is how a rank spends the step:
 
-    busy_ms = step dur_ms − time blocked in collectives (collectives.jsonl blocked_ms, p2p
-              waits of the pipeline included) − time waiting for input (data.jsonl wait_ms)
+    own_ms  = step dur_ms − time waiting in collectives (analyzers/_lateness.py wait_ms: host
+              blocked time, p2p waits of the pipeline included, or the device-side wait of
+              device-timed collectives)
+    busy_ms = own_ms − time waiting for input (data.jsonl wait_ms)
 
-A straggler has more busy time than its *peers*: the ranks doing identical work, i.e. the same
-pipeline stage(s) (pp coordinate; without pipelining every rank). Per analysed step (warm-up
-and profiler window excluded, as step_time does):
+Peers are the ranks doing identical work: the same pipeline stage(s) (pp coordinate; without
+pipelining every rank). Two per-step signals, each relative to the *other* peers:
 
-    excess(step) = busy − median(busy of the rank's peer group in that step, itself included)
-    E            = median of excess over the steps
-    score        = E / max(1.4826 · MAD over ranks of E, FLOOR × median step)
+    excess(r, s) = own_ms(r, s) − median of own_ms over r's other peers in step s
+    late(r, s)   = median over r's collectives in step s of (its enqueue − the median enqueue
+                   of the other members that are its peers): arrival lateness, clock-aligned —
+                   the signal when waits are not seen on the host (async collectives)
 
-A *chronic* straggler (a finding) has score ≥ SCORE, E ≥ MIN_EXCESS × median step and an
-excess over MIN_EXCESS × step in ≥ CHRONIC of the analysed steps and in at least
-CHRONIC_MIN_STEPS of them. A rank whose excess passes max(SCORE × scale, MIN_EXCESS × step)
-in some steps only is *transient* (metrics only: one descheduled step on a busy host must not
-raise a finding). A whole stage slower than the others is stage imbalance (the pipeline
-analyzer emits it, this one never does), not a straggler here: peers share the stage. Time spent waiting for data is not
-busy time; a rank whose data wait is a large share of its step is `data_starvation`.
-Evidence: mesh coordinates, host, arrival lateness at collectives (clock-aligned, same
-definition as the collectives analyzer), NVML telemetry when sampled.
+Per signal and rank (analysed steps: warm-up and profiler window excluded, as step_time does):
+
+    E      = median over the steps of the signal
+    noise  = 1.4826 · median |x(s) − x(s−1)| / √2, pooled over every rank's own series: one
+             step's noise, from the step-to-step variation
+    scale  = max(noise, spread, FLOOR × median step); spread = 1.4826·MAD over the peer group
+             of E, only in groups of ≥ SPREAD_MIN_GROUP ranks (systematic rank-to-rank offsets)
+    score  = E / scale: how many steps' worth of noise the rank is behind, every step
+
+A *chronic* straggler (a finding) has, for either signal, score ≥ SCORE and score·√n ≥
+SIGNIFICANCE (n analysed steps: the median of a short run is itself noisy), E ≥ MIN_EXCESS ×
+median step, and the signal over MIN_EXCESS × step in ≥ CHRONIC of the analysed steps and in
+at least CHRONIC_MIN_STEPS of them. Nothing here divides by a spread over ranks that two ranks
+cannot have: on 2 ranks the excess is the difference of the two. A rank whose signal passes
+max(STEP_SCORE × noise, MIN_EXCESS × step) in some steps only is *transient* (metrics only). A
+whole stage slower than the others is stage imbalance (the pipeline analyzer), not a straggler.
+
+The finding names the cause (analyzers/_straggler_cause.py: input wait, CPU wait of the training
+thread, device throttling, or its own work) and the waits it causes: per other rank, the part of
+its collective waits that the straggler's late arrival explains (_lateness.waits_caused) —
+what exposed_comm then leaves out. A rank whose data wait is a large share of its step is
+`data_starvation`; a straggler late for its input is reported there.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 
+from trainprof.analyzers import _lateness
+from trainprof.analyzers import _straggler_cause as cause
 from trainprof.findings import AnalyzerResult, Finding
 
 NAME = "stragglers"
-SCORE = 3.0          # robust z-like score for "slower than the peers" in one step
-FLOOR = 0.03         # spread floor: 3 % of the median step (peers are often near-identical)
-MIN_EXCESS = 0.10    # ... and at least 10 % of the median step (identical-work CPU ranks
-                     # measured up to ~9 % apart in clean 8-rank runs on 2 shared cores)
+SCORE = 1.5          # E / scale for a chronic straggler (clean runs measured ≤ 1.1, injected
+                     # stragglers 2.8-5.5: docs/stragglers-pipeline.md)
+SIGNIFICANCE = 3.0   # ... and score · √n ≥ this (a 3-step median is noisy itself)
+STEP_SCORE = 3.0     # one step's excess ≥ this × noise: a transient straggler in that step
+FLOOR = 0.03         # scale floor: 3 % of the median step (synthetic runs with no noise)
+MIN_EXCESS = 0.10    # ... and at least 10 % of the median step (docs/stragglers-pipeline.md:
+                     # clean CPU runs on 2 shared cores measured up to ~9 % apart)
 CHRONIC = 0.5        # share of analysed steps for a chronic straggler ...
 CHRONIC_MIN_STEPS = 3  # ... and seen in at least this many steps (2 noisy steps are not a habit)
+SPREAD_MIN_GROUP = 6   # the spread of E over the peer group joins the scale from this size on
 DATA_SHARE = 0.10    # data wait ≥ 10 % of the step ...
 DATA_MIN_MS = 20.0   # ... and ≥ 20 ms (median over analysed steps) → data starvation
-TELEMETRY_FIELDS = ("sm_clock_mhz", "power_w", "temp_c", "sm_util_pct")
-# NVML clock-event reasons that slow a busy GPU down (gpu_idle, app clocks etc. do not)
-PERF_THROTTLES = {"sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake"}
+WAITER_SHARE = 0.25  # a rank waits for the straggler: ≥ 25 % of its excess per step
 P2P_OPS = ("send", "recv", "isend", "irecv")
+SCHED_FIELDS = cause.SCHED_FIELDS
 
 
 def _kept(run, steps):
@@ -59,13 +81,11 @@ def _kept(run, steps):
     return kept, excluded
 
 
-def _per_step_sum(run, df, name, field, ops=None) -> pd.DataFrame:
-    """Sum of ``field`` per (rank, step) over the records of stream ``name`` (frame ``df``)."""
+def _raw_sum(run, df, field, ops=None) -> pd.DataFrame:
+    """Sum of ``field`` per (rank, step) over the records of a raw stream frame."""
     if ops is not None and not df.empty:
         df = df[df["op"].isin(ops)] if "op" in df.columns else df.iloc[:0]
     if df.empty or field not in df.columns or "step" not in df.columns:
-        if not df.empty:
-            run.problems.append(f"{run.path}/ranks/*/{name}.jsonl: records lack step/{field}; ignored")
         return pd.DataFrame(columns=["rank", "step", field])
     d = df[["rank", "step", field]].copy()
     d[field] = pd.to_numeric(d[field], errors="coerce").fillna(0.0)
@@ -74,24 +94,48 @@ def _per_step_sum(run, df, name, field, ops=None) -> pd.DataFrame:
     return d.groupby(["rank", "step"], as_index=False)[field].sum()
 
 
-def _table(run) -> pd.DataFrame:
+def _table(run, groups_of) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(per rank and step table, the aligned collectives frame); ``groups_of(ranks)`` gives
+    each rank's peer-group label (arrival lateness is against the rank's peers)."""
     steps = run.steps()
     if steps.empty or "dur_ms" not in steps.columns:
-        return pd.DataFrame()
-    st = steps.drop_duplicates(["rank", "step"], keep="last")[["rank", "step", "dur_ms"]].copy()
+        return pd.DataFrame(), pd.DataFrame()
+    cols = ["rank", "step", "dur_ms"] + [c for c in SCHED_FIELDS if c in steps.columns]
+    st = steps.drop_duplicates(["rank", "step"], keep="last")[cols].copy()
     st["step"] = st["step"].astype(int)
     coll = run.collectives()  # the job's own (no NaN-replay collectives)
-    blocked = _per_step_sum(run, coll, "collectives", "blocked_ms")
-    p2p = _per_step_sum(run, coll, "collectives", "blocked_ms", P2P_OPS).rename(
-        columns={"blocked_ms": "p2p_ms"})
-    data = _per_step_sum(run, run.frame("data"), "data", "wait_ms")
-    t = (st.merge(blocked, on=["rank", "step"], how="left")
-         .merge(p2p, on=["rank", "step"], how="left").merge(data, on=["rank", "step"], how="left"))
-    t["blocked_ms"] = t["blocked_ms"].fillna(0.0)
-    t["p2p_ms"] = t["p2p_ms"].fillna(0.0)  # part of blocked_ms: the pipeline's stage hand-overs
-    t["wait_ms"] = t["wait_ms"].fillna(0.0)
-    t["busy_ms"] = (t["dur_ms"] - t["blocked_ms"] - t["wait_ms"]).clip(lower=0.0)
-    return t
+    if coll.empty and st["rank"].nunique() > 1:
+        run.problems.append("stragglers: no collective log (collectives.jsonl): the time ranks "
+                            "wait for each other is unknown, so a straggler cannot be told from "
+                            "the ranks waiting for it")
+    fr = _lateness.frame(run) if not coll.empty else pd.DataFrame()
+    if not fr.empty:
+        blocked = _lateness.per_step(fr, "wait_ms", "sum").rename(columns={"wait_ms": "blocked_ms"})
+        p2p = _lateness.per_step(fr[fr["op"].isin(P2P_OPS)], "wait_ms", "sum").rename(
+            columns={"wait_ms": "p2p_ms"})
+        fr = fr.assign(late_ms=_lateness.lateness(
+            fr, groups_of(sorted(int(r) for r in fr["rank"].unique()))))
+        late = _lateness.per_step(fr, "late_ms", "median")
+    else:
+        if not coll.empty:
+            run.problems.append(f"{run.path}/ranks/*/collectives.jsonl: records lack the fields "
+                                "to align them; waits summed per rank, no arrival lateness")
+        blocked = _raw_sum(run, coll, "blocked_ms")
+        p2p = _raw_sum(run, coll, "blocked_ms", P2P_OPS).rename(columns={"blocked_ms": "p2p_ms"})
+        late = pd.DataFrame(columns=["rank", "step", "late_ms"])
+    data = run.frame("data")
+    if not data.empty and not {"step", "wait_ms"} <= set(data.columns):
+        run.problems.append(f"{run.path}/ranks/*/data.jsonl: records lack step/wait_ms; ignored")
+    data = _raw_sum(run, data, "wait_ms").rename(columns={"wait_ms": "data_ms"})
+    t = st
+    for other in (blocked, p2p, data, late):
+        t = t.merge(other.astype({"rank": int, "step": int}), on=["rank", "step"], how="left")
+    for c in ("blocked_ms", "p2p_ms", "data_ms"):  # p2p_ms: part of blocked_ms (stage hand-overs)
+        t[c] = pd.to_numeric(t[c], errors="coerce").fillna(0.0)
+    t["late_ms"] = pd.to_numeric(t["late_ms"], errors="coerce")
+    t["own_ms"] = (t["dur_ms"] - t["blocked_ms"]).clip(lower=0.0)
+    t["busy_ms"] = (t["own_ms"] - t["data_ms"]).clip(lower=0.0)
+    return t, fr
 
 
 def _peer_groups(run, ranks) -> dict[int, str]:
@@ -109,84 +153,101 @@ def _peer_groups(run, ranks) -> dict[int, str]:
     return out
 
 
+def loo_median(v: np.ndarray) -> np.ndarray:
+    """For each element, the median of the *other* elements (NaN for a single element)."""
+    v = np.asarray(v, dtype=float)
+    n = v.size
+    if n < 2:
+        return np.full(n, np.nan)
+    order = np.argsort(v, kind="mergesort")
+    s = v[order]
+    k = np.empty(n, dtype=int)
+    k[order] = np.arange(n)
+    m = n - 1
+    lo, hi = ((m - 1) // 2, (m - 1) // 2) if m % 2 else (m // 2 - 1, m // 2)
+    pick = lambda j: s[j + (j >= k)]  # noqa: E731 - the j-th smallest of the others
+    return (pick(lo) + pick(hi)) / 2.0
+
+
 def _residuals(t: pd.DataFrame, groups: dict[int, str]) -> pd.DataFrame:
-    """Per (rank, step): excess = busy − median busy of the rank's peers in that step."""
+    """Per (rank, step): excess = own − median own of the rank's other peers in that step."""
     t = t.copy()
     t["group"] = t["rank"].map(groups)
     t["step_med"] = t["step"].map(t.groupby("step")["dur_ms"].median())
+    t["peer_own_ms"] = np.nan
     t["peer_busy_ms"] = np.nan
     for _, g in t.groupby(["group", "step"]):
-        if len(g) < 2:
-            continue
-        # the group's median with the rank itself included: a leave-one-out median would hold
-        # the straggler for every *other* rank of a small group (of {a, b, S} the median is the
-        # larger normal rank), biasing all of them negative and inflating the spread
-        t.loc[g.index, "peer_busy_ms"] = float(g["busy_ms"].median())
-    t["excess_ms"] = t["busy_ms"] - t["peer_busy_ms"]
+        if len(g) >= 2:
+            t.loc[g.index, "peer_own_ms"] = loo_median(g["own_ms"].to_numpy())
+            t.loc[g.index, "peer_busy_ms"] = loo_median(g["busy_ms"].to_numpy())
+    t["excess_ms"] = t["own_ms"] - t["peer_own_ms"]
     t["rel_excess"] = t["excess_ms"] / t["step_med"]
     return t
 
 
-def _rank_scores(k: pd.DataFrame, step_ms: float) -> tuple[dict[int, float], float]:
-    """Score per rank = its median excess over the steps / the spread of that median across
-    ranks (1.4826·MAD, robust to the straggler itself), floored at FLOOR × median step:
-    per-step busy time is noisy (±15 % under CPU contention) but a straggler is slower
-    in most steps, so its median excess stands out while the others' hover near 0."""
-    med = k.dropna(subset=["excess_ms"]).groupby("rank")["excess_ms"].median()
-    if med.empty:
-        return {}, float("nan")
-    v = med.to_numpy(dtype=float)
-    scale = max(1.4826 * float(np.median(np.abs(v - np.median(v)))), FLOOR * step_ms, 1e-6)
-    return {int(r): float(x) / scale for r, x in med.items()}, scale
+def noise_ms(k: pd.DataFrame, col: str) -> float:
+    """One step's noise of a signal: 1.4826 · median |x(s) − x(s−1)| / √2 over consecutive
+    analysed steps of every rank's own series, pooled (NaN without two steps anywhere)."""
+    v = k.dropna(subset=[col]).sort_values(["rank", "step"])
+    d = v.groupby("rank")[col].diff().abs().dropna().to_numpy(dtype=float)
+    return 1.4826 * float(np.median(d)) / math.sqrt(2) if d.size else float("nan")
 
 
-def _lateness(run, kept) -> dict[int, dict]:
-    """Arrival lateness per rank (collectives analyzer definitions), {} when not computable."""
-    try:
-        from trainprof.analyzers import collectives as coll
-
-        df = coll._frame(run)
-        if df.empty:
-            return {}
-        lat = coll._lateness(df, coll._instances(df), kept)
-        return {int(p["rank"]): p for p in lat.get("per_rank", [])}
-    except Exception as e:  # noqa: BLE001 - corroborating evidence only
-        run.problems.append(f"stragglers: arrival lateness unavailable ({type(e).__name__}: {e})")
-        return {}
-
-
-def _telemetry(run, kept) -> dict[int, dict]:
+def judge(k: pd.DataFrame, col: str, step_ms: float) -> tuple[dict[int, dict], float]:
+    """Per rank: E, n, scale, score, status and the steps that count, for signal ``col`` of the
+    analysed-steps table ``k`` (columns rank, step, group, col). Returns (per rank, noise)."""
+    noise = noise_ms(k, col)
+    nz = 0.0 if math.isnan(noise) else noise
+    floor = MIN_EXCESS * step_ms
+    v = k.dropna(subset=[col])
+    if v.empty:
+        return {}, noise
+    v = v.assign(over=v[col] >= floor)
+    v = v.assign(strong=v["over"] & (v[col] >= STEP_SCORE * nz))
+    g = v.groupby("rank")
+    per = pd.DataFrame({"E": g[col].median(), "n": g[col].size(), "group": g["group"].first(),
+                        "over_frac": g["over"].mean(), "over_n": g["over"].sum(),
+                        "strong": g["strong"].any()})
+    # spread of E over each peer group of ≥ SPREAD_MIN_GROUP ranks (1.4826·MAD)
+    gm = per.groupby("group")["E"]
+    dev = (per["E"] - gm.transform("median")).abs()
+    spread = 1.4826 * dev.groupby(per["group"]).transform("median")
+    spread = spread.where(gm.transform("size") >= SPREAD_MIN_GROUP, 0.0)
+    per["scale"] = np.maximum.reduce([np.full(len(per), nz), spread.to_numpy(float),
+                                      np.full(len(per), FLOOR * step_ms), np.full(len(per), 1e-9)])
+    per["score"] = per["E"] / per["scale"]
+    chronic = ((per["score"] >= SCORE) & (per["score"] * np.sqrt(per["n"]) >= SIGNIFICANCE)
+               & (per["E"] >= floor) & (per["over_frac"] >= CHRONIC)
+               & (per["over_n"] >= CHRONIC_MIN_STEPS))
+    per["status"] = np.where(chronic, "chronic", np.where(per["strong"], "transient", "ok"))
+    flagged = per.index[per["status"] != "ok"]
+    hits = v[v["rank"].isin(flagged)]
     out = {}
-    for r in run.ranks:
-        recs = [x for x in run.stream(r, "telemetry") if x.get("step") in kept]
-        if not recs:
-            continue
-        d = {}
-        for f in TELEMETRY_FIELDS:
-            v = [float(x[f]) for x in recs if isinstance(x.get(f), (int, float))]
-            if v:
-                d[f] = float(np.median(v))
-        thr = [x for x in recs if set(x.get("throttle") or []) & PERF_THROTTLES]
-        if thr:
-            d["throttle"] = sorted({t for x in thr for t in x["throttle"]} & PERF_THROTTLES)
-            d["throttled_frac"] = len(thr) / len(recs)
-        if d:
-            out[r] = d
-    return out
+    for r, row in per.iterrows():
+        steps = []
+        if row["status"] != "ok":
+            h = hits[hits["rank"] == r]
+            steps = [int(s) for s in h.loc[h["over" if row["status"] == "chronic" else "strong"], "step"]]
+        out[int(r)] = {"E": float(row["E"]), "n": int(row["n"]), "scale": float(row["scale"]),
+                       "score": float(row["score"]), "status": row["status"], "steps": steps}
+    return out, noise
 
 
-def _telemetry_text(mine: dict, peers: list[dict]) -> str:
-    """'; GPU throttled (sw_thermal) in 80 % of samples, SM clock 1410 vs 1980 MHz ...'."""
-    parts = []
-    if mine.get("throttle"):
-        parts.append(f"GPU throttled ({', '.join(mine['throttle'])}) in "
-                     f"{100 * mine.get('throttled_frac', 0):.0f} % of samples")
-    for f, label, unit in (("sm_clock_mhz", "SM clock", "MHz"), ("temp_c", "temperature", "°C"),
-                           ("power_w", "power", "W")):
-        peer = [q[f] for q in peers if isinstance(q.get(f), (int, float))]
-        if isinstance(mine.get(f), (int, float)) and peer:
-            parts.append(f"{label} {mine[f]:.0f} vs {np.median(peer):.0f} {unit} for its peers")
-    return ("; " + ", ".join(parts)) if parts else ""
+def _lateness_evidence(fr, kept) -> dict[int, dict]:
+    """Per rank over the analysed steps: mean / max arrival lateness vs the first member to
+    arrive, and the share of instances it arrived last (collectives analyzer definitions)."""
+    if fr.empty:
+        return {}
+    c = fr[fr["complete"] & fr["step"].isin(kept)]
+    if c.empty:
+        return {}
+    inst = c.groupby(["group", "ordinal"])["t_enq"]
+    first, last = inst.transform("min"), inst.transform("max")
+    c = c.assign(late=c["t_enq"] - first, last=(c["t_enq"] >= last) & (last > first))
+    g = c.groupby("rank")
+    d = pd.DataFrame({"mean_ms": g["late"].mean(), "max_ms": g["late"].max(),
+                      "last_frac": g["last"].mean()})
+    return {int(r): {k: float(x) for k, x in row.items()} for r, row in d.iterrows()}
 
 
 def _matrix(t, col, steps) -> dict[str, list]:
@@ -199,8 +260,65 @@ def _coords_text(c: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in c.items()) if c else "unknown mesh coordinates"
 
 
+def _ranks_text(rs) -> str:
+    """'rank 2', 'ranks 0, 1, 3', 'ranks 0–699, 701–1023' (runs of 3 or more as a range)."""
+    rs = sorted(set(rs))
+    parts, i = [], 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        parts += [f"{rs[i]}–{rs[j]}"] if j - i >= 2 else [str(x) for x in rs[i:j + 1]]
+        i = j + 1
+    return f"rank{'s' if len(rs) > 1 else ''} {', '.join(parts)}"
+
+
+def _waits_text(w: dict, late_rank: int) -> str:
+    """'ranks 0, 1, 3 wait 62 ms/step in all_reduce for rank 2'."""
+    if not w.get("waiters"):
+        return ""
+    ops = ", ".join(list(w["ops"])[:2]) or "collectives"
+    verb = "wait" if len(w["waiters"]) > 1 else "waits"
+    return (f"{_ranks_text(w['waiters'])} {verb} {w['wait_ms']:.0f} ms/step in {ops} for "
+            f"rank {late_rank} (median)")
+
+
+def _caused(fr, r: int, kept, excess: float) -> dict:
+    c = _lateness.waits_caused(fr, r, kept) if not fr.empty else {"by_rank": {}, "ops": {}}
+    waiters = sorted(q for q, v in c["by_rank"].items() if v >= WAITER_SHARE * excess and v > 0)
+    return {"by_rank": c["by_rank"], "ops": c["ops"], "waiters": waiters,
+            "wait_ms": float(np.median([c["by_rank"][q] for q in waiters])) if waiters else 0.0}
+
+
 def analyze(run) -> AnalyzerResult:
-    t = _table(run)
+    cache = getattr(run, "_cache", None)
+    if cache is not None and "analyzers.stragglers" in cache:
+        return cache["analyzers.stragglers"]
+    res = _analyze(run)
+    if cache is not None:
+        cache["analyzers.stragglers"] = res
+    return res
+
+
+def waits_for_stragglers(run) -> dict:
+    """What exposed-communication judgments leave out: ``{"late": [ranks late for the others:
+    chronic stragglers and input-starved ranks], "wait_ms": {rank: ms per step (median over the
+    analysed steps) it waits in collectives for them}}``; empty lists/dicts when there is none."""
+    late: set[int] = set()
+    wait: dict[int, float] = {}
+    for f in analyze(run).findings:
+        ev = f.evidence or {}
+        caused = ev.get("waits_caused_ms") or {}
+        if not caused:
+            continue
+        late.update(ev.get("late_for_input") or ([ev["rank"]] if "rank" in ev else []))
+        for q, v in caused.items():
+            wait[int(q)] = wait.get(int(q), 0.0) + float(v)
+    return {"late": sorted(late), "wait_ms": wait}
+
+
+def _analyze(run) -> AnalyzerResult:
+    t, fr = _table(run, lambda rs: _peer_groups(run, rs))
     if t.empty:
         return AnalyzerResult()
     kept, excluded = _kept(run, run.steps())
@@ -209,111 +327,80 @@ def analyze(run) -> AnalyzerResult:
     scored = _residuals(t, groups)
     k = scored[scored["step"].isin(kept)]
     step_ms = float(k.groupby("step")["dur_ms"].median().median()) if not k.empty else 0.0
-    scores, scale = _rank_scores(k, step_ms)
-    # spread of a single step's excess (pooled over ranks and steps): the transient threshold
-    ex = k["excess_ms"].dropna().to_numpy(dtype=float)
-    step_scale = max(1.4826 * float(np.median(np.abs(ex - np.median(ex)))) if ex.size else 0.0,
-                     FLOOR * step_ms)
-    lateness = _lateness(run, kept)
-    telemetry = _telemetry(run, kept)
+    by_excess, noise = judge(k, "excess_ms", step_ms)
+    by_late, late_noise = judge(k, "late_ms", step_ms)
+    lateness = _lateness_evidence(fr, kept)
+    telemetry = cause.telemetry(run, kept)
+    has_sched = all(c in k.columns for c in SCHED_FIELDS) and k["cpu_wait_ms"].notna().any()
 
-    per_rank, findings = [], []
-    starving = []
-    for r, g in k.groupby("rank"):
+    per_rank, starving = [], []
+    cols = ["own_ms", "busy_ms", "blocked_ms", "p2p_ms", "data_ms", "dur_ms", "peer_own_ms",
+            "peer_busy_ms", "rel_excess"] + ([c for c in SCHED_FIELDS] if has_sched else [])
+    med = k.assign(data_share=k["data_ms"] / k["dur_ms"]).groupby("rank")[cols + ["data_share"]].median()
+    kg = k.groupby("rank")
+    n_steps, max_excess = kg.size(), kg["excess_ms"].max()
+    for r in med.index:
         r = int(r)
-        score = scores.get(r)
-        excess = _f(g["excess_ms"].median())
-        over = g["excess_ms"] >= MIN_EXCESS * step_ms
-        # transient: single steps whose excess alone stands out of the per-step noise
-        strong = over & (g["excess_ms"] >= SCORE * step_scale)
-        chronic = (score is not None and score >= SCORE and excess is not None
-                   and excess >= MIN_EXCESS * step_ms and float(over.mean()) >= CHRONIC
-                   and int(over.sum()) >= CHRONIC_MIN_STEPS)
-        status = "chronic" if chronic else ("transient" if strong.any() else "ok")
-        hit = over if chronic else strong
-        frac = float(hit.mean()) if len(g) else 0.0
-        data_med = float(g["wait_ms"].median())
-        data_share = float((g["wait_ms"] / g["dur_ms"]).median()) if len(g) else 0.0
+        m = med.loc[r]
+        ex, lt = by_excess.get(r), by_late.get(r)
+        status = "ok"
+        for j in (ex, lt):
+            if j and (j["status"] == "chronic" or (j["status"] == "transient" and status == "ok")):
+                status = j["status"]
+        signal = ("own_time" if ex and ex["status"] == status
+                  else "lateness" if lt and lt["status"] == status else None)
+        j = ex if signal == "own_time" else lt if signal == "lateness" else ex
+        data_med = float(m["data_ms"])
         lat = lateness.get(r, {})
+        n = int(n_steps[r])
         rec = {"rank": r, "group": groups[r], "coords": run.coords(r),
-               "host": run.rank_meta(r).get("host"), "steps": int(len(g)),
-               "busy_ms": float(g["busy_ms"].median()), "blocked_ms": float(g["blocked_ms"].median()),
-               "p2p_ms": float(g["p2p_ms"].median()),
-               "data_wait_ms": data_med, "data_share": data_share,
-               "step_ms": float(g["dur_ms"].median()),
-               "peer_busy_ms": _f(g["peer_busy_ms"].median()),
-               "excess_ms": excess, "score": score,
-               "max_excess_ms": _f(g["excess_ms"].max()), "rel_excess": _f(g["rel_excess"].median()),
-               "straggling_steps": [int(s) for s in g.loc[hit, "step"]],
-               "straggling_frac": frac, "status": status,
+               "host": run.rank_meta(r).get("host"), "steps": n,
+               "own_ms": float(m["own_ms"]), "busy_ms": float(m["busy_ms"]),
+               "blocked_ms": float(m["blocked_ms"]), "p2p_ms": float(m["p2p_ms"]),
+               "data_wait_ms": data_med, "data_share": float(m["data_share"]),
+               "step_ms": float(m["dur_ms"]),
+               "peer_own_ms": _f(m["peer_own_ms"]), "peer_busy_ms": _f(m["peer_busy_ms"]),
+               "excess_ms": ex["E"] if ex else None, "score": ex["score"] if ex else None,
+               "late_ms": lt["E"] if lt else None, "late_score": lt["score"] if lt else None,
+               "max_excess_ms": _f(max_excess[r]), "rel_excess": _f(m["rel_excess"]),
+               "signal": signal, "straggling_steps": j["steps"] if j else [],
+               "straggling_frac": len(j["steps"]) / n if j and n else 0.0,
+               "status": status,
                "lateness_mean_ms": lat.get("mean_ms"), "lateness_max_ms": lat.get("max_ms"),
                "last_frac": lat.get("last_frac")}
+        if has_sched:
+            for c in SCHED_FIELDS:
+                rec[c] = _f(m[c])
         if r in telemetry:
             rec["telemetry"] = telemetry[r]
         per_rank.append(rec)
-        if data_med >= DATA_MIN_MS and step_ms and data_share >= DATA_SHARE:
+        if data_med >= DATA_MIN_MS and step_ms and rec["data_share"] >= DATA_SHARE:
             starving.append(rec)
 
+    findings, input_late = [], {}
     for p in per_rank:
         if p["status"] != "chronic":
             continue
         peers = [q for q in per_rank if q["group"] == p["group"] and q["rank"] != p["rank"]]
-        ev = {"rank": p["rank"], "coords": p["coords"], "host": p["host"], "peer_group": p["group"],
-              "peers": [q["rank"] for q in peers], "busy_ms": p["busy_ms"],
-              "peer_busy_ms": p["peer_busy_ms"], "excess_ms": p["excess_ms"],
-              "score": p["score"], "rel_excess": p["rel_excess"],
-              "straggling_steps": p["straggling_steps"], "analysed_steps": kept,
-              "blocked_ms": p["blocked_ms"],
-              "peer_blocked_ms": _f(np.median([q["blocked_ms"] for q in peers])) if peers else None,
-              "data_wait_ms": p["data_wait_ms"]}
-        late = ""
-        if p["lateness_mean_ms"] is not None:
-            peer_lat = [q["lateness_mean_ms"] for q in peers if q["lateness_mean_ms"] is not None]
-            ev.update(lateness_mean_ms=p["lateness_mean_ms"], last_frac=p["last_frac"],
-                      peer_lateness_mean_ms=_f(np.median(peer_lat)) if peer_lat else None)
-            late = (f"; it arrives last at {100 * (p['last_frac'] or 0):.0f} % of its collectives "
-                    f"(mean lateness {p['lateness_mean_ms']:.1f} ms"
-                    + (f" vs {np.median(peer_lat):.1f} ms for its peers)" if peer_lat else ")"))
-        if "telemetry" in p:
-            ev["telemetry"] = p["telemetry"]
-            ev["peer_telemetry"] = {q["rank"]: q["telemetry"] for q in peers if "telemetry" in q}
-            late += _telemetry_text(p["telemetry"], list(ev["peer_telemetry"].values()))
-        findings.append(Finding(
-            "straggler", "warning", [p["rank"]],
-            f"rank {p['rank']} ({_coords_text(p['coords'])}, host {p['host']}) is a chronic "
-            f"straggler: {p['busy_ms']:.0f} ms of work per step vs a median of "
-            f"{p['peer_busy_ms']:.0f} ms in its peer group ({p['group']}: ranks "
-            f"{', '.join(map(str, sorted([p['rank']] + ev['peers'])))}; +{p['excess_ms']:.0f} ms, "
-            f"score {p['score']:.1f}) in "
-            f"{len(p['straggling_steps'])} of {p['steps']} analysed steps; its peers spend that "
-            f"time waiting for it in collectives{late}", evidence=ev))
+        size = p["excess_ms"] if p["signal"] == "own_time" else p["late_ms"]
+        why = cause.explain(p, peers, size)
+        waits = _caused(fr, p["rank"], kept, size)
+        if why["cause"] == "input" and p["rank"] in {q["rank"] for q in starving}:
+            input_late[p["rank"]] = waits  # reported with the data starvation it is
+            continue
+        findings.append(_straggler_finding(p, peers, size, why, waits, kept))
 
     if starving:
-        rs = [p["rank"] for p in starving]
-        others = [p["data_wait_ms"] for p in per_rank if p["rank"] not in rs]
-        findings.append(Finding(
-            "data_starvation", "warning", rs,
-            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} wait"
-            f"{'' if len(rs) > 1 else 's'} for input "
-            + ", ".join(f"{p['data_wait_ms']:.0f} ms ({100 * p['data_share']:.0f} % of the step)"
-                        for p in starving)
-            + " per step (median)"
-            + (f", other ranks {np.median(others):.1f} ms" if others else "")
-            + "; the whole job waits for the slowest input pipeline: add DataLoader workers, "
-              "prefetch, or speed up the dataset",
-            evidence={"ranks": {str(p["rank"]): {"data_wait_ms": p["data_wait_ms"],
-                                                 "data_share": p["data_share"],
-                                                 "coords": p["coords"], "host": p["host"]}
-                                for p in starving},
-                      "others_median_ms": _f(np.median(others)) if others else None,
-                      "threshold_share": DATA_SHARE, "threshold_ms": DATA_MIN_MS}))
+        findings.append(_starvation_finding(starving, per_rank, input_late))
 
     shown = [s for s in sorted(int(x) for x in t["step"].unique()) if s not in excluded["warmup"]]
     metrics = {
         "steps_analysed": kept, "excluded_steps": excluded, "median_step_ms": step_ms,
         "peer_groups": {str(r): g for r, g in groups.items()},
-        "thresholds": {"score": SCORE, "floor": FLOOR, "min_excess": MIN_EXCESS,
+        "thresholds": {"score": SCORE, "significance": SIGNIFICANCE, "step_score": STEP_SCORE,
+                       "floor": FLOOR, "min_excess": MIN_EXCESS,
                        "chronic": CHRONIC, "chronic_min_steps": CHRONIC_MIN_STEPS,
+                       "spread_min_group": SPREAD_MIN_GROUP,
                        "data_share": DATA_SHARE, "data_min_ms": DATA_MIN_MS},
         "per_rank": per_rank,
         "chronic": [p["rank"] for p in per_rank if p["status"] == "chronic"],
@@ -321,13 +408,88 @@ def analyze(run) -> AnalyzerResult:
         "steps": shown,
         "busy_ms_by_rank": _matrix(t, "busy_ms", shown),
         "wait_ms_by_rank": _matrix(t, "blocked_ms", shown),
-        "data_ms_by_rank": _matrix(t, "wait_ms", shown),
+        "data_ms_by_rank": _matrix(t, "data_ms", shown),
         "excess_ms_by_rank": _matrix(scored, "excess_ms", shown),
-        "score_scale_ms": _f(scale), "step_scale_ms": _f(step_scale),
+        "late_ms_by_rank": _matrix(t, "late_ms", shown),
+        "noise_ms": _f(noise), "late_noise_ms": _f(late_noise),
         "has_data_stream": bool(not run.frame("data").empty),
         "has_collectives": bool(not run.collectives().empty),
+        "has_sched": bool(has_sched),
     }
+    if has_sched:
+        metrics["cpu_wait_ms_by_rank"] = _matrix(t, "cpu_wait_ms", shown)
     return AnalyzerResult(metrics=metrics, findings=findings)
+
+
+def _straggler_finding(p, peers, size, why, waits, kept) -> Finding:
+    ranks = sorted([p["rank"]] + [q["rank"] for q in peers])
+    if p["signal"] == "own_time":
+        what = (f"{p['own_ms']:.0f} ms of its own time per step vs {p['peer_own_ms']:.0f} ms for "
+                f"its peers (median excess {size:.0f} ms per step, score {p['score']:.1f})")
+    else:
+        what = (f"it issues its collectives {size:.0f} ms after its peers (median per step, "
+                f"score {p['late_score']:.1f})")
+    wait_text = _waits_text(waits, p["rank"])
+    msg = (f"rank {p['rank']} ({_coords_text(p['coords'])}, host {p['host']}) is a chronic "
+           f"straggler: {what} in {len(p['straggling_steps'])} of {p['steps']} analysed steps "
+           f"(peer group {p['group']}: {_ranks_text(ranks)}); {why['text']}"
+           + (f"; {wait_text}" if wait_text else
+              "; the waits it causes are not in the collective log (async collectives: its peers "
+              "wait on the device or at their next synchronization)")
+           + (f"; it arrives last at {100 * p['last_frac']:.0f} % of its collectives"
+              if p.get("last_frac") is not None else ""))
+    ev = {"rank": p["rank"], "coords": p["coords"], "host": p["host"], "peer_group": p["group"],
+          "peers": [q["rank"] for q in peers], "signal": p["signal"], "excess_ms": size,
+          "own_ms": p["own_ms"], "peer_own_ms": p["peer_own_ms"],
+          "busy_ms": p["busy_ms"], "peer_busy_ms": p["peer_busy_ms"],
+          "score": p["score"], "late_ms": p["late_ms"], "late_score": p["late_score"],
+          "rel_excess": p["rel_excess"], "straggling_steps": p["straggling_steps"],
+          "analysed_steps": kept, "blocked_ms": p["blocked_ms"],
+          "peer_blocked_ms": _f(np.median([q["blocked_ms"] for q in peers])) if peers else None,
+          "data_wait_ms": p["data_wait_ms"], "cause": why["cause"], "cause_parts": why["parts"],
+          "waiters": waits["waiters"], "waiters_wait_ms": waits["wait_ms"],
+          "waits_caused_ms": {str(q): v for q, v in waits["by_rank"].items()},
+          "waits_caused_by_op_ms": waits["ops"]}
+    for c in SCHED_FIELDS:
+        if c in p:
+            ev[c] = p[c]
+    if p.get("lateness_mean_ms") is not None:
+        ev.update(lateness_mean_ms=p["lateness_mean_ms"], last_frac=p["last_frac"])
+    if "telemetry" in p:
+        ev["telemetry"] = p["telemetry"]
+        ev["peer_telemetry"] = {q["rank"]: q["telemetry"] for q in peers if "telemetry" in q}
+    return Finding("straggler", "warning", [p["rank"]], msg, evidence=ev)
+
+
+def _starvation_finding(starving, per_rank, input_late) -> Finding:
+    rs = [p["rank"] for p in starving]
+    others = [p["data_wait_ms"] for p in per_rank if p["rank"] not in rs]
+    late = "".join(f"; {_waits_text(w, r)}" for r, w in input_late.items() if w["waiters"])
+    return Finding(
+        "data_starvation", "warning", rs,
+        f"{_ranks_text(rs)} wait{'' if len(rs) > 1 else 's'} for input "
+        + ", ".join(f"{p['data_wait_ms']:.0f} ms ({100 * p['data_share']:.0f} % of the step)"
+                    for p in starving)
+        + " per step (median)"
+        + (f", other ranks {np.median(others):.1f} ms" if others else "") + late
+        + "; the whole job waits for the slowest input pipeline: add DataLoader workers, "
+          "prefetch, or speed up the dataset",
+        evidence={"ranks": {str(p["rank"]): {"data_wait_ms": p["data_wait_ms"],
+                                             "data_share": p["data_share"],
+                                             "coords": p["coords"], "host": p["host"]}
+                            for p in starving},
+                  "others_median_ms": _f(np.median(others)) if others else None,
+                  "threshold_share": DATA_SHARE, "threshold_ms": DATA_MIN_MS,
+                  "waits_caused_ms": _sum_waits(input_late.values()),
+                  "late_for_input": sorted(input_late)})
+
+
+def _sum_waits(waits) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for w in waits:
+        for q, v in w["by_rank"].items():
+            out[str(q)] = out.get(str(q), 0.0) + v
+    return out
 
 
 def _f(x):

@@ -7,7 +7,11 @@ a job becomes distributed, and activate the probes at the first of:
 
   * torch.distributed.init_process_group() returning,
   * a DeviceMesh being created (init_device_mesh may initialize the process group itself),
-  * the first optimizer step (covers single-process jobs).
+  * the first optimizer step (covers single-process jobs),
+  * a framework's train start (Trainer.train(), Lightning fit) in a single-process job.
+
+install() also watches for transformers, Lightning and accelerate being imported: their step
+boundaries and run facts come from probes/frameworks.py.
 """
 
 from __future__ import annotations
@@ -50,10 +54,25 @@ def install() -> None:
     if _installed or not runtime.enabled():
         return
     _installed = True
+    _watch_frameworks()
+    from trainprof.probes import elastic_agent
+
+    elastic_agent.install()  # in the torchrun agent: how each worker ended (worker-exits.jsonl)
     if "torch" in sys.modules:
         _after_torch_import()
     else:
         sys.meta_path.insert(0, _TorchPostImportHook())
+
+
+def _watch_frameworks() -> None:
+    """Framework-native steps and facts (transformers, Lightning, accelerate) for the jobs that
+    import them: probes/frameworks.py (idempotent; nothing is imported on the job's behalf)."""
+    try:
+        from trainprof.probes import frameworks
+
+        frameworks.install()
+    except Exception as e:  # noqa: BLE001
+        runtime.warn(f"framework integrations not installed: {type(e).__name__}: {e}")
 
 
 _hooks_installed = False
@@ -66,10 +85,14 @@ def _after_torch_import() -> None:
         return
     _hooks_installed = True
     try:
+        from trainprof.probes import job_profiler
+
+        job_profiler.install()  # the job's own profiler, seen from its first start
         _patch_optimizer()
         _patch_distributed()
     except Exception as e:  # noqa: BLE001
         runtime.warn(f"could not install probe hooks: {type(e).__name__}: {e}")
+    _watch_frameworks()  # (trainprof.session() comes here without install())
 
 
 install_hooks = _after_torch_import

@@ -9,13 +9,18 @@ model gets a recording hook (registered with ``dist._register_comm_hook``, the c
   after ours, including DDP's own mixed-precision and fused-optimizer hooks) becomes the target our
   hook calls with the job's state; DDP's Python bookkeeping (``_comm_hooks``, the logger's hook
   name, the signature check) is done exactly as without trainprof; or
-* reproduces the Reducer's built-in path: gradients scaled by 1/world in the bucket, then one
-  ``all_reduce`` (sum) of the bucket. Bit-identical to the built-in path where that multiplies
-  (``gradient_as_bucket_view=False``; any world size that is a power of two); where it divides
-  (``gradient_as_bucket_view=True`` on other world sizes) or the divisor changes per step
-  (``Join(divide_by_initial_world_size=False)``), sparse gradients, compiled-autograd DDP
-  (python reducer) or a built-in C++ hook the job registered: no hook is installed and the
-  run's meta says why (docs/collectives.md).
+* reproduces the Reducer's built-in path: gradients scaled by 1/world in the bucket (under
+  ``Join(divide_by_initial_world_size=False)``, by 1/the ranks not yet joined, read from Join's
+  forward-pass all-reduce as the Reducer reads it), then one ``all_reduce`` (sum) of the bucket.
+  Bit-identical to the built-in path where that multiplies (``gradient_as_bucket_view=False``;
+  any world size that is a power of two). Where it divides (``gradient_as_bucket_view=True`` on
+  other world sizes), sparse gradients, compiled-autograd DDP (python reducer) or a built-in C++
+  hook the job registered: no hook is installed and the run's meta says why
+  (docs/collectives.md).
+
+A job hook that runs DDP's own all-reduce in C++ (``Reducer._run_allreduce_hook``: DDP's
+mixed-precision and optimizer-in-backward hooks) issues nothing the log sees: its bucket gets one
+record sized by the bucket, marked ``inferred``.
 
 The hook is installed at the model's first forward (hooks must be registered before backward;
 jobs register theirs right after wrapping the model), so a job registering a built-in hook keeps
@@ -23,28 +28,32 @@ it untouched. Records: op ``all_reduce`` (or whatever the job's hook issues), ``
 ``ddp.bucket``, ``bucket`` (index), ``end_ns`` when the bucket's future completed and
 ``blocked_ms`` = the time backward waited for this bucket after the last bucket was launched
 (compute done): buckets sorted by end, each charged max(0, end - max(last launch, previous end)),
-so their sum is max(0, last end - last launch). ``dist._broadcast_coalesced`` (DDP's start-up
+so their sum is max(0, last end - last launch); charged by an autograd final callback queued
+after DDP's own (which waits for every bucket), or at the step boundary. ``dist._broadcast_coalesced`` (DDP's start-up
 parameter sync and per-forward buffer broadcast) is recorded as one sync ``broadcast`` op.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import weakref
 
 from trainprof.probes import collectives, runtime
 
 API = "ddp.bucket"
-_TAPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DDP module -> _Tap
+MAX_PENDING = 4096  # completed buckets kept for one pass's charge (a safety net, never reached)
+_TAPS: dict = {}    # id(DDP module) -> _Tap (by id: a DDP subclass may be unhashable)
 _patched = False
+_cpp_allreduce = threading.local()  # .n: Reducer._run_allreduce_hook calls inside a job's hook
 
 
 class _Tap:
     """Per DDP model: the hook's target and the buckets of the backward pass in flight."""
 
-    __slots__ = ("__weakref__", "ddp", "pg", "target", "installed", "reason", "launched",
-                 "done", "t_last", "scale")
+    __slots__ = ("__weakref__", "ddp", "pg", "target", "installed", "reason", "launches",
+                 "done", "queued", "scale", "join_work", "entry")
 
     def __init__(self, ddp):
         self.ddp = weakref.ref(ddp)
@@ -53,12 +62,24 @@ class _Tap:
         self.installed = False
         self.reason = None          # why no hook was installed
         self.scale = 1.0 / self.pg.size()
+        self.join_work = None       # Join's forward-pass work: the live ranks' count
+        self.entry = None           # this model's entry in meta["ddp"]
         self._reset()
 
     def _reset(self):
-        self.launched = 0
-        self.done = []              # (ops, t_end) of completed buckets of this pass
-        self.t_last = None          # when the last bucket was launched
+        self.launches = []          # launch times of this pass's buckets
+        self.done = []              # (ops, t_end) of its completed buckets
+        self.queued = False         # the end-of-backward charge is queued
+
+
+def _tap_of(ddp, create=True):
+    tap = _TAPS.get(id(ddp))
+    if tap is not None and tap.ddp() is not ddp:  # an id reused after its model was freed
+        tap = _TAPS.pop(id(ddp), None) and None
+    if tap is None and create:
+        tap = _TAPS[id(ddp)] = _Tap(ddp)
+        weakref.finalize(ddp, _TAPS.pop, id(ddp), None)
+    return tap
 
 
 # --------------------------------------------------------------------------- the hook
@@ -75,53 +96,84 @@ def _new_ops(log, mark):
     return out
 
 
-def _last_rid(log):
-    return next(reversed(log._ops), -1)
-
-
 def _hook(tap, bucket):
     log = collectives._LOG
     if log is None or log.closed:
-        return _call_target(tap, bucket)
+        fut, unwrap = _call_target(tap, bucket)
+        return fut.then(_first) if unwrap else fut
     try:
-        mark = _last_rid(log)
+        mark = next(reversed(log._ops), -1)
+        t0 = time.time_ns()
+        _cpp_allreduce.n = 0
     except Exception:  # noqa: BLE001
-        return _call_target(tap, bucket)
-    fut = _call_target(tap, bucket)  # the job's hook or the built-in path: its errors are its own
+        mark = None
+    # the job's hook or the built-in path: its errors are its own
+    fut, unwrap = _call_target(tap, bucket)
+    if mark is None:
+        return fut.then(_first) if unwrap else fut
     try:
         ops = _new_ops(log, mark)
-        index, last = bucket.index(), bucket.is_last()
+        if not ops and getattr(_cpp_allreduce, "n", 0):
+            # the job's hook ran DDP's own all-reduce in C++ (Reducer._run_allreduce_hook:
+            # mixed precision, optimizer in backward): one record for it, sized by the bucket
+            ops = [_issue_inferred(log, tap, bucket, t0)]
+        index = bucket.index()
+        hook = getattr(tap.target[0], "__qualname__", None) if tap.target is not None else None
         for o in ops:
             rec = o.rec
             rec["api"] = API
             rec["bucket"] = index
-            if tap.target is not None:
-                rec["hook"] = getattr(tap.target[0], "__qualname__", None)
-        tap.launched += 1
-        if last:
-            tap.t_last = time.time_ns()
+            if hook is not None:
+                rec["hook"] = hook
+        tap.launches.append(time.time_ns())
+        if not tap.queued:
+            _queue_charge(tap)
     except Exception as e:  # noqa: BLE001
         collectives._note_error(log, e)
-        return fut
-    return fut.then(functools.partial(_bucket_done, tap, log, ops))
+        return fut.then(_first) if unwrap else fut
+    return fut.then(functools.partial(_bucket_done, tap, log, ops, unwrap))
 
 
 def _call_target(tap, bucket):
+    """(future, unwrap): the job's hook's future, or the built-in path's (value [tensor])."""
     if tap.target is not None:
         hook, state = tap.target
-        return hook(state, bucket)
+        return hook(state, bucket), False
     buf = bucket.buffer()
-    buf.mul_(tap.scale)  # what the Reducer does to each gradient when it has no hook
+    buf.mul_(_scale(tap))  # what the Reducer does to each gradient when it has no hook
     import torch.distributed as dist
 
-    return dist.all_reduce(buf, group=tap.pg, async_op=True).get_future().then(_first)
+    return dist.all_reduce(buf, group=tap.pg, async_op=True).get_future(), True
+
+
+def _scale(tap) -> float:
+    """1/world, or under Join(divide_by_initial_world_size=False) 1/(ranks not yet joined): the
+    Reducer's divisor, read from Join's forward-pass all-reduce as the Reducer reads it."""
+    ddp = tap.ddp()
+    jc = getattr(ddp, "_join_config", None)
+    if jc is None or not getattr(jc, "enable", False) or \
+            getattr(ddp, "_divide_by_initial_world_size", True) or tap.join_work is None:
+        return tap.scale
+    w = tap.join_work
+    w.wait()
+    return 1.0 / int(w.result()[0].item())
+
+
+def _issue_inferred(log, tap, bucket, t0):
+    buf = bucket.buffer()
+    nbytes, numel, dtype = collectives._nbytes(buf)
+    o = log.issue("all_reduce", log.group(tap.pg), nbytes, numel, dtype, None, True, API,
+                  False, sync=False)
+    o.rec["enqueue_ns"] = t0
+    o.rec["inferred"] = True
+    return o
 
 
 def _first(fut):
     return fut.value()[0]
 
 
-def _bucket_done(tap, log, ops, fut):
+def _bucket_done(tap, log, ops, unwrap, fut):
     t = time.time_ns()
     try:
         if ops:
@@ -132,24 +184,64 @@ def _bucket_done(tap, log, ops, fut):
             for k, (_w, wops) in list(log._works.items()):
                 if any(id(o) in mine for o in wops):
                     log._works.pop(k, None)
-        tap.done.append((ops, t))
-        if tap.t_last is not None and len(tap.done) >= tap.launched:
-            _charge_blocked(tap)
+        if len(tap.done) < MAX_PENDING:
+            tap.done.append((ops, t))
     except Exception as e:  # noqa: BLE001
         collectives._note_error(log, e)
-    return fut.value()  # the bucket's new value, or the job's hook's error, unchanged
+    # the bucket's new value, or the job's hook's error, unchanged
+    return fut.value()[0] if unwrap else fut.value()
+
+
+def _queue_charge(tap):
+    """Charge blocked time once backward is over. DDP queues its finalize callback (which waits
+    for every bucket) when its last bucket is ready, after our first bucket: so the callback
+    queued here queues the charge once more, behind DDP's. Where a callback cannot be queued the
+    step boundary charges the pass (_on_step)."""
+    tap.queued = True
+    try:
+        from torch.autograd import Variable
+
+        engine = Variable._execution_engine
+        charge = functools.partial(_charge_blocked, tap)
+        engine.queue_callback(lambda: _requeue(engine, charge))
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _requeue(engine, charge):
+    try:
+        engine.queue_callback(charge)
+    except Exception:  # noqa: BLE001 - charged at the step boundary
+        pass
 
 
 def _charge_blocked(tap):
-    cursor = tap.t_last
-    for ops, t_end in sorted(tap.done, key=lambda x: x[1]):
-        b = max(0, t_end - cursor)
-        cursor = max(cursor, t_end)
-        if ops:
-            for o in ops:
-                o.rec["blocked_ms"] = 0.0
-            ops[-1].rec["blocked_ms"] = b / 1e6
-    tap._reset()
+    """Buckets sorted by completion; each is charged the time past the last launch (all
+    gradients computed) not already charged to an earlier one."""
+    if len(tap.done) < len(tap.launches) and len(tap.launches) <= MAX_PENDING:
+        return  # buckets still in flight (a callback that ran early): the step charges it
+    try:
+        if tap.launches and tap.done:
+            cursor = max(tap.launches)
+            for ops, t_end in sorted(tap.done, key=lambda x: x[1]):
+                b = max(0, t_end - cursor)
+                cursor = max(cursor, t_end)
+                if ops:
+                    for o in ops:
+                        o.rec["blocked_ms"] = 0.0
+                    ops[-1].rec["blocked_ms"] = b / 1e6
+    finally:
+        tap._reset()
+
+
+def _on_step(_rec=None):
+    """Step boundary, before the collective log writes the step's records: a pass whose charge
+    could not be queued (no autograd engine callback) is charged here."""
+    for tap in list(_TAPS.values()):
+        if tap.launches and len(tap.done) >= len(tap.launches):
+            _charge_blocked(tap)
+        elif len(tap.launches) > MAX_PENDING:
+            tap._reset()
 
 
 # --------------------------------------------------------------------------- install
@@ -172,25 +264,14 @@ def _why_not(ddp) -> str | None:
             return "sparse gradients (an embedding with sparse=True)"
     except Exception:  # noqa: BLE001
         return "parameters could not be inspected"
-    jc = getattr(ddp, "_join_config", None)
-    if jc is not None and getattr(jc, "enable", False) and \
-            not getattr(ddp, "_divide_by_initial_world_size", True):
-        return "Join(divide_by_initial_world_size=False): the divisor changes per step"
     return None
-
-
-def _tap(ddp, create=True):
-    tap = _TAPS.get(ddp)
-    if tap is None and create:
-        tap = _TAPS[ddp] = _Tap(ddp)
-    return tap
 
 
 def _install(ddp, target=None) -> bool:
     """Register the recording hook on ``ddp`` (once). False: not installed (reason in meta)."""
     import torch.distributed as dist
 
-    tap = _tap(ddp)
+    tap = _tap_of(ddp)
     if tap.installed:
         return True
     if target is None:
@@ -223,7 +304,8 @@ def _note(ddp, tap):
         if tap.reason:
             entry["not_recorded"] = tap.reason
             runtime.warn(f"DDP gradient all-reduce not recorded: {tap.reason}")
-        models = list(s.meta.get("ddp") or [])
+        models = [m for m in (s.meta.get("ddp") or []) if m is not tap.entry]
+        tap.entry = entry
         models.append(entry)
         s.update_meta(ddp=models[-16:])
     except Exception as e:  # noqa: BLE001
@@ -234,14 +316,10 @@ def _first_forward(ddp, _args, _kwargs):
     """Forward pre-hook, removed at its first call: install the recording hook unless the job
     registered a built-in one or the built-in path cannot be reproduced."""
     try:
-        import torch
-
-        if torch.compiler.is_compiling():
-            return None
-        h = _HANDLES.pop(ddp, None)
+        h = _HANDLES.pop(id(ddp), None)
         if h is not None:
             h.remove()
-        tap = _tap(ddp)
+        tap = _tap_of(ddp)
         if not tap.installed and tap.reason is None and collectives._LOG is not None:
             _install(ddp)
     except Exception as e:  # noqa: BLE001
@@ -249,7 +327,7 @@ def _first_forward(ddp, _args, _kwargs):
     return None
 
 
-_HANDLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_HANDLES: dict = {}  # id(DDP module) -> its first-forward pre-hook handle
 
 
 def _patch_ddp():
@@ -257,41 +335,48 @@ def _patch_ddp():
     if _patched:
         return
     _patched = True
+    import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     init, register, builtin = DDP.__init__, DDP.register_comm_hook, DDP._register_builtin_comm_hook
+    # under torch.compile the pre-hook runs eagerly (dynamo would trace it and skip the install)
+    first_forward = torch.compiler.disable(_first_forward)
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        if collectives._LOG is None or self in _TAPS and _TAPS[self].installed:
-            return
         try:
-            _tap(self)
-            _HANDLES[self] = self.register_forward_pre_hook(_first_forward, with_kwargs=True)
+            if collectives._LOG is None:
+                return
+            tap = _tap_of(self)
+            if not tap.installed and id(self) not in _HANDLES:
+                _HANDLES[id(self)] = self.register_forward_pre_hook(first_forward,
+                                                                    with_kwargs=True)
+                weakref.finalize(self, _HANDLES.pop, id(self), None)
         except Exception as e:  # noqa: BLE001
             runtime.warn(f"ddp probe: {type(e).__name__}: {e}")
 
     @functools.wraps(register)
     def register_comm_hook(self, state, hook):
-        tap = _TAPS.get(self)
-        if collectives._LOG is None and (tap is None or not tap.installed):
-            return register(self, state, hook)
-        if tap is not None and tap.installed and tap.target is not None:
-            return register(self, state, hook)  # a second hook: DDP's own error, unchanged
+        try:
+            tap = _tap_of(self, create=collectives._LOG is not None)
+        except Exception:  # noqa: BLE001
+            tap = None
+        if tap is None or (tap.installed and tap.target is not None):
+            return register(self, state, hook)  # no log; or a second hook: DDP's own error
         # DDP's Python side exactly as register_comm_hook does it, then our hook calls theirs
         self._check_comm_hook(hook)
         if self.logger is None:
             raise AssertionError("self.logger must not be None")
         try:
-            tap = _tap(self)
             if tap.installed:
                 tap.target = (hook, state)
+                _note(self, tap)
             else:
                 _install(self, target=(hook, state))
         except Exception as e:  # noqa: BLE001 - could not compose: the job's hook alone
             runtime.warn(f"ddp probe: {type(e).__name__}: {e}")
-            if not (tap is not None and tap.installed):
+            if not tap.installed:
                 return register(self, state, hook)
             tap.target = (hook, state)
         self.logger._set_comm_hook_name(hook.__qualname__)
@@ -300,25 +385,24 @@ def _patch_ddp():
 
     @functools.wraps(builtin)
     def _register_builtin_comm_hook(self, comm_hook_type):
-        tap = _TAPS.get(self)
-        if tap is None or not tap.installed:
-            if tap is not None:
+        try:
+            tap = _tap_of(self, create=False)
+            twin = None
+            if tap is not None and not tap.installed:
                 tap.reason = f"the job registered the built-in {comm_hook_type} hook"
                 _note(self, tap)
+            elif tap is not None and tap.target is None:
+                twin = _builtin_twin(comm_hook_type)
+        except Exception as e:  # noqa: BLE001
+            runtime.warn(f"ddp probe: {type(e).__name__}: {e}")
+            tap = twin = None
+        if twin is None:  # DDP's own call: registers, or raises its "only once" error
             return builtin(self, comm_hook_type)
-        # ours is in already (the job registered after its first forward): its Python twin
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        import torch.distributed as dist
-
-        twins = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
-                 dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
-        hook = twins.get(comm_hook_type)
-        if hook is None:
-            return builtin(self, comm_hook_type)  # DDP's own error (a hook is registered)
+        # ours went in at the first forward and the job registers now: its Python twin
         runtime.warn(f"DDP built-in hook {comm_hook_type} registered after the first forward: "
                      "trainprof runs its Python equivalent")
-        tap.target = (hook, self.process_group)
+        tap.target = (twin, self.process_group)
+        _note(self, tap)
         self.logger._set_comm_hook_name(str(comm_hook_type))
         return None
 
@@ -326,6 +410,60 @@ def _patch_ddp():
     DDP.register_comm_hook = register_comm_hook
     DDP._register_builtin_comm_hook = _register_builtin_comm_hook
     _patch_broadcast_coalesced()
+    _patch_join()
+    _patch_reducer()
+
+
+def _builtin_twin(comm_hook_type):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+            dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook
+            }.get(comm_hook_type)
+
+
+def _patch_join():
+    """Join's forward-pass all-reduce counts the ranks not yet joined: the Reducer's divisor
+    under Join(divide_by_initial_world_size=False), which the built-in path's twin needs."""
+    try:
+        from torch.distributed.algorithms.join import Join
+    except ImportError:
+        return
+    original = Join.__dict__["notify_join_context"]
+    fn = original.__func__ if isinstance(original, staticmethod) else original
+
+    @functools.wraps(fn)
+    def notify_join_context(joinable):
+        work = fn(joinable)
+        try:
+            tap = _tap_of(joinable, create=False) if work is not None else None
+            if tap is not None:
+                tap.join_work = work
+        except Exception:  # noqa: BLE001
+            pass
+        return work
+
+    Join.notify_join_context = staticmethod(notify_join_context)
+
+
+def _patch_reducer():
+    """Count Reducer._run_allreduce_hook calls (DDP's all-reduce run from C++ by a job's hook)."""
+    import torch.distributed as dist
+
+    R = getattr(dist, "Reducer", None)
+    original = getattr(R, "_run_allreduce_hook", None)
+    if original is None:
+        return
+
+    def _run_allreduce_hook(self, *args, **kwargs):
+        _cpp_allreduce.n = getattr(_cpp_allreduce, "n", 0) + 1
+        return original(self, *args, **kwargs)
+
+    try:
+        R._run_allreduce_hook = _run_allreduce_hook
+    except Exception:  # noqa: BLE001 - a build whose Reducer type is closed: no inferred records
+        pass
 
 
 def _patch_broadcast_coalesced():
@@ -366,3 +504,4 @@ def attach(session) -> None:
     if not dist.is_available() or collectives._LOG is None:
         return  # the collective log is off: nothing to record into
     _patch_ddp()
+    session._step_listeners.insert(0, _on_step)  # before the collective log writes the step

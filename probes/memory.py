@@ -15,10 +15,18 @@ parameters as this rank holds them — local shards of DTensor/FSDP2 parameters)
 Snapshots: ranks/rank-NNNNN/memory_snapshot.pickle (exit), oom_snapshot.pickle (OOM), in the
 format of torch.cuda.memory._dump_snapshot. memory_stats() reads host-side allocator counters:
 no device synchronization.
+
+The allocator keeps one history per process. When the job records its own
+(torch.cuda.memory._record_memory_history), the job's wins: trainprof does not start its recording
+when the job's is already on, and when the job starts one while trainprof's runs, trainprof's is
+stopped first (which clears its entries) so the job records exactly what it would without
+trainprof. The exit snapshot then holds the job's history. meta.json ``job_memory_history``
+says when it happened.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import time
@@ -130,6 +138,8 @@ def attach(session) -> None:
     writer = session.stream("memory")
     history = os.environ.get("TRAINPROF_MEMORY_HISTORY", "0") == "1"
     armed = {"cuda": False}
+    if history:
+        _watch_job_history()
 
     def on_step(rec) -> None:
         writer.write(sample(rec["step"]))
@@ -148,8 +158,7 @@ def _arm_cuda(session, writer, history: bool) -> None:
 
     if history:
         try:
-            torch.cuda.memory._record_memory_history(max_entries=int(
-                os.environ.get("TRAINPROF_MEMORY_HISTORY_ENTRIES", "100000")))
+            _start_history(session)
             session.on_close(lambda: _dump(session.dir / "memory_snapshot.pickle"))
         except Exception as e:  # noqa: BLE001
             runtime.warn(f"allocator history unavailable: {e}")
@@ -166,6 +175,81 @@ def _arm_cuda(session, writer, history: bool) -> None:
         torch._C._cuda_attach_out_of_memory_observer(on_oom)
     except Exception as e:  # noqa: BLE001
         runtime.warn(f"OOM observer unavailable: {e}")
+
+
+# -- the allocator history: trainprof's (TRAINPROF_MEMORY_HISTORY=1) gives way to the job's
+_history = {"ours": False, "job": False}  # trainprof's recording is on / the job has called
+
+
+def _start_history(session) -> None:
+    import torch
+
+    if _history["job"] or _job_recording(torch):
+        _job_history(session, trainprof_history="not started")
+        return
+    _original_record(torch)(max_entries=int(
+        os.environ.get("TRAINPROF_MEMORY_HISTORY_ENTRIES", "100000")))
+    _history["ours"] = True
+
+
+def _original_record(torch):
+    f = torch.cuda.memory._record_memory_history
+    return getattr(f, "_trainprof_original", f)
+
+
+def _job_recording(torch) -> bool:
+    """The job turned history on before the watch below was installed: the allocator says so
+    (torch._C._cuda_isHistoryEnabled, where this torch has it), else its snapshot already holds
+    trace entries, or blocks with recorded stack frames."""
+    try:
+        enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+        if enabled is not None:
+            return bool(enabled())
+        snap = torch.cuda.memory._snapshot()
+    except Exception:  # noqa: BLE001
+        return False
+    if any(snap.get("device_traces") or ()):
+        return True
+    return any(b.get("frames") for seg in snap.get("segments") or () for b in seg.get("blocks") or ())
+
+
+def _job_history(session, trainprof_history: str) -> None:
+    if session is None or session.meta.get("job_memory_history"):
+        return
+    session.update_meta(job_memory_history={"step": session.clock.step,
+                                            "trainprof_history": trainprof_history})
+    runtime.warn("the job records its own CUDA allocator history: TRAINPROF_MEMORY_HISTORY "
+                 "gives way to it (the exit snapshot holds the job's recording)")
+
+
+def _watch_job_history() -> None:
+    """Wrap torch.cuda.memory._record_memory_history so that the job's first call stops
+    trainprof's recording (clearing its entries) before the job's call runs unchanged."""
+    try:
+        import torch.cuda.memory as tcm
+
+        original = tcm._record_memory_history
+        if hasattr(original, "_trainprof_original"):
+            return
+
+        @functools.wraps(original)
+        def _record_memory_history(*args, **kwargs):
+            try:
+                if not _history["job"]:
+                    _history["job"] = True
+                    stopped = _history["ours"]
+                    if stopped:
+                        _history["ours"] = False
+                        original(None)  # off: drops trainprof's entries
+                    _job_history(runtime.active(), "stopped" if stopped else "not started")
+            except Exception as e:  # noqa: BLE001
+                runtime.warn(f"allocator history hand-over: {type(e).__name__}: {e}")
+            return original(*args, **kwargs)
+
+        _record_memory_history._trainprof_original = original
+        tcm._record_memory_history = _record_memory_history
+    except Exception as e:  # noqa: BLE001
+        runtime.warn(f"job allocator history detection unavailable: {type(e).__name__}: {e}")
 
 
 def _dump(path) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from trainprof.probes import runtime
+from trainprof.probes import job_profiler, runtime
 
 
 def parse_steps(spec: str | None) -> tuple[int, int] | None:
@@ -28,13 +28,19 @@ def parse_steps(spec: str | None) -> tuple[int, int] | None:
 
 class ProfilerWindow:
     """Created by the session just before the window (one warm-up step ahead), so nothing of
-    the profiler runs, and CUDA is not touched, before the job has set its device."""
+    the profiler runs, and CUDA is not touched, before the job has set its device.
+
+    Every torch call runs inside job_profiler.ours() (the job-profiler guard lets it through).
+    After a failure the window is ``done`` and never touched again: a profiler in an unknown
+    state is left alone rather than stopped, since stopping could end the job's session."""
 
     def __init__(self, trace_path, warmup: int, active: int, cuda: bool):
         from torch.profiler import ProfilerActivity, profile, schedule
 
         self.trace_path = trace_path
         self.exported = False
+        self.done = False        # exported, discarded or failed: the session drops the window
+        self._discard = False
         self.export_ms = 0.0
         activities = [ProfilerActivity.CPU]
         if cuda:
@@ -47,9 +53,12 @@ class ProfilerWindow:
             profile_memory=True,     # allocation events: the CPU memory timeline
             with_stack=False,
         )
-        self._prof.start()
+        with job_profiler.ours():
+            self._prof.start()
 
     def _export(self, prof) -> None:
+        if self._discard:
+            return  # stepping aside for the job's profiler: no partial trace
         t0 = time.perf_counter()
         try:
             self.trace_path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,10 +71,29 @@ class ProfilerWindow:
         self.export_ms = (time.perf_counter() - t0) * 1e3
 
     def step(self) -> None:
-        self._prof.step()
+        if self.done:
+            return
+        try:
+            with job_profiler.ours():
+                self._prof.step()
+        except Exception as e:  # noqa: BLE001
+            self.done = True
+            runtime.warn(f"profiler window abandoned: {type(e).__name__}: {e}")
+            return
+        if self.exported:
+            self.stop()
 
     def stop(self) -> None:
+        if self.done:
+            return
+        self.done = True
         try:
-            self._prof.stop()
+            with job_profiler.ours():
+                self._prof.stop()
         except Exception:  # noqa: BLE001
             pass
+
+    def discard(self) -> None:
+        """Stop without exporting (the job is starting its own profiler)."""
+        self._discard = True
+        self.stop()

@@ -12,7 +12,7 @@ import threading
 
 ENV_RUN_DIR = "TRAINPROF_RUN_DIR"          # set by `trainprof wrap`: where this run is written
 ENV_PROFILE_STEPS = "TRAINPROF_PROFILE_STEPS"  # e.g. "3-4" (inclusive) or "none"
-ENV_DISABLE = "TRAINPROF_DISABLE"          # any non-empty value turns every probe off
+ENV_DISABLE = "TRAINPROF_DISABLE"          # 1/true/yes/on turns every probe off; 0/false/no/off do not
 
 _lock = threading.RLock()
 _session = None
@@ -21,7 +21,10 @@ _failed = False
 
 
 def enabled() -> bool:
-    return bool(os.environ.get(ENV_RUN_DIR)) and not os.environ.get(ENV_DISABLE) and not _failed
+    from trainprof.settings import flag_on  # standard library only
+
+    return bool(os.environ.get(ENV_RUN_DIR)) and not flag_on(os.environ.get(ENV_DISABLE)) \
+        and not _failed
 
 
 def active():
@@ -41,6 +44,7 @@ def activate(reason: str):
         if active() is not None:
             return _session
         try:
+            _warn_bad_settings()
             from trainprof.probes.session import ProbeSession
 
             _session = ProbeSession(os.environ[ENV_RUN_DIR], reason=reason, run_info=_run_info)
@@ -49,6 +53,19 @@ def activate(reason: str):
             warn(f"probes disabled in this process: {type(e).__name__}: {e}")
             return None
         return _session
+
+
+def _warn_bad_settings() -> None:
+    """`trainprof wrap` refuses bad TRAINPROF_* values before the job starts; a job that starts
+    a session itself (trainprof.session()) gets one warning per bad value instead."""
+    try:
+        from trainprof.settings import check
+
+        for problem in check(os.environ)[1]:
+            if not problem.startswith("TRAINPROF_PROBES_OFF"):  # the session names unknown probes
+                warn(f"{problem} (`trainprof wrap` refuses it)")
+    except Exception:  # noqa: BLE001 - advice only
+        pass
 
 
 def remember_run_info(info: dict) -> None:

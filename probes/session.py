@@ -23,6 +23,7 @@ from trainprof.rundir import (META, STEPS, JsonlWriter, profiler_trace_path, ran
                               write_json_atomic)
 
 DEFAULT_PROFILE_STEPS = "3-4"
+MAX_JOB_TRACES = 20  # paths of the job's own profiler traces kept in meta.json (the last ones)
 
 # Probe modules attached to every session, in order. A module that is not present in this
 # build is skipped silently; one that fails to attach is reported and skipped.
@@ -41,6 +42,9 @@ ATTACHED_PROBES: tuple[str, ...] = (
     "trainprof.probes.memory",          # allocator stats per step, snapshots, OOM observer
     "trainprof.probes.telemetry",       # NVML sampler (own GPU only)
 )
+# Installed before a session starts (bootstrap), yet switched off the same way: the framework
+# integrations (probes/frameworks.py) read TRAINPROF_PROBES_OFF themselves.
+EARLY_PROBES: tuple[str, ...] = ("frameworks",)
 
 
 class ProbeSession:
@@ -72,11 +76,12 @@ class ProbeSession:
         self.clock = StepClock(self.stream(STEPS), self.stream("steps_device"))
         self.profiler = None
         self.window = self._profile_window()
+        _install_job_profiler_guard(self)
         self._maybe_start_profiler()
         # TRAINPROF_PROBES_OFF=collectives,telemetry: leave those probes out (to bisect a cost,
         # or to drop one a job cannot have); recorded in meta so analysis knows what was not watched
         off = {x.strip() for x in os.environ.get(ENV_PROBES_OFF, "").split(",") if x.strip()}
-        known = {n.rsplit(".", 1)[-1] for n in ATTACHED_PROBES}
+        known = {n.rsplit(".", 1)[-1] for n in ATTACHED_PROBES} | set(EARLY_PROBES)
         if off - known:
             runtime.warn(f"{ENV_PROBES_OFF}: no probe named {', '.join(sorted(off - known))} "
                          f"(known: {', '.join(sorted(known))})")
@@ -155,6 +160,11 @@ class ProbeSession:
         step = self.clock.step  # the step about to run
         if step < first - 1 or step > last:
             return
+        from trainprof.probes import job_profiler
+
+        if job_profiler.enabled_now():  # the job's, started before the guard was installed
+            self.job_profiler_started({"kind": "profiler", "api": None, "where": None})
+            return
         try:
             import torch
 
@@ -169,6 +179,49 @@ class ProbeSession:
 
     def _in_window(self, step: int) -> bool:
         return self.window is not None and self.window[0] <= step <= self.window[1]
+
+    def job_profiler_started(self, info: dict) -> None:
+        """The job is starting a profiler session of its own (called by probes/job_profiler.py
+        before the job's call runs): stop and discard trainprof's window, for good."""
+        if self.profiler is not None:
+            prof, self.profiler = self.profiler, None
+            prof.discard()
+        skipped = self.window is not None  # trainprof's window is pending or was running
+        self.window = None
+        old = self.meta.get("job_profiler")
+        if old is not None and not skipped:  # every cycle of the job's schedule comes here
+            return
+        with self._meta_lock:
+            if skipped:
+                self.meta.pop("profile_steps", None)
+        self.update_meta(job_profiler={**info, "step": self.clock.step, "window_skipped": skipped,
+                                       "traces": list((old or {}).get("traces") or [])})
+        if skipped and self.rank == 0:
+            runtime.warn("the job runs its own profiler: trainprof's profiler window steps aside "
+                         "(the analysis uses the job's traces)")
+
+    def job_profiler_trace(self, path: str) -> None:
+        """The job's profiler wrote a Chrome trace: remember where (the last ones)."""
+        rec = dict(self.meta.get("job_profiler") or
+                   {"kind": "profiler", "step": self.clock.step, "window_skipped": False})
+        rec["traces"] = ([p for p in rec.get("traces") or [] if p != path] + [path])[-MAX_JOB_TRACES:]
+        self.update_meta(job_profiler=rec)
+
+    def _link_job_trace(self) -> None:
+        """Without a trace of its own, hard-link the job's last trace into RUN/profiler/ under
+        this rank's name: the run directory then holds it (a link: no copy, and the job's file
+        stays where it is). Where linking is impossible the analysis follows meta's path."""
+        traces = (self.meta.get("job_profiler") or {}).get("traces") or []
+        own = profiler_trace_path(self.run_dir, self.rank)
+        if not traces or own.exists():
+            return
+        src = Path(traces[-1])
+        with open(src, "rb") as f:
+            gz = f.read(2) == b"\x1f\x8b"
+        dst = own if gz else own.with_name(own.name[:-len(".gz")])
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.link(src, dst)
+        self.meta["job_profiler"]["linked"] = dst.name
 
     # -- events from the job
     def note_mesh(self, mesh) -> None:
@@ -211,8 +264,7 @@ class ProbeSession:
         t0 = time.perf_counter_ns()
         if self.profiler is not None:
             self.profiler.step()  # may export the trace: book that time as probe overhead
-            if self.profiler.exported:
-                self.profiler.stop()
+            if self.profiler.done:  # exported (or failed: never retried)
                 self.profiler, self.window = None, None
         else:
             self._maybe_start_profiler()
@@ -243,6 +295,10 @@ class ProbeSession:
         if self.profiler is not None:
             self.profiler.stop()
         try:
+            self._link_job_trace()
+        except Exception as e:  # noqa: BLE001
+            runtime.warn(f"job's trace not linked into the run directory: {type(e).__name__}: {e}")
+        try:
             self.clock.resolve_device_events(wait=True)
         except Exception:  # noqa: BLE001
             pass
@@ -252,6 +308,18 @@ class ProbeSession:
         self.ticker.stop()
         for w in list(self._writers.values()):
             w.close()
+
+
+def _install_job_profiler_guard(session) -> None:
+    try:
+        from trainprof.probes import job_profiler
+
+        job_profiler.install()
+        before = job_profiler.started_before_session()
+        if before is not None:
+            session.job_profiler_started(before)
+    except Exception as e:  # noqa: BLE001
+        runtime.warn(f"job profiler detection unavailable: {type(e).__name__}: {e}")
 
 
 def _mesh_size(m: dict) -> int:

@@ -131,6 +131,8 @@ def _finding(f: Mapping, summary: dict) -> str:
 
 def _findings(summary: dict) -> str:
     findings = [f for f in (summary.get("findings") or []) if isinstance(f, Mapping)]
+    if summary.get("nothing_analyzed"):
+        return f'<h2>Findings</h2><p class="error">Nothing analyzed: {kit.esc(summary["nothing_analyzed"])}</p>'
     if not findings:
         return '<h2>Findings</h2><p class="none">No findings: nothing looks wrong with this run.</p>'
     counts: dict[str, int] = {}

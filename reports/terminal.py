@@ -1,11 +1,14 @@
 """The short terminal summary printed after an analysis: run, key metrics, findings, report path.
 
 Renders with rich (plain text when stdout is not a terminal) and tolerates any missing key: a
-summary from an older or partial analysis still prints.
+summary from an older or partial analysis still prints. Every string that came from an input
+(paths, names, messages) is printed as text: control characters (ESC and the rest) are shown as
+escapes, never sent to the terminal, and rich markup in it is escaped (``printable``/``text``).
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Mapping
 
@@ -13,6 +16,25 @@ from trainprof.reports import kit
 
 SEVERITY_STYLES = {"critical": "bold white on red", "error": "bold red", "warning": "yellow",
                    "info": "cyan"}
+
+# C0/C1 controls but newline and tab, DEL, and the Unicode format characters that reorder or
+# hide text (bidi overrides and isolates, zero-width marks)
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e"
+                          "\u2060-\u2069\ufeff]")
+
+
+def printable(x) -> str:
+    """str(x) safe to write to a terminal: control and format characters become visible
+    escapes (ESC -> \\x1b)."""
+    s = "" if x is None else str(x)
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), s)
+
+
+def text(x) -> str:
+    """printable(x) with rich markup escaped: for strings inside console.print markup."""
+    from rich.markup import escape
+
+    return escape(printable(x))
 
 
 def _get(d, *keys):
@@ -39,21 +61,36 @@ def key_metrics(summary: Mapping) -> list[tuple[str, str]]:
         txt = kit.fmt_ms(job["median_ms"])
         if job.get("p90_ms") is not None:
             txt += f" (p90 {kit.fmt_ms(job['p90_ms'])}, {job.get('steps', '?')} steps)"
-        out.append(("step time (median)", txt))
+        out.append(("step time (median)", txt + _partial(job)))
     if job.get("tokens_per_s") is not None:
-        out.append(("throughput", f"{kit.fmt_value(float(job['tokens_per_s']))} tokens/s"))
+        out.append(("throughput", f"{kit.fmt_value(float(job['tokens_per_s']))} tokens/s"
+                    + _partial(job)))
     mfu = _first(_get(m, "roofline", "mfu"), _get(m, "roofline", "job", "mfu"))
     if isinstance(mfu, (int, float)):
         out.append(("MFU", kit.fmt_pct(mfu)))
+    elif _get(m, "roofline", "job", "withheld"):
+        out.append(("MFU", f"withheld: {_get(m, 'roofline', 'job', 'withheld')}"))
     cc = _get(m, "comm_compute") or {}
     exposed = _first(_get(cc, "exposed_comm_fraction"), _get(cc, "job", "exposed_comm_fraction"),
                      _get(cc, "exposed_fraction"), _get(cc, "job", "exposed_fraction"))
     if isinstance(exposed, (int, float)):
-        out.append(("exposed communication", kit.fmt_pct(exposed) + " of step time"))
+        out.append(("exposed communication", kit.fmt_pct(exposed) + " of step time"
+                    + _partial(_get(cc, "job"))))
     bubble = _first(_get(m, "pipeline", "bubble_fraction"), _get(m, "pipeline", "job", "bubble_fraction"))
     if isinstance(bubble, (int, float)):
         out.append(("pipeline bubble", kit.fmt_pct(bubble)))
+    elif _get(m, "pipeline", "withheld"):
+        out.append(("pipeline bubble", f"withheld: {_get(m, 'pipeline', 'withheld')}"))
     return out
+
+
+def _partial(job) -> str:
+    """' (partial: 1 of 2 ranks)' for a job-level figure computed without every rank."""
+    p = job.get("partial") if isinstance(job, Mapping) else None
+    if not isinstance(p, Mapping):
+        return ""
+    return f" (partial: {p.get('ranks_reporting', p.get('ranks_present', '?'))} of " \
+           f"{p.get('world_size', '?')} ranks)"
 
 
 def _ranks(f: Mapping, summary: Mapping) -> str:
@@ -64,8 +101,9 @@ def _ranks(f: Mapping, summary: Mapping) -> str:
 
 def render_terminal(summary, report_path=None, console=None) -> None:
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
+
+    escape = text  # every string below may come from the run: printable and markup-escaped
 
     if console is None:
         console = Console(highlight=False, soft_wrap=not sys.stdout.isatty())
@@ -81,12 +119,21 @@ def render_terminal(summary, report_path=None, console=None) -> None:
     if run.get("exit_code") is not None:
         bits.append(f"exit {run['exit_code']}" + (f" (signal {run['signal']})" if run.get("signal") else ""))
     console.print(f"[bold]trainprof[/bold] {escape(str(run.get('dir') or ''))}: {escape(', '.join(bits))}")
+    partial = run.get("partial")
+    if isinstance(partial, Mapping):
+        console.print(f"[bold yellow]partial run[/bold yellow]: {escape(partial_text(partial))}; "
+                      f"job-level figures cover the ranks present only, MFU and the pipeline "
+                      f"bubble are withheld")
 
     for label, value in key_metrics(summary):
         console.print(f"  {escape(label)}: [bold]{escape(value)}[/bold]")
 
     findings = [f for f in (summary.get("findings") or []) if isinstance(f, Mapping)]
-    if not findings:
+    if summary.get("nothing_analyzed"):
+        console.print(f"[bold red]nothing analyzed[/bold red]: {escape(str(summary['nothing_analyzed']))}")
+    elif not findings and isinstance(partial, Mapping):  # never "nothing wrong" about ranks not seen
+        console.print(f"[yellow]no findings in the ranks analyzed[/yellow]: {escape(partial_text(partial))}")
+    elif not findings:
         console.print("[green]no findings[/green]: nothing looks wrong with this run")
     else:
         table = Table(title=f"{len(findings)} finding(s)", title_justify="left", show_lines=False,
@@ -107,3 +154,10 @@ def render_terminal(summary, report_path=None, console=None) -> None:
         console.print(f"[yellow]{n_err} analyzer error(s), {n_prob} input problem(s)[/yellow] (see the report)")
     if report_path:
         console.print(f"report: {escape(str(report_path))}")
+
+
+def partial_text(p: Mapping) -> str:
+    missing = p.get("missing_ranks") or []
+    shown = ", ".join(str(r) for r in missing[:8]) + (", …" if len(missing) > 8 else "")
+    return (f"{p.get('ranks_present', '?')} of {p.get('world_size', '?')} ranks have files"
+            + (f" (missing: {shown})" if shown else ""))

@@ -113,3 +113,28 @@ def test_job_builtin_hook_is_left_alone_and_said(tmp_path):
     assert meta[-1]["recorded"] is False and "built-in" in meta[-1]["not_recorded"]
     assert "DDP gradient all-reduce not recorded" in r.stderr
     assert not [x for x in _records(run, 0) if x.get("api") == "ddp.bucket"]
+
+
+EDGE_JOB = Path(__file__).parent / "jobs" / "ddp_edge_job.py"
+
+
+@pytest.mark.parametrize("mode", ["late_join_false", "hook_then_builtin", "cpp_hook", "compile"])
+def test_ddp_corner_cases_keep_the_job_and_are_recorded(tmp_path, mode):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROF_")}
+    bare_out, out, run = tmp_path / "bare", tmp_path / "wrapped", tmp_path / "run"
+    subprocess.run(_torchrun(2) + [str(EDGE_JOB), mode, "--hash-out", str(bare_out)], env=env,
+                   check=True, capture_output=True, timeout=300)
+    r = run_cli(["wrap", "--out", run, "--no-analyze", "--profile-steps", "none", "--",
+                 *_torchrun(2), EDGE_JOB, mode, "--hash-out", out], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert out.read_text() == bare_out.read_text(), "trainprof changed the job's outcome"
+    if mode == "hook_then_builtin":
+        assert out.read_text().startswith("raised")
+    recs = [x for x in _records(run, 0) if x.get("api") == "ddp.bucket"]
+    assert recs, "the gradient all-reduce was not recorded"
+    assert _meta(run, 0)["ddp"][-1]["recorded"] is True
+    if mode == "cpp_hook":  # run by DDP's C++ all-reduce: one inferred record per bucket
+        assert all(x.get("inferred") for x in recs)
+        assert all(x["end_ns"] is not None for x in recs)
+    # blocked time is charged in every step (no pass left uncharged)
+    assert len({x["step"] for x in recs}) >= 3

@@ -198,51 +198,7 @@ def test_clean_script_silent_and_records_every_step(tmp_path):
     assert not [r for r in RunDir(run).stream(0, "nan") if r["kind"] in ("nonfinite", "origin")]
 
 
-# --------------------------------------------------------------------------- loss spikes
-
-
-def test_spike_z_score_hand_computed():
-    losses = [1.0, 0.98, 0.97, 0.99, 0.96, 0.95, 0.97, 5.0, 0.94]
-    spikes = nan_origin.detect_spikes({3: [[i, x] for i, x in enumerate(losses)]})
-    assert [(s["rank"], s["step"]) for s in spikes] == [(3, 7)]
-    # trailing median 0.97, MAD 0.01 -> z = (5 - 0.97) / (1.4826 * 0.01)
-    assert spikes[0]["median"] == pytest.approx(0.97)
-    assert spikes[0]["mad"] == pytest.approx(0.01)
-    assert spikes[0]["z"] == pytest.approx((5 - 0.97) / 0.014826, rel=1e-6)
-
-
-def test_spike_ignores_smooth_descent_noise_and_drops():
-    import random
-
-    rng = random.Random(1)
-    smooth = [[i, 3.0 * 0.97 ** i + rng.gauss(0, 0.01)] for i in range(80)]
-    smooth[40][1] = 0.2  # a sudden *drop* is not a spike
-    assert nan_origin.detect_spikes({0: smooth}) == []
-
-
-def _write_nan_stream(root: Path, rank: int, losses):
-    d = root / "ranks" / f"rank-{rank:05d}"
-    d.mkdir(parents=True)
-    (d / "meta.json").write_text(json.dumps({"rank": rank, "world_size": 2}))
-    with open(d / "nan.jsonl", "w") as f:
-        for i, x in enumerate(losses):
-            f.write(json.dumps({"kind": "step", "step": i, "t_ns": i, "loss": x, "loss_finite": True,
-                                "grad_finite": True, "params_finite": True, "modules_finite": True}) + "\n")
-
-
-def test_spike_finding_names_steps_and_ranks(tmp_path):
-    base = [2.0 - 0.01 * i for i in range(30)]
-    r0 = list(base)
-    r1 = list(base)
-    r1[12] = 9.0
-    r1[25] = 6.0
-    _write_nan_stream(tmp_path, 0, r0)
-    _write_nan_stream(tmp_path, 1, r1)
-    (tmp_path / "manifest.json").write_text(json.dumps({"ranks": [0, 1]}))
-    res = nan_origin.analyze(RunDir(tmp_path))
-    (f,) = [f for f in res.findings if f.kind == "loss_spike"]
-    assert f.ranks == [1] and f.evidence["steps"] == [12, 25]
-    assert not [f for f in res.findings if f.kind == "nan_origin"]
+# loss spikes: tests/test_loss_spike.py
 
 
 # --------------------------------------------------------------------------- reference

@@ -107,11 +107,12 @@ def test_atomic_json_and_clear_errors(tmp_path):
     assert any("meta.json: not valid JSON" in p for p in rd.problems)
 
 
-def test_newer_schema_is_flagged(tmp_path):
+def test_newer_schema_is_refused_with_the_version_named(tmp_path):
+    from trainprof.rundir import SchemaVersionError
+
     write_json_atomic(tmp_path / "manifest.json", {"schema_version": 99})
-    rd = RunDir(tmp_path)
-    rd.launcher
-    assert any("newer than this trainprof reads" in p for p in rd.problems)
+    with pytest.raises(SchemaVersionError, match="schema_version 99 is newer than this trainprof reads"):
+        RunDir(tmp_path)
 
 
 def test_writer_after_close_never_reopens(tmp_path):

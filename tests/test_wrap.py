@@ -121,8 +121,13 @@ def test_refuses_non_empty_out_without_force(tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     res = run_cli(["wrap", "--out", out, "--", sys.executable, script])
-    assert res.returncode != 0 and "not empty" in res.stderr and str(out) in res.stderr
-    (out / "ranks").mkdir()
+    assert res.returncode == 2 and "not empty" in res.stderr and str(out) in res.stderr
+    (out / "keep.txt").unlink()
+    res = run_cli(["wrap", "--out", out, "--no-analyze", "--", sys.executable, script])
+    assert res.returncode == 0, res.stderr  # a previous run...
+    (out / "keep.txt").write_text("mine")  # ...beside which the user keeps a file
+    res = run_cli(["wrap", "--out", out, "--", sys.executable, script])
+    assert res.returncode == 2 and "previous trainprof run" in res.stderr
     res = run_cli(["wrap", "--out", out, "--force", "--no-analyze", "--", sys.executable, script])
     assert res.returncode == 0, res.stderr
     assert (out / "keep.txt").read_text() == "mine"  # --force removes only trainprof's files

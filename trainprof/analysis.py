@@ -50,6 +50,8 @@ def run_info(run: RunDir) -> dict:
         "run_info": first.get("run_info", {}),
         "ranks": ranks,
         **({"probes_off": off} if off else {}),
+        # ranks of the job without files: job-level figures are partial (or withheld)
+        **({"partial": partial} if (partial := run.partial()) else {}),
         **({"snapshots": [str(p) for p in run.bare_snapshots]} if run.snapshot_only else {}),
     }
 
@@ -85,6 +87,9 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
     for name, rs in info.get("probes_off", {}).items():  # absent data must not read as "nothing found"
         run.problems.append(f"probe {name} was left out (TRAINPROF_PROBES_OFF) on {len(rs)} of "
                             f"{len(run.ranks)} ranks: analyses that need it saw no data there")
+    nothing = nothing_captured(run)
+    if nothing:
+        run.problems.insert(0, nothing)
     return {
         "schema_version": SUMMARY_SCHEMA_VERSION,
         "trainprof_version": __version__,
@@ -95,7 +100,25 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
         "problems": list(dict.fromkeys(run.problems)),
         "errors": errors,
         "analyzer_seconds": timings,
+        **({"nothing_analyzed": nothing} if nothing else {}),
     }
+
+
+def nothing_captured(run: RunDir) -> str | None:
+    """Why a run directory holds no rank's data (so that no analysis ran), or None. Such a run
+    must never read as "nothing looks wrong"."""
+    if run.snapshot_only or run.ranks:
+        return None
+    from trainprof.settings import flag_on
+
+    man = run.launcher
+    config = man.get("config") if isinstance(man.get("config"), dict) else {}
+    env = man.get("env") if isinstance(man.get("env"), dict) else {}
+    disabled = config.get("probes_disabled") is True or flag_on(str(env.get("TRAINPROF_DISABLE") or ""))
+    if disabled:
+        return "the probes were disabled (TRAINPROF_DISABLE): no rank captured anything"
+    return ("no rank captured any data (the probes start in a process that initializes "
+            "torch.distributed, creates a DeviceMesh or steps an optimizer)")
 
 
 def analyze_and_write(run_dir, out_dir=None, report: bool = True, progress=None):

@@ -5,31 +5,28 @@ and `demo`."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from trainprof import __version__
-from trainprof.probes import runtime
+from trainprof import __version__, outdir
+from trainprof.probes import elastic_agent, runtime
 from trainprof.probes.hang_watchdog import DUMP as HANG_DUMP
 from trainprof.probes.hang_watchdog import TRIGGER as HANG_TRIGGER
-from trainprof.rundir import (INJECTED, MANIFEST, PROFILER_DIR, RANKS_DIR, REPORT, SCHEMA_VERSION,
-                              SUMMARY, RunDirError, collect_rank_entries, read_json,
-                              write_json_atomic)
+from trainprof.rundir import (MANIFEST, RANKS_DIR, SCHEMA_VERSION, RunDirError,
+                              collect_rank_entries, iter_jsonl, read_json, write_json_atomic)
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
                      signal.SIGUSR1, signal.SIGUSR2)
 RELEVANT_ENV_PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "PYTORCH_", "OMP_", "SLURM_", "MASTER_",
                          "WORLD_SIZE", "GLOO_", "TRAINPROF_")
-OWNED_ENTRIES = (MANIFEST, RANKS_DIR, PROFILER_DIR, SUMMARY, REPORT, INJECTED, HANG_TRIGGER)
 # Exit code of `trainprof wrap --on-hang kill` when it terminated a hung job (as timeout(1) does).
 HANG_EXIT_CODE = 124
 HEARTBEAT = "heartbeat.jsonl"  # probes/heartbeat.py: grows only when its rank progresses
@@ -39,27 +36,30 @@ class LaunchError(Exception):
     pass
 
 
-def prepare_run_dir(out: Path, force: bool) -> None:
-    """Refuse to mix a new run into an existing one; with force, remove only what a previous
-    trainprof run wrote (never other files the user keeps there)."""
-    if out.exists() and not out.is_dir():
-        raise LaunchError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise LaunchError(
-                f"{out}: not empty (a previous run?). Use --out NEW_DIR, or --force to replace "
-                f"the trainprof files in it.")
-        for name in OWNED_ENTRIES:
-            p = out / name
-            if p.is_dir():
-                shutil.rmtree(p)
-            elif p.exists():
-                p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+def prepare_run_dir(out: Path, force: bool) -> set[str]:
+    """Refuse an --out that is not ours to write (trainprof/outdir.py: OutDirError, exit 2);
+    with force, remove only what a previous trainprof run there wrote. Returns the paths
+    already in out (files kept), which this run's inventory leaves out."""
+    return outdir.prepare(out, force, log=_log)
 
 
-def job_env(out: Path, profile_steps: str | None, extra: dict | None = None) -> dict:
+def _log(msg: str) -> None:
+    try:
+        print(f"trainprof: {msg}", file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - a closed stderr must not change the job's outcome
+        pass
+
+
+def job_env(out: Path, profile_steps: str | None, extra: dict | None = None,
+            settings: dict | None = None) -> dict:
+    """The job's environment: ours, the bootstrap on PYTHONPATH, the run directory, and the
+    TRAINPROF_* settings in their canonical spelling (trainprof.settings; None: unset)."""
     env = dict(os.environ)
+    for k, v in (settings or {}).items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     env["PYTHONPATH"] = os.pathsep.join(
         [str(BOOTSTRAP_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env[runtime.ENV_RUN_DIR] = str(out.resolve())
@@ -228,40 +228,93 @@ def _now() -> dict:
             "ns": time.time_ns()}
 
 
+@dataclass
+class JobResult:
+    """How the job ended, and what trainprof could not do around it (one line each)."""
+    code: int                     # shell convention: 128+N after signal N; 124 after --on-hang kill
+    sig: int | None               # the signal the job died of, or None
+    notes: list[str] = field(default_factory=list)
+    first_failures: list = field(default_factory=list)  # workers whose end stopped the job
+    probes_ran: bool = True       # False: the run directory was unwritable, the job ran bare
+
+
+class _Manifest:
+    """The launcher's manifest.json: saving never raises; the first failure becomes a note."""
+
+    def __init__(self, out: Path, data: dict, notes: list[str]):
+        self.out, self.data, self.notes = out, data, notes
+        self.lock = threading.Lock()
+        self.failed = False
+
+    def save(self) -> bool:
+        with self.lock:
+            try:
+                write_json_atomic(self.out / MANIFEST, self.data)
+                return True
+            except Exception as e:  # noqa: BLE001 - our bookkeeping, never the job's outcome
+                if not self.failed:
+                    self.notes.append(f"could not write {self.out / MANIFEST} ({reason(e)})")
+                self.failed = True
+                return False
+
+
+def reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return f"{type(e).__name__}: {e}"
+
+
 def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
             env_extra: dict | None = None, config: dict | None = None,
-            hang: HangPolicy | None = None) -> tuple[int, int | None]:
-    """Run cmd to completion with probes active. Returns (exit_code, signal_or_None), where
-    exit_code follows the shell convention (128+N when the job died of signal N), or
-    HANG_EXIT_CODE when the hang watchdog terminated the job."""
+            hang: HangPolicy | None = None, settings: dict | None = None,
+            before: set[str] | None = None) -> JobResult:
+    """Run cmd to completion with probes active. The exit code follows the shell convention
+    (128+N when the job died of signal N), or HANG_EXIT_CODE when the hang watchdog terminated
+    the job. Nothing that goes wrong with trainprof's own files changes it: a run directory
+    that cannot be written at the start makes the job run without probes, and every later
+    failure is one line in JobResult.notes."""
     config = dict(config or {})
     env_extra = dict(env_extra or {})
+    notes: list[str] = []
     if hang is not None:
         config.update(hang_timeout_s=hang.timeout_s, on_hang=hang.action)
         fr_vars = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
         if not any(k in os.environ for k in fr_vars):
             env_extra.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # flight recorder for the dumps
-    manifest = {
+    disabled = runtime.ENV_DISABLE in (settings or {}) and (settings or {})[runtime.ENV_DISABLE]
+    manifest = _Manifest(out, {
         "schema_version": SCHEMA_VERSION,
-        "kind": "trainprof-run",
+        "kind": outdir.RUN_KIND,
         "command": list(cmd),
-        "cwd": os.getcwd(),
+        "cwd": _cwd(),
         "host": socket.gethostname(),
         "trainprof_version": __version__,
         "python": sys.version.split()[0],
         "launcher_pid": os.getpid(),
         "start_time": _now(),
-        "config": {"profile_steps": profile_steps, **config},
+        "config": {"profile_steps": profile_steps, **config,
+                   **({"probes_disabled": True} if disabled else {})},
         "env": {k: v for k, v in os.environ.items() if k.startswith(RELEVANT_ENV_PREFIXES)},
         "status": "running",
-    }
-    write_json_atomic(out / MANIFEST, manifest)
+    }, notes)
+    probes_ran = True
     try:
-        proc = subprocess.Popen(cmd, env=job_env(out, profile_steps, env_extra),
+        out.mkdir(parents=True, exist_ok=True)
+        ok = manifest.save()
+    except OSError as e:
+        notes.append(f"could not create {out} ({reason(e)})")
+        ok = False
+    if not ok:  # nowhere to write: run the job as it is, without probes
+        probes_ran = False
+        notes[-1] += ": the job ran without probes"
+        env_extra[runtime.ENV_DISABLE] = "1"
+    try:
+        proc = subprocess.Popen(cmd, env=job_env(out, profile_steps, env_extra, settings),
                                 process_group=0)
     except OSError as e:
-        manifest.update(status="failed_to_start", end_time=_now(), error=str(e))
-        write_json_atomic(out / MANIFEST, manifest)
+        manifest.data.update(status="failed_to_start", end_time=_now(), error=str(e))
+        if probes_ran:
+            manifest.save()
         raise LaunchError(f"cannot start {cmd[0]!r}: {e.strerror or e}") from e
 
     # The job runs in its own process group; signals sent to us (Ctrl-C reaches only our group)
@@ -271,18 +324,22 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
             pass
+        try:  # the post-mortem tells a job stopped on purpose from one that failed
+            manifest.data.setdefault("signals_forwarded", []).append(
+                {"signal": signal.Signals(signum).name, "t_ns": time.time_ns()})
+        except Exception:  # noqa: BLE001
+            pass
 
-    lock = threading.Lock()
-
-    def save_manifest():
-        with lock:
-            write_json_atomic(out / MANIFEST, manifest)
-
-    watch = HangWatch(out, hang, proc.pid, manifest, save_manifest) if hang else None
+    watch = HangWatch(out, hang, proc.pid, manifest.data, manifest.save) \
+        if hang and probes_ran else None
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     try:
         if watch:
-            watch.start()
+            try:
+                watch.start()
+            except Exception as e:  # noqa: BLE001
+                notes.append(f"hang watchdog not started ({reason(e)})")
+                watch = None
         while True:
             try:
                 rc = proc.wait()
@@ -296,27 +353,63 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
             watch.finish()
     sig = -rc if rc < 0 else None
     code = 128 + sig if sig else rc
-    manifest.update(end_time=_now(), exit_code=code, signal=sig,
-                    signal_name=signal.Signals(sig).name if sig else None,
-                    status="ok" if rc == 0 else ("killed" if sig else "failed"))
+    result = JobResult(code, sig, notes, probes_ran=probes_ran)
     if watch and watch.killed:  # we ended it: say so, whatever the job's leader returned
         if _group_alive(proc.pid):
             _killpg(proc.pid, signal.SIGKILL)  # workers orphaned by their launcher
-        manifest.update(status="hung", exit_code=HANG_EXIT_CODE, signal=None, signal_name=None,
-                        job_exit_code=code, job_signal=sig)
-        code, sig = HANG_EXIT_CODE, None
+        result.code, result.sig = HANG_EXIT_CODE, None
+    if probes_ran:
+        try:
+            _record_end(out, manifest, rc, watch, before or set(), result)
+        except Exception as e:  # noqa: BLE001 - the job's outcome is decided already
+            notes.append(f"could not finish the run record ({reason(e)})")
+    return result
+
+
+def _record_end(out: Path, manifest: _Manifest, rc: int, watch, before: set[str],
+                result: JobResult) -> None:
+    m = manifest.data
+    sig = -rc if rc < 0 else None
+    code = 128 + sig if sig else rc
+    m.update(end_time=_now(), exit_code=code, signal=sig,
+             signal_name=signal.Signals(sig).name if sig else None,
+             status="ok" if rc == 0 else ("killed" if sig else "failed"))
+    if watch and watch.killed:
+        m.update(status="hung", exit_code=HANG_EXIT_CODE, signal=None, signal_name=None,
+                 job_exit_code=code, job_signal=sig)
     try:  # every rank's identity and mesh coordinates, gathered from the ranks' meta.json
-        manifest.update(collect_rank_entries(out))
+        m.update(collect_rank_entries(out))
     except Exception as e:  # noqa: BLE001
-        manifest["rank_entries_error"] = str(e)
-    save_manifest()
-    return code, sig
+        m["rank_entries_error"] = str(e)
+    exits = out / elastic_agent.STREAM
+    if exits.is_file():  # written by the torchrun agent: how each worker ended
+        summary = elastic_agent.summarize(list(iter_jsonl(exits)))
+        if summary["first_failures"]:
+            result.first_failures = summary["first_failures"]
+            m["first_failures"] = summary["first_failures"]
+    files = outdir.inventory(out, before)
+    if files is not None:
+        m["files"] = files  # what --force may remove later (trainprof/outdir.py)
+    manifest.save()
+
+
+def _cwd() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
 
 
 def exit_like(code: int, sig: int | None) -> None:
     """Leave this process the way the job left: same exit code, or death by the same signal."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for name in ("stdout", "stderr"):
+        try:
+            getattr(sys, name).flush()
+        except Exception:  # noqa: BLE001 - a closed pipe: the exit status still goes through
+            try:
+                setattr(sys, name, open(os.devnull, "w"))  # so the final flush cannot fail
+            except OSError:
+                pass
     if sig:
         try:
             if sig not in (signal.SIGKILL, signal.SIGSTOP):  # these cannot be caught anyway

@@ -13,19 +13,26 @@ Writers here are used inside training processes: they import only the standard l
 whole lines (a killed process leaves at most one torn line; the probes' streams are flushed every
 TRAINPROF_FLUSH_S seconds by a background thread, so a kill loses at most that much) and never
 raise into the job. Readers
-tolerate a torn last line and report every other defect with the file it came from.
+tolerate a torn last line and report every other defect with the file it came from; they read
+only regular files within the input limits (trainprof/safeio.py), check every record against the
+documented field types (trainprof/rundir_schema.py), check the world size against the ranks
+present, and refuse a run directory of a newer schema (SchemaVersionError).
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import math
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Any, Iterator
 
+from trainprof import rundir_schema, safeio
 SCHEMA_VERSION = 1
+MAX_ABSENT_FACTOR, MAX_ABSENT_EXTRA = 4, 64  # a world size is trusted up to 4 x ranks present + 64
 MANIFEST = "manifest.json"
 RANKS_DIR = "ranks"
 PROFILER_DIR = "profiler"
@@ -73,12 +80,19 @@ def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = 2)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=indent, default=str)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=indent, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a read-only directory: leave no temporary behind
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
 
 
 class JsonlWriter:
@@ -217,43 +231,107 @@ class RunDirError(Exception):
     """A run directory (or a file in it) cannot be read; the message names the file."""
 
 
+class SchemaVersionError(RunDirError):
+    """The run directory was written by a newer trainprof (or names no schema version we can
+    trust): refused, with the version named."""
+
+
+MAX_PROBLEMS_PER_FILE = 5  # bad lines listed one by one; past that one line counts the rest
+
+
 def read_json(path: Path) -> Any:
+    """A small JSON document (manifest.json, meta.json, a hang dump): a regular file within
+    the input limit (trainprof/safeio.py)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = safeio.read_doc(path)
+    except safeio.InputRefused as e:
+        raise RunDirError(str(e)) from e
     except OSError as e:
         raise RunDirError(f"{path}: cannot read: {e.strerror or e}") from e
     try:
         return json.loads(data)
-    except ValueError as e:
-        raise RunDirError(f"{path}: not valid JSON ({e})") from e
+    except (ValueError, RecursionError) as e:
+        raise RunDirError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from e
 
 
-def iter_jsonl(path: Path, problems: list[str] | None = None) -> Iterator[dict]:
+def iter_jsonl(path: Path, problems: list[str] | None = None,
+               stream: str | None = None) -> Iterator[dict]:
     """Records of a JSONL stream. A torn last line (a writer killed mid-record) is skipped
-    silently; any other bad line is skipped and described in ``problems``."""
+    silently; any other bad line, and (``stream`` named) a record whose fields do not have the
+    documented types (trainprof/rundir_schema.py), is skipped and described in ``problems``
+    (the first few one by one, then a count)."""
     try:
-        with open(path, "rb") as f:
-            lines = f.read().split(b"\n")
+        data = safeio.read_limited(path, what="stream")
     except OSError as e:
         if problems is not None:
-            problems.append(f"{path}: cannot read: {e.strerror or e}")
+            problems.append(str(e) if isinstance(e, safeio.InputRefused)
+                            else f"{path}: cannot read: {e.strerror or e}")
         return
+    lines = data.split(b"\n")
+    del data
+    spec = rundir_schema.STREAMS.get(stream) if stream else None
+    required = rundir_schema.REQUIRED.get(stream, ()) if stream else ()
+    nested = rundir_schema.STREAM_NESTED.get(stream) if stream else None
+    bad = 0
+
+    def report(msg: str) -> None:
+        nonlocal bad
+        bad += 1
+        if problems is not None and bad <= MAX_PROBLEMS_PER_FILE:
+            problems.append(msg)
+
     last = len(lines) - 1
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
-        except ValueError:
-            torn_tail = i == last  # no newline after it: the writer died mid-line
-            if not torn_tail and problems is not None:
-                problems.append(f"{path}:{i + 1}: malformed JSON line skipped")
+        except (ValueError, RecursionError):
+            if i != last:  # a torn tail (no newline after it: the writer died mid-line) is silent
+                report(f"{path}:{i + 1}: malformed JSON line skipped")
             continue
-        if isinstance(rec, dict):
-            yield rec
-        elif problems is not None:
-            problems.append(f"{path}:{i + 1}: record is not a JSON object, skipped")
+        if not isinstance(rec, dict):
+            report(f"{path}:{i + 1}: record is not a JSON object, skipped")
+            continue
+        if spec is not None:
+            why = rundir_schema.record_error(spec, required, rec, nested)
+            if why:
+                report(f"{path}:{i + 1}: record skipped: {why}")
+                continue
+        yield rec
+    if bad > MAX_PROBLEMS_PER_FILE and problems is not None:
+        problems.append(f"{path}: {bad - MAX_PROBLEMS_PER_FILE} more bad lines skipped "
+                        f"({bad} in all)")
+
+
+def _listdir(d: Path, problems: list[str]) -> list[Path]:
+    """Entries of a directory, sorted; [] and one problem when it cannot be listed."""
+    try:
+        return sorted(d.iterdir())
+    except OSError as e:
+        problems.append(f"{d}: cannot list: {e.strerror or e}; its files are not analyzed")
+        return []
+
+
+def _is_dir(p: Path) -> bool:
+    try:
+        return p.is_dir()
+    except OSError:
+        return False
+
+
+def _exists(p: Path, problems: list[str] | None = None) -> bool:
+    """Path.exists() that says "no" (and, given ``problems``, why) instead of raising when a
+    parent directory cannot be searched."""
+    try:
+        os.stat(p)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        if problems is not None and not isinstance(e, NotADirectoryError):
+            problems.append(f"{p}: cannot read: {e.strerror or e}")
+        return False
 
 
 class RunDir:
@@ -265,25 +343,37 @@ class RunDir:
         # Bare allocator snapshots (torch.cuda.memory._dump_snapshot pickles), given as one file
         # or a folder of them, are analysed as a "run" that holds nothing else.
         self.bare_snapshots: list[Path] = []
-        if not self.path.exists():
-            raise RunDirError(f"{self.path}: no such directory")
-        if self.path.is_file():
+        self.problems: list[str] = []
+        self._cache: dict[str, Any] = {}
+        self._unreadable: set[int] = set()  # rank folders that cannot be read (said once)
+        try:
+            mode = os.stat(self.path).st_mode
+        except FileNotFoundError:
+            raise RunDirError(f"{self.path}: no such directory") from None
+        except OSError as e:
+            raise RunDirError(f"{self.path}: cannot read: {e.strerror or e}") from None
+        if stat.S_ISREG(mode):
             if not self.path.name.endswith(SNAPSHOT_SUFFIXES):
                 raise RunDirError(f"{self.path}: not a directory (nor an allocator snapshot "
                                   f"*.pickle written by torch.cuda.memory._dump_snapshot)")
             self.bare_snapshots = [self.path]
             self.path = self.path.parent
-        elif not (self.path / MANIFEST).exists() and not (self.path / RANKS_DIR).is_dir() \
-                and not (self.path / PROFILER_DIR).is_dir():
-            self.bare_snapshots = sorted(p for p in self.path.iterdir()
-                                         if p.is_file() and p.name.endswith(SNAPSHOT_SUFFIXES))
+        elif not stat.S_ISDIR(mode):
+            raise RunDirError(f"{self.path}: not a directory nor a regular file; not read")
+        elif not _exists(self.path / MANIFEST) and not _is_dir(self.path / RANKS_DIR) \
+                and not _is_dir(self.path / PROFILER_DIR):
+            listed: list[str] = []
+            self.bare_snapshots = [p for p in _listdir(self.path, listed)
+                                   if p.name.endswith(SNAPSHOT_SUFFIXES) and safeio.is_regular(p)]
+            if listed:
+                raise RunDirError(listed[0])
             if not self.bare_snapshots:
                 raise RunDirError(
                     f"{self.path}: not a trainprof run directory (no {MANIFEST}, {RANKS_DIR}/ or "
                     f"{PROFILER_DIR}/) and no allocator snapshots (*.pickle); create one with "
                     f"`trainprof wrap --out {self.path} -- CMD`")
-        self.problems: list[str] = []
-        self._cache: dict[str, Any] = {}
+        self.launcher  # noqa: B018 - read now: a newer schema is refused before any analysis
+        self._census()
 
     @property
     def snapshot_only(self) -> bool:
@@ -299,9 +389,9 @@ class RunDir:
         out = []
         for r in self.ranks:
             d = rank_dir(self.path, r)
-            if d.is_dir():
-                out += [(r, p) for p in sorted(d.iterdir()) if p.name.endswith(SNAPSHOT_SUFFIXES)
-                        and not p.name.startswith(NOT_SNAPSHOTS)]
+            if _is_dir(d):
+                out += [(r, p) for p in _listdir(d, self.problems)
+                        if p.name.endswith(SNAPSHOT_SUFFIXES) and not p.name.startswith(NOT_SNAPSHOTS)]
         return out
 
     def snapshot(self, path: Path):
@@ -321,65 +411,173 @@ class RunDir:
     # -- manifest and ranks
     @property
     def launcher(self) -> dict:
-        """manifest.json as the launcher wrote it ({} when missing, e.g. a probe-only run)."""
+        """manifest.json as the launcher wrote it ({} when missing, e.g. a probe-only run), its
+        wrongly typed fields dropped (each a problem). A newer schema_version, or one that is not
+        a version number, raises SchemaVersionError."""
         if "launcher" not in self._cache:
             p = self.path / MANIFEST
             man: dict = {}
-            if p.exists():
+            if not self.bare_snapshots and _exists(p, self.problems):
                 try:
-                    man = read_json(p)
+                    raw = read_json(p)
                 except RunDirError as e:
                     self.problems.append(str(e))
-                if not isinstance(man, dict):
-                    self.problems.append(f"{p}: expected a JSON object")
-                    man = {}
-                v = man.get("schema_version")
-                if v is not None and v > SCHEMA_VERSION:
-                    self.problems.append(
-                        f"{p}: schema_version {v} is newer than this trainprof reads "
-                        f"({SCHEMA_VERSION}); upgrade trainprof")
+                    raw = {}
+                if not isinstance(raw, dict):
+                    self.problems.append(f"{p}: expected a JSON object, not {type(raw).__name__}; ignored")
+                    raw = {}
+                if raw.get("schema_version") is not None:
+                    raw = dict(raw, schema_version=self._schema_version(p, raw["schema_version"]))
+                man = rundir_schema.clean_object(rundir_schema.MANIFEST, raw, str(p), self.problems,
+                                                 rundir_schema.MANIFEST_NESTED)
             self._cache["launcher"] = man
         return self._cache["launcher"]
 
+    def _schema_version(self, p: Path, v) -> int:
+        if type(v) is str and v.strip().isdigit() and len(v.strip()) < 10:
+            self.problems.append(f'{p}: "schema_version" is the string {v!r}, read as {int(v)}')
+            v = int(v)
+        if type(v) is not int or v < 1:
+            raise SchemaVersionError(
+                f"{p}: schema_version {str(v)[:40]!r} is not a version number; this trainprof "
+                f"reads run directories of schema version {SCHEMA_VERSION}: refused")
+        if v > SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"{p}: schema_version {v} is newer than this trainprof reads ({SCHEMA_VERSION}); "
+                f"upgrade trainprof to analyze it: refused")
+        return v
+
     @property
     def ranks(self) -> list[int]:
+        """Ranks with files: a readable ranks/rank-N directory or a profiler trace."""
         if "ranks" not in self._cache:
             if self.bare_snapshots:
                 self._cache["ranks"] = []
+                self._cache["rank_dirs"] = set()
                 return []
             found: set[int] = set()
             rd = self.path / RANKS_DIR
-            if rd.is_dir():
-                for d in rd.iterdir():
-                    if d.is_dir() and d.name.startswith("rank-"):
-                        try:
-                            found.add(int(d.name[5:]))
-                        except ValueError:
-                            self.problems.append(f"{d}: unexpected folder name, ignored")
+            if _is_dir(rd):
+                for d in _listdir(rd, self.problems):
+                    if not d.name.startswith("rank-") or not _is_dir(d):
+                        continue
+                    num = d.name[5:]
+                    if not (num.isdigit() and len(num) <= 9):
+                        self.problems.append(f"{d}: unexpected folder name, ignored")
+                        continue
+                    if not os.access(d, os.R_OK | os.X_OK):
+                        self.problems.append(f"{d}: cannot read (permission denied); rank "
+                                             f"{int(num)}'s files are not analyzed")
+                        self._unreadable.add(int(num))
+                        continue
+                    found.add(int(num))
+            self._cache["rank_dirs"] = set(found)
             found.update(self.profiler_traces().keys())
             self._cache["ranks"] = sorted(found)
         return self._cache["ranks"]
 
     def rank_meta(self, rank: int) -> dict:
+        """ranks/rank-N/meta.json ({} when missing), its wrongly typed fields dropped (each a
+        problem naming the file and the field)."""
         key = f"meta:{rank}"
         if key not in self._cache:
             p = rank_dir(self.path, rank) / META
             meta: dict = {}
-            if p.exists():
+            if _exists(p, self._problems_of(rank)):
                 try:
-                    meta = read_json(p)
+                    raw = read_json(p)
                 except RunDirError as e:
                     self.problems.append(str(e))
-            self._cache[key] = meta if isinstance(meta, dict) else {}
+                    raw = {}
+                if isinstance(raw, dict):
+                    meta = rundir_schema.clean_object(rundir_schema.META, raw, str(p), self.problems,
+                                                      rundir_schema.META_NESTED)
+                else:
+                    self.problems.append(f"{p}: expected a JSON object, not {type(raw).__name__}; ignored")
+                if meta.get("rank") is not None and meta["rank"] != rank:
+                    self.problems.append(f"{p}: says rank {meta['rank']} but lives in "
+                                         f"{rank_dirname(rank)}; the folder's rank is used")
+            self._cache[key] = meta
         return self._cache[key]
+
+    # -- world size and completeness
+    def _census(self) -> dict:
+        """World size checked against the ranks present, and the ranks missing. A world size
+        is taken from the files (each rank's meta.json, the manifest) only when they agree with
+        each other and with the ranks present; it is never trusted beyond 4x the ranks present
+        + 64 (a loop bound for the analyses). One problem line per inconsistency."""
+        if "census" in self._cache:
+            return self._cache["census"]
+        ranks = self.ranks
+        claims: dict[int, list[str]] = {}
+        for r in ranks:
+            ws = self.rank_meta(r).get("world_size")
+            if ws is not None:
+                claims.setdefault(ws, []).append(f"{RANKS_DIR}/{rank_dirname(r)}/{META}")
+        ws = self.launcher.get("world_size")
+        if ws is not None:
+            claims.setdefault(ws, []).append(MANIFEST)
+        declared = None
+        if claims:
+            declared = max(claims, key=lambda w: (len(claims[w]), -w))
+            if len(claims) > 1:
+                said = "; ".join(f"{', '.join(srcs[:2])}{' …' if len(srcs) > 2 else ''} say {w}"
+                                 for w, srcs in sorted(claims.items(), key=lambda kv: -len(kv[1])))
+                self.problems.append(f"{self.path}: the files disagree on the world size ({said}); "
+                                     f"using {declared}")
+        n = len(ranks)
+        top = (max(ranks) + 1) if ranks else 0
+        bound = MAX_ABSENT_FACTOR * n + MAX_ABSENT_EXTRA
+        if declared is not None and top > declared:
+            self.problems.append(f"{self.path}: rank {top - 1} has files but the world size is "
+                                 f"{declared}; using {top}")
+            declared = top
+        if declared is not None and declared > bound:
+            self.problems.append(
+                f"{self.path}: world size {declared} but only {n} rank(s) have files: not trusted "
+                f"(at most {bound} for {n} rank(s) present); analyzing the ranks present, "
+                f"job-level figures are partial")
+            world = top if top <= bound else n
+        else:
+            world = declared if declared is not None else n
+        have = self._cache.get("rank_dirs", set()) if _is_dir(self.path / RANKS_DIR) else set(ranks)
+        # without a declared world size nothing says which ranks should be there
+        missing = [r for r in range(world) if r not in have] if declared is not None else []
+        absent = max(0, (declared or 0) - world) + len(missing)
+        if missing:
+            shown = ", ".join(map(str, missing[:10])) + (", …" if len(missing) > 10 else "")
+            self.problems.append(
+                f"{self.path}: {len(missing)} of {world} rank(s) have no readable files "
+                f"({RANKS_DIR}/{rank_dirname(missing[0])}"
+                f"{' …' if len(missing) > 1 else ''} missing): rank(s) {shown}; job-level figures "
+                f"that need every rank (step time, MFU, pipeline bubble, ...) are partial or withheld")
+        shape = self.mesh.get("shape") or []
+        if shape and declared is not None and math.prod(shape) != declared:
+            self.problems.append(f"{self.path}: the DeviceMesh {shape} holds {math.prod(shape)} "
+                                 f"ranks but the world size is {declared}")
+        self._cache["census"] = {"world_size": world, "declared": declared, "missing": missing,
+                                 "absent": absent}
+        return self._cache["census"]
 
     @property
     def world_size(self) -> int:
-        for r in self.ranks:
-            ws = self.rank_meta(r).get("world_size")
-            if ws:
-                return int(ws)
-        return int(self.launcher.get("world_size") or len(self.ranks) or 0)
+        """The job's world size as far as the files can be trusted (see _census)."""
+        return self._census()["world_size"]
+
+    @property
+    def missing_ranks(self) -> list[int]:
+        """Ranks of the job without readable files (rank directory absent or unreadable)."""
+        return list(self._census()["missing"])
+
+    def partial(self) -> dict | None:
+        """None when every rank of the job has files; else what job-level figures should say:
+        {"world_size", "ranks_present", "missing_ranks" (first 50), "missing_count"}."""
+        c = self._census()
+        if not c["absent"]:
+            return None
+        return {"world_size": max(c["declared"] or 0, c["world_size"]),
+                "ranks_present": len(self.ranks), "missing_ranks": c["missing"][:50],
+                "missing_count": c["absent"]}
 
     @property
     def mesh(self) -> dict:
@@ -394,15 +592,37 @@ class RunDir:
         """Mesh coordinates of a rank, e.g. {"dp": 1, "pp": 0, "tp": 1} ({} when unknown)."""
         return dict(self.rank_meta(rank).get("coords") or {})
 
+    def hang_dump(self, path: Path):
+        """A hang dump (ranks/rank-N/hang-dump.json) with its wrongly typed fields dropped (each
+        a problem); RunDirError when it cannot be read; a non-object is returned as it is."""
+        doc = read_json(path)
+        if not isinstance(doc, dict):
+            return doc
+        return rundir_schema.clean_object(rundir_schema.HANG_DUMP, doc, str(path), self.problems,
+                                          rundir_schema.HANG_DUMP_NESTED)
+
+    def rank_file(self, rank: int, name: str) -> Path | None:
+        """ranks/rank-N/NAME if it exists (None also when it cannot be checked, with a problem)."""
+        p = rank_dir(self.path, rank) / name
+        return p if _exists(p, self._problems_of(rank)) else None
+
+    def _problems_of(self, rank: int) -> list[str] | None:
+        """Where to say that a rank's file cannot be checked: nowhere when its whole folder
+        was already said to be unreadable."""
+        return None if rank in self._unreadable else self.problems
+
     # -- streams
     def stream_path(self, rank: int, name: str) -> Path:
         return rank_dir(self.path, rank) / f"{name}.jsonl"
 
     def stream(self, rank: int, name: str) -> list[dict]:
+        """A rank's records of a stream, checked against the documented field types (bad
+        records skipped, each a problem with file and line)."""
         key = f"stream:{name}:{rank}"
         if key not in self._cache:
             p = self.stream_path(rank, name)
-            self._cache[key] = list(iter_jsonl(p, self.problems)) if p.exists() else []
+            self._cache[key] = (list(iter_jsonl(p, self.problems, name))
+                                if _exists(p, self._problems_of(rank)) else [])
         return self._cache[key]
 
     def frame(self, name: str):
@@ -441,8 +661,8 @@ class RunDir:
         if "trace_paths" not in self._cache:
             out: dict[int, Path] = {}
             d = self.path / PROFILER_DIR
-            if d.is_dir():
-                for p in sorted(d.iterdir()):
+            if _is_dir(d):
+                for p in _listdir(d, self.problems):
                     if not p.name.endswith((".json", ".json.gz")):
                         continue
                     if p.name.startswith("rank-"):
@@ -452,8 +672,34 @@ class RunDir:
                         except ValueError:
                             pass
                     self.problems.append(f"{p}: trace file not named rank-NNNNN.*, ignored")
+            self._job_traces(out)
             self._cache["trace_paths"] = out
         return self._cache["trace_paths"]
+
+    def _job_traces(self, out: dict[int, Path]) -> None:
+        """Ranks whose job ran its own profiler (meta.json ``job_profiler``): where trainprof
+        has no trace of its own, the job's last exported trace stands in; said in problems."""
+        said: dict[str, list[int]] = {}
+        for m in sorted((self.path / RANKS_DIR).glob(f"rank-*/{META}")):
+            try:
+                r = int(m.parent.name[5:])
+            except ValueError:
+                continue
+            jp = self.rank_meta(r).get("job_profiler")
+            if not isinstance(jp, dict) or (r in out and not jp.get("window_skipped")):
+                continue
+            paths = [Path(p) for p in jp.get("traces") or []
+                     if isinstance(p, str) and p.endswith((".json", ".json.gz"))]
+            found = [p for p in paths if p.is_file()]
+            if r not in out and found:
+                out[r] = found[-1]
+            where = (f"its traces are at {paths[-1].parent}" + ("" if r in out else " (not found: "
+                     "no profiler analysis)") if paths else "it exported no trace: no profiler analysis")
+            skipped = "trainprof's window skipped; " if jp.get("window_skipped") else ""
+            said.setdefault(f"job runs its own profiler: {skipped}{where}", []).append(r)
+        for msg, ranks in said.items():
+            self.problems.append(f"{msg} (ranks {', '.join(map(str, ranks[:8]))}"
+                                 f"{', …' if len(ranks) > 8 else ''})")
 
     def traces(self, progress=None) -> dict:
         """rank -> parsed trace (trainprof.trace.Trace), parsed once, in parallel across ranks."""

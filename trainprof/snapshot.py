@@ -2,9 +2,11 @@
 small model of segments, blocks and trace entries.
 
 Snapshots are pickles, and unpickling runs code named by the file. Users hand us snapshots from
-other people's jobs, so they are loaded with a restricted unpickler that builds only the
-builtin containers and primitives a snapshot consists of (dict, list, tuple, str, bytes, int,
-float, bool, None) and refuses every global (class, function) with an error naming the file.
+other people's jobs, so they are loaded with the data-only unpickler of trainprof/safepickle.py:
+it builds only the builtin containers and primitives a snapshot consists of (dict, list, tuple,
+str, bytes, int, float, bool, None), refuses every global (class, function) and every file whose
+shared references would expand beyond what a real snapshot holds, with an error naming the file.
+The file itself is read only if it is a regular file within the input limit (trainprof/safeio.py).
 
 Format (torch 2.x; older snapshots lack ``requested_size`` and some trace fields)::
 
@@ -23,46 +25,22 @@ Format (torch 2.x; older snapshots lack ``requested_size`` and some trace fields
 
 from __future__ import annotations
 
-import io
-import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainprof import safeio, safepickle
+
 ACTIVE_STATES = ("active_allocated", "active_awaiting_free")
 FREE_STATE = "inactive"
-MAX_SNAPSHOT_BYTES = 4 << 30  # refuse to slurp absurdly large files into memory
 
 
 class SnapshotError(Exception):
     """A snapshot that cannot be loaded; the message names the file and what is wrong."""
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Builds only what pickle's opcodes build natively; every global lookup is refused."""
-
-    def __init__(self, f, source: str):
-        super().__init__(f)
-        self._source = source
-
-    def find_class(self, module, name):
-        raise SnapshotError(
-            f"{self._source}: refusing to load: the pickle references {module}.{name}; an "
-            f"allocator snapshot holds only dicts, lists, strings and numbers (this file may be "
-            f"something else, or malicious)")
-
-    def persistent_load(self, pid):
-        raise SnapshotError(f"{self._source}: refusing to load: the pickle uses persistent ids")
-
-
 def safe_load(data: bytes, source: str = "<bytes>"):
-    """Unpickle ``data`` allowing builtin containers and primitives only."""
-    try:
-        return _RestrictedUnpickler(io.BytesIO(data), source).load()
-    except SnapshotError:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
-            AttributeError, MemoryError, RecursionError) as e:
-        raise SnapshotError(f"{source}: not a readable pickle ({type(e).__name__}: {e})") from None
+    """Unpickle ``data`` allowing plain data only, within the expansion budget."""
+    return safepickle.loads(data, source, SnapshotError)
 
 
 @dataclass
@@ -134,6 +112,14 @@ def _int(x, what: str, source: str) -> int:
 
 def from_dict(obj, source: str = "<snapshot>") -> Snapshot:
     """Validate and convert a snapshot dictionary (as torch.cuda.memory._snapshot() returns)."""
+    try:
+        return _from_dict(obj, source)
+    except (TypeError, ValueError, OverflowError, AttributeError) as e:
+        raise SnapshotError(f"{source}: not an allocator snapshot (a field has the wrong type: "
+                            f"{type(e).__name__}: {e})") from None
+
+
+def _from_dict(obj, source: str) -> Snapshot:
     if not isinstance(obj, dict) or "segments" not in obj:
         got = type(obj).__name__ if not isinstance(obj, dict) else f"keys {sorted(obj)[:6]}"
         raise SnapshotError(f"{source}: not an allocator snapshot (expected a dict with "
@@ -181,9 +167,9 @@ def load_snapshot(path) -> Snapshot:
     """Read a snapshot pickle safely (see the module docstring); SnapshotError names the file."""
     path = Path(path)
     try:
-        if path.stat().st_size > MAX_SNAPSHOT_BYTES:
-            raise SnapshotError(f"{path}: {path.stat().st_size} bytes is too large for a snapshot")
-        data = path.read_bytes()
+        data = safeio.read_limited(path, what="snapshot")
+    except safeio.InputRefused as e:
+        raise SnapshotError(str(e)) from None
     except OSError as e:
         raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from None
     if not data.startswith(b"\x80"):
@@ -194,12 +180,13 @@ def load_snapshot(path) -> Snapshot:
 def looks_like_snapshot(path) -> bool:
     """Cheap check used to recognise bare snapshot files: a pickle by name or magic byte."""
     p = Path(path)
-    if not p.is_file():
+    if not safeio.is_regular(p):
         return False
     if p.suffix in (".pickle", ".pkl"):
         return True
     try:
-        with open(p, "rb") as f:
-            return f.read(1) == b"\x80"
+        fd, _ = safeio.open_regular(p)
     except OSError:
         return False
+    with open(fd, "rb") as f:
+        return f.read(1) == b"\x80"

@@ -61,6 +61,9 @@ def render(metrics: dict, summary: dict) -> str:
     spikes = metrics.get("spikes") or []
     parts.append(_loss_plot(metrics.get("loss") or {}, spikes))
     if spikes:
-        parts.append(kit.table(spikes, [("step", "step"), ("rank", "rank"), ("loss", "loss"),
-                                        ("median", "trailing median"), ("z", "robust z")]))
+        rows = [{**x, "ranks": ", ".join(map(str, x.get("ranks") or [x.get("rank")]))}
+                for x in spikes if isinstance(x, dict)]
+        parts.append(kit.table(rows, [("step", "step"), ("ranks", "ranks with a spike"),
+                                      ("loss", "loss (mean over ranks)"),
+                                      ("median", "trailing median"), ("z", "z")]))
     return "".join(parts)

@@ -48,19 +48,24 @@ def render(metrics: dict, summary: dict) -> str:
     if rows:
         parts.append("<h3>Evidence per rank (medians over analysed steps)</h3>" + kit.table(
             rows, [("rank", "rank"), ("coords", "mesh"), ("host", "host"), ("group", "peers"),
-                   ("busy_ms", "busy"), ("peer_busy_ms", "peer-group median"), ("excess_ms", "excess"),
-                   ("score", "score"), ("blocked_ms", "blocked"), ("p2p_ms", "of it in p2p"),
-                   ("data_wait_ms", "data wait"),
-                   ("lateness_mean_ms", "mean lateness"), ("last_frac", "arrives last"),
+                   ("own_ms", "own time"), ("peer_own_ms", "other peers' median"),
+                   ("excess_ms", "excess"), ("score", "score"), ("busy_ms", "busy"),
+                   ("blocked_ms", "blocked"), ("p2p_ms", "of it in p2p"),
+                   ("data_wait_ms", "data wait"), ("cpu_wait_ms", "CPU wait"),
+                   ("late_ms", "lateness vs peers"), ("last_frac", "arrives last"),
                    ("status", "status")],
-            fmt={k: kit.fmt_ms for k in ("busy_ms", "peer_busy_ms", "excess_ms", "blocked_ms",
-                                        "p2p_ms", "data_wait_ms", "lateness_mean_ms")}
+            fmt={k: kit.fmt_ms for k in ("own_ms", "peer_own_ms", "busy_ms", "excess_ms",
+                                        "blocked_ms", "p2p_ms", "data_wait_ms", "cpu_wait_ms",
+                                        "late_ms")}
             | {"last_frac": kit.fmt_pct}))
     th = metrics.get("thresholds") or {}
     parts.append(kit.para(
-        "Busy = step time − time blocked in collectives − data-loader wait. Peers = ranks of the "
-        "same pipeline stage. Score = median excess over peers ÷ its robust spread across ranks "
-        f"(floor {100 * th.get('floor', 0):.0f} % of the step); chronic straggler at score ≥ "
-        f"{th.get('score')} in ≥ {100 * th.get('chronic', 0):.0f} % of steps. A whole slow stage "
-        "is stage imbalance (Pipeline section), not a straggler.", "note"))
+        "Own time = step time − time waiting in collectives; busy = own time − data-loader wait. "
+        "Peers = ranks of the same pipeline stage. Excess = own time − the median of the other "
+        "peers in the same step; score = median excess ÷ one step's noise (from the "
+        "step-to-step variation); chronic straggler at score ≥ "
+        f"{th.get('score')} with an excess ≥ {100 * th.get('min_excess', 0):.0f} % of the step "
+        f"in ≥ {100 * th.get('chronic', 0):.0f} % of steps (the same test on arrival lateness "
+        "for async collectives). A whole slow stage is stage imbalance (Pipeline section), not a "
+        "straggler.", "note"))
     return "".join(parts)

@@ -67,4 +67,7 @@ digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.par
 if a.hash_out and rank == 0:
     with open(a.hash_out, "w") as f:
         f.write(digest.hexdigest())
+import gc  # noqa: E402
+
+gc.collect()  # gloo can abort at interpreter exit while Works are still alive (a torch bug)
 dist.destroy_process_group()

@@ -6,7 +6,9 @@ import sys
 
 
 def _trainprof_bootstrap():
-    if not os.environ.get("TRAINPROF_RUN_DIR") or os.environ.get("TRAINPROF_DISABLE"):
+    # TRAINPROF_DISABLE: 0/false/no/off (or empty) leave the probes on (trainprof.settings)
+    off = os.environ.get("TRAINPROF_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off")
+    if not os.environ.get("TRAINPROF_RUN_DIR") or off:
         return
     try:
         from trainprof.probes.bootstrap import install

@@ -1,4 +1,5 @@
-"""Shared terminal helpers for the CLI verbs (analysis progress and the closing summary)."""
+"""Shared terminal helpers for the CLI verbs (analysis progress and the closing summary), and
+the handling of inputs trainprof refuses (exit 2, one line of plain text)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,43 @@ import contextlib
 import sys
 
 import click
+
+
+EXIT_INPUT = 2
+
+
+class InputError(click.ClickException):
+    """An input trainprof refuses to read (not a run directory, a newer schema, a bad input
+    limit): exit 2, the message printed as plain text (no control characters)."""
+
+    exit_code = EXIT_INPUT
+
+    def __init__(self, message: str):
+        from trainprof.reports.terminal import printable
+
+        super().__init__(printable(message))
+
+
+def max_input_option(f):
+    """--max-input-mb: the largest input file read (see trainprof/safeio.py)."""
+    from trainprof.safeio import DEFAULT_MAX_INPUT_MB, ENV
+
+    return click.option(
+        "--max-input-mb", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MB",
+        help=f"Read each input file up to MB megabytes, after decompression (default "
+             f"{DEFAULT_MAX_INPUT_MB}, or ${ENV}; small JSON documents get 1/16 of it). Larger "
+             f"files are skipped with a problem naming them.")(f)
+
+
+def apply_input_limit(mb: float | None) -> None:
+    """Set the input limit for this process; InputError when the environment's value is bad."""
+    from trainprof import safeio
+
+    try:
+        safeio.set_max_input_mb(mb)
+        safeio.check_setting()
+    except safeio.SettingError as e:
+        raise InputError(str(e)) from None
 
 
 @contextlib.contextmanager
@@ -35,6 +73,8 @@ def analyze_and_print(run_dir, out_dir=None, as_json=False, report=True, quiet=F
     elif not quiet:
         from trainprof.reports.terminal import render_terminal
 
+        from trainprof.reports.terminal import printable
+
         render_terminal(summary, report_path=str(report_path) if report_path else None)
-        click.echo(f"summary: {summary_path}")
+        click.echo(f"summary: {printable(summary_path)}")
     return summary

@@ -6,7 +6,10 @@ from pathlib import Path
 
 import click
 
+from trainprof.cli._output import InputError, apply_input_limit, max_input_option
 from trainprof.rundir import RunDirError
+
+NOTHING_ANALYZED_EXIT = 3  # the run holds no rank's data (probes disabled, or never started)
 
 
 @click.command()
@@ -16,7 +19,8 @@ from trainprof.rundir import RunDirError
 @click.option("--json", "as_json", is_flag=True, help="Print summary.json to stdout.")
 @click.option("--no-report", is_flag=True, help="Skip report.html.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing (files are still written).")
-def analyze(run_dir, out, as_json, no_report, quiet):
+@max_input_option
+def analyze(run_dir, out, as_json, no_report, quiet, max_input_mb):
     """Analyze RUN_DIR (written by `trainprof wrap`) and report what is wrong, where and why.
 
     Writes RUN_DIR/summary.json (machine-readable findings and metrics) and RUN_DIR/report.html
@@ -26,10 +30,21 @@ def analyze(run_dir, out, as_json, no_report, quiet):
     torch.cuda.memory._dump_snapshot) or a folder of them: the memory and fragmentation
     analyses run on them (loaded without executing code), and FILE.summary.json /
     FILE.report.html are written beside the file (summary.json / report.html in a folder).
+
+    Inputs are read as untrusted (docs/security.md): only regular files, each up to
+    --max-input-mb; what is refused is listed under problems.
+
+    Exit codes: 0 analyzed, 2 input refused (not a readable run directory, a newer schema, a
+    bad input limit), 3 nothing to analyze (no rank captured any data, e.g. the probes were
+    disabled).
     """
     from trainprof.cli._output import analyze_and_print
 
+    apply_input_limit(max_input_mb)
     try:
-        analyze_and_print(run_dir, out, as_json=as_json, report=not no_report, quiet=quiet)
+        summary = analyze_and_print(run_dir, out, as_json=as_json, report=not no_report, quiet=quiet)
     except RunDirError as e:
-        raise click.ClickException(str(e)) from e
+        raise InputError(str(e)) from e
+    if summary.get("nothing_analyzed"):  # never "nothing looks wrong" about what was not seen
+        click.echo(f"trainprof: nothing analyzed: {summary['nothing_analyzed']}", err=True)
+        raise SystemExit(NOTHING_ANALYZED_EXIT)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from trainprof.launcher import LaunchError, prepare_run_dir, run_job
+from trainprof.launcher import LaunchError, run_job
 
 
 def default_layout() -> tuple[str, int, dict]:
@@ -25,7 +25,8 @@ def default_layout() -> tuple[str, int, dict]:
 @click.command()
 @click.option("--out", "-o", type=click.Path(file_okay=False, path_type=Path),
               default="trainprof-demo", show_default=True, help="Run directory.")
-@click.option("--force", is_flag=True, help="Replace a previous demo run in --out.")
+@click.option("--force", is_flag=True,
+              help="Replace a previous run in --out (only the files it wrote are removed).")
 @click.option("--steps", default=12, show_default=True, help="Training steps.")
 @click.option("--nproc", type=int, default=None, help="Ranks (default: GPUs present, else 8 on CPU).")
 @click.option("--dp", type=int, default=None)
@@ -63,11 +64,11 @@ def demo(out, force, steps, nproc, dp, pp, tp, schedule, inject, profile_steps, 
         cmd += ["--inject", spec]
     click.echo(f"trainprof demo: {nproc} ranks on {device} (dp{layout['dp']} x pp{layout['pp']} x "
                f"tp{layout['tp']}), {steps} steps -> {out}", err=True)
+    from trainprof.cli.wrap import check_before_start, finish
+
+    settings, before = check_before_start(out, force)
     try:
-        prepare_run_dir(out, force)
-        code, sig = run_job(cmd, out, profile_steps=profile_steps)
+        result = run_job(cmd, out, profile_steps=profile_steps, settings=settings, before=before)
     except LaunchError as e:
         raise click.ClickException(str(e)) from e
-    from trainprof.cli.wrap import finish
-
-    finish(out, code, sig, analyze=not no_analyze)
+    finish(out, result, analyze=not no_analyze)

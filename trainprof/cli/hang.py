@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from trainprof.cli._output import InputError, apply_input_limit, max_input_option
 from trainprof.rundir import RunDirError
 
 
@@ -20,23 +21,32 @@ from trainprof.rundir import RunDirError
                    "flight recorder now, wait for the dumps, then show the post-mortem.")
 @click.option("--wait", "wait_s", type=float, default=15.0, show_default=True, metavar="SECONDS",
               help="With --dump: how long to wait for the ranks' dumps.")
-def hang(run_dir, as_json, request_dump, wait_s):
+@max_input_option
+def hang(run_dir, as_json, request_dump, wait_s, max_input_mb):
     """Who is stuck where: per-rank state, the collective each waits in, ranks that never
     arrived, desynchronized collectives, stacks grouped across ranks, and the culprit.
 
     Works on a run that is still hanging (with --dump), one ended by `wrap --on-hang kill`, and
     one killed with SIGKILL (from heartbeats alone; some ranks' files may be missing).
+    A run directory that cannot be read (or of a newer schema) exits 2.
     """
     from trainprof.analyzers.hang import postmortem
     from trainprof.rundir import RunDir
 
+    apply_input_limit(max_input_mb)
     try:
         if request_dump:
             _request_dump(run_dir, wait_s)
         run = RunDir(run_dir)
         pm = postmortem(run)
     except RunDirError as e:
-        raise click.ClickException(str(e)) from e
+        raise InputError(str(e)) from e
+    except Exception as e:  # noqa: BLE001 - a broken input found a gap: one line, not a traceback
+        from trainprof.reports.terminal import printable
+
+        raise click.ClickException(printable(
+            f"{run_dir}: the hang analysis failed on this run directory ({type(e).__name__}: "
+            f"{e}); `trainprof analyze` shows what else it holds")) from e
     if as_json:
         click.echo(json.dumps({"postmortem": pm, "problems": list(dict.fromkeys(run.problems))},
                               indent=2, default=str))
@@ -71,26 +81,30 @@ def _request_dump(run_dir: Path, wait_s: float) -> None:
 
 
 def render(pm: dict | None, run) -> None:
+    """Every string from the run (names, frames, paths, problems) is printed as text: markup
+    escaped (``escape``) or printed with markup off, control characters made visible (``pr``)."""
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
+
+    from trainprof.reports.terminal import printable as pr
+    from trainprof.reports.terminal import text as escape
 
     console = Console()
     if pm is None:
-        console.print(f"{run.path}: no hang data (no heartbeats, dumps or flight recorder).")
+        console.print(f"{escape(run.path)}: no hang data (no heartbeats, dumps or flight recorder).")
         return
-    if not pm["hung"] and not pm["desync"]:
-        console.print(f"[green]No hang[/green] in {run.path}: "
+    if not pm["hung"] and not pm["desync"] and not pm.get("died"):
+        console.print(f"[green]No hang[/green] in {escape(run.path)}: "
                       f"{pm['ranks_with_heartbeat']} rank(s) with heartbeats"
                       + (f", last progress {pm['stalled_s']:.1f} s before the end"
                          if pm.get("stalled_s") is not None else ""))
         return
     console.print(f"[bold red]{escape(pm['message'])}[/bold red]", highlight=False)
     for reason in pm["detected_by"]:
-        console.print(f"  detected: {reason}", highlight=False, markup=False)
+        console.print(f"  detected: {pr(reason)}", highlight=False, markup=False)
     job = pm["job"]
     if job.get("status"):
-        console.print(f"  job: status {job['status']}, exit code {job.get('exit_code')}",
+        console.print(f"  job: status {pr(job['status'])}, exit code {pr(job.get('exit_code'))}",
                       highlight=False, markup=False)
 
     t = Table(title="ranks", show_lines=False)
@@ -99,25 +113,25 @@ def render(pm: dict | None, run) -> None:
     for r in pm["ranks"]:
         w = r["waiting_in"]
         wait = f"{w['op']} #{w['seq']} pg {w['pg']}" if w else ""
-        t.add_row(str(r["rank"]), r["state"], "" if r["step"] is None else str(r["step"]), wait,
-                  r["user_frame"] or r["frame"] or "",
+        t.add_row(escape(r["rank"]), escape(r["state"]), "" if r["step"] is None else escape(r["step"]),
+                  escape(wait), escape(r["user_frame"] or r["frame"] or ""),
                   "" if r["stalled_s"] is None else f"{r['stalled_s']:.1f} s")
     console.print(t)
     for d in pm["desync"]:  # plain text: ops and sizes contain brackets
-        console.print(f"desync ({d['source']}): group {d['pg']} collective #{d['seq']}: "
-                      + "; ".join(f"{v['op']} on ranks {v['ranks']}" for v in d["variants"]),
+        console.print(pr(f"desync ({d['source']}): group {d['pg']} collective #{d['seq']}: "
+                         + "; ".join(f"{v['op']} on ranks {v['ranks']}" for v in d["variants"])),
                       highlight=False, markup=False)
     for m in pm["never_arrived"]:
-        console.print(f"never arrived ({m['source']}): ranks {m['missing_ranks']} at "
-                      f"{m.get('op') or 'collective'} #{m['seq']} of group {m['pg']} "
-                      f"(ranks {m['waiting_ranks']} wait in it)", highlight=False)
+        console.print(pr(f"never arrived ({m['source']}): ranks {m['missing_ranks']} at "
+                         f"{m.get('op') or 'collective'} #{m['seq']} of group {m['pg']} "
+                         f"(ranks {m['waiting_ranks']} wait in it)"), highlight=False, markup=False)
     for g in pm["stack_groups"]:
         label = "majority" if g["majority"] else "minority"
         ranks = escape(str(g["ranks"]))
-        console.print(f"\n[bold]stack group {g['id']} ({label}): ranks {ranks}[/bold]")
+        console.print(f"\n[bold]stack group {escape(g['id'])} ({label}): ranks {ranks}[/bold]")
         for f in g["frames"][:8]:
-            console.print(f"    {f['file']}:{f['line']} in {f['function']}"
-                          + (f"  | {f['code']}" if f.get("code") else ""), highlight=False,
+            console.print(pr(f"    {f['file']}:{f['line']} in {f['function']}"
+                             + (f"  | {f['code']}" if f.get("code") else "")), highlight=False,
                           markup=False)
     for p in dict.fromkeys(run.problems):
         console.print(f"[yellow]problem:[/yellow] {escape(p)}", highlight=False)

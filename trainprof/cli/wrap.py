@@ -6,14 +6,16 @@ from pathlib import Path
 
 import click
 
-from trainprof.launcher import (HANG_EXIT_CODE, HangPolicy, LaunchError, exit_like, prepare_run_dir,
-                                run_job)
+from trainprof.launcher import (HANG_EXIT_CODE, HangPolicy, JobResult, LaunchError, exit_like,
+                                prepare_run_dir, reason, run_job)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--out", "-o", type=click.Path(file_okay=False, path_type=Path), default="traces",
               show_default=True, help="Run directory to capture into.")
-@click.option("--force", is_flag=True, help="Replace the trainprof files of an existing run in --out.")
+@click.option("--force", is_flag=True,
+              help="Replace a previous trainprof run in --out: remove only the files it wrote "
+                   "(never other files; never /, your home or the current directory).")
 @click.option("--no-analyze", is_flag=True, help="Only capture; run `trainprof analyze` later.")
 @click.option("--profile-steps", default="3-4", show_default=True, metavar="FIRST-LAST|none",
               help="Steps (0-based, inclusive) to record with torch.profiler. Step 0 includes set-up.")
@@ -36,8 +38,14 @@ def wrap(out, force, no_analyze, profile_steps, hang_timeout, on_hang, cmd):
     Every worker that initializes torch.distributed (or steps an optimizer) records per-step
     timings, a torch.profiler window and its mesh coordinates into the run directory. The job's
     stdout/stderr, exit code and signals are preserved: trainprof exits as the job did (or with
-    code 124 when --on-hang kill ended a hung job). When the job ends, even by a signal, the run
-    is analyzed and the report's path printed.
+    code 124 when --on-hang kill ended a hung job), also when trainprof cannot write its run
+    directory or analyze it (one line on stderr says what it could not do). When the job ends,
+    even by a signal, the run is analyzed and the report's path printed.
+
+    Refused before the job starts, with exit code 2: a TRAINPROF_* variable with a value that
+    is not accepted (or a name that is no setting), an --out that is /, your home, the current
+    directory or one of their parents, and a non-empty --out that is not a previous trainprof
+    run (a previous run needs --force, which removes only the files that run wrote).
     """
     cmd = list(cmd)
     if cmd and cmd[0] == "--":
@@ -51,30 +59,82 @@ def wrap(out, force, no_analyze, profile_steps, hang_timeout, on_hang, cmd):
     try:
         hang = HangPolicy(hang_timeout, on_hang or "dump") if hang_timeout is not None else None
         parse_steps(profile_steps)
-        prepare_run_dir(out, force)
-        code, sig = run_job(cmd, out, profile_steps=profile_steps, hang=hang)
-    except (LaunchError, ValueError) as e:
+    except ValueError as e:
         raise click.ClickException(str(e)) from e
-    finish(out, code, sig, analyze=not no_analyze)
+    settings, before = check_before_start(out, force)
+    try:
+        result = run_job(cmd, out, profile_steps=profile_steps, hang=hang, settings=settings,
+                         before=before)
+    except LaunchError as e:
+        raise click.ClickException(str(e)) from e
+    finish(out, result, analyze=not no_analyze)
 
 
-def finish(out: Path, code: int, sig: int | None, analyze: bool) -> None:
-    """Analyze (never changing the job's outcome), then exit exactly as the job did."""
+class Refused(click.ClickException):
+    """A setting or an --out that trainprof will not use: one line, exit 2, job not started."""
+    exit_code = 2
+
+
+def check_before_start(out: Path, force: bool) -> tuple[dict, set]:
+    """Validate every TRAINPROF_* setting and the run directory before the job starts.
+    Returns (canonical settings for the job's environment, paths already in out)."""
+    import os
+
+    from trainprof.outdir import OutDirError
+    from trainprof.settings import SettingsError, validated_env
+
+    try:
+        settings = validated_env(os.environ)
+    except SettingsError as e:
+        raise Refused("; ".join(e.problems)) from e
+    try:
+        before = prepare_run_dir(out, force)
+    except OutDirError as e:
+        raise Refused(str(e)) from e
+    return settings, before
+
+
+def finish(out: Path, result: JobResult, analyze: bool) -> None:
+    """Analyze (never changing the job's outcome), then exit exactly as the job did. What
+    trainprof could not do is one line; no traceback."""
+    code, sig = result.code, result.sig
     how = f"killed by signal {sig}" if sig else f"exit code {code}"
     if code == HANG_EXIT_CODE and not sig and _hung(out):
         how = f"terminated as hung, exit code {code}"
-    click.echo(f"trainprof: job finished ({how}); run directory: {out}", err=True)
-    if analyze:
-        from trainprof.cli._output import analyze_and_print
-
+    _say(f"job finished ({how}); run directory: {out}")
+    for f in result.first_failures[:4]:
+        _say(f"first failure: rank {f.get('rank')} (pid {f.get('pid')} on {f.get('host')}) "
+             f"{describe_exit(f)}")
+    notes = list(result.notes)
+    if analyze and result.probes_ran:
         try:
+            from trainprof.cli._output import analyze_and_print
+
             analyze_and_print(out)
         except KeyboardInterrupt:
-            click.echo("trainprof: analysis interrupted; run `trainprof analyze` later", err=True)
-        except Exception as e:  # noqa: BLE001 - the job's exit code matters more than our report
-            click.echo(f"trainprof: analysis failed: {type(e).__name__}: {e}; the captured data "
-                       f"in {out} is intact", err=True)
+            notes.append("analysis interrupted; run `trainprof analyze` later")
+        except SystemExit:  # rich exits this way when stdout is a closed pipe
+            notes.append("could not print the analysis (stdout closed)")
+        except Exception as e:  # noqa: BLE001 - the job's exit status matters more than our report
+            notes.append(f"could not analyze the run ({reason(e)}); the captured data in {out} "
+                         f"is kept for `trainprof analyze`")
+    if notes:
+        status = f"death by signal {sig}" if sig else f"exit code {code}"
+        _say("; ".join(notes) + f" — the job's {status} is passed on unchanged")
     exit_like(code, sig)
+
+
+def _say(msg: str) -> None:
+    try:
+        click.echo(f"trainprof: {msg}", err=True)
+    except Exception:  # noqa: BLE001 - a closed stderr must not change the exit status
+        pass
+
+
+def describe_exit(row: dict) -> str:
+    from trainprof.probes.elastic_agent import how
+
+    return how(row)
 
 
 def _hung(out: Path) -> bool:

@@ -54,6 +54,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from trainprof import safeio
 from trainprof.trace import _decode
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
@@ -103,24 +104,21 @@ except ImportError:  # pragma: no cover - optional accelerator
 
 
 def _read_bytes(path: Path) -> bytes:
+    """The trace's JSON bytes: a regular file within the input limit, inflated (gzip) within
+    the limit and a sane compression ratio (trainprof/safeio.py)."""
     try:
-        raw = path.read_bytes()
+        raw = safeio.read_limited(path, what="profiler trace")
     except OSError as e:
-        raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
+        raise TraceError(str(e) if isinstance(e, safeio.InputRefused)
+                         else f"{path}: cannot read: {e.strerror or e}") from None
     if raw[:2] != b"\x1f\x8b":
         return raw
-    d = _zlib.decompressobj(wbits=31)
     try:
-        out = [d.decompress(raw)]
-        while d.unused_data:  # concatenated gzip members
-            rest = d.unused_data
-            d = _zlib.decompressobj(wbits=31)
-            out.append(d.decompress(rest))
-    except _zlib.error as e:
-        raise TraceError(f"{path}: corrupt gzip data ({e})") from None
-    if not d.eof:
-        raise TraceError(f"{path}: truncated gzip file (ends before the end of the stream)")
-    return out[0] if len(out) == 1 else b"".join(out)
+        return safeio.gunzip_limited(raw, path, _zlib)
+    except safeio.InputRefused as e:
+        raise TraceError(str(e)) from None
+    except safeio.GzipError as e:
+        raise TraceError(str(e)) from None
 
 
 def parse_trace(path: str | os.PathLike, rank: int | None = None, fast: bool = True,

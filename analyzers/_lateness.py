@@ -1,0 +1,138 @@
+"""Who waits for whom at collectives, from the always-on collective log.
+
+Built on the collectives analyzer's frame (one row per record, enqueue/end in ms on rank 0's
+clock, an *instance* = the same (group, ordinal) on every member; analyzers/collectives.py):
+
+- ``wait_ms`` per record: the time the rank waited in the op. Host-blocked time
+  (``blocked_ms``); on device-timed records of a complete instance also the device-side wait,
+  ``device_ms`` − the shortest ``device_ms`` among the members (the last member to arrive runs
+  the shortest kernel: the others' kernels spin until it joins), whichever is larger — with
+  NCCL the host seldom blocks in a collective, the GPU does.
+- :func:`lateness` per record of a complete instance: the rank's enqueue − the median enqueue
+  of the *other* members doing the same work (leave-one-out: on 2 ranks the plain difference of
+  the two arrivals; a pipeline's stages legitimately arrive at different times).
+- :func:`waits_caused`: the part of every other member's wait that a given rank's late arrival
+  explains, min(wait, its arrival − theirs), per step; the arrival gap is the larger of the
+  host one (enqueue times) and the device one (their ``device_ms`` − its ``device_ms``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+
+def frame(run) -> pd.DataFrame:
+    """The collectives analyzer's aligned frame plus ``complete`` (the row's instance was logged
+    by every member of a ≥2-rank group) and ``wait_ms`` (cached)."""
+    cache = getattr(run, "_cache", None)
+    key = "analyzers._lateness.frame"
+    if cache is not None and key in cache:
+        return cache[key]
+    from trainprof.analyzers import collectives as coll
+
+    df = coll._frame(run)
+    if not df.empty:
+        df = df.copy()
+        df["blocked_ms"] = pd.to_numeric(df["blocked_ms"], errors="coerce").fillna(0.0)
+        df["step"] = pd.to_numeric(df["step"], errors="coerce")
+        df = df.dropna(subset=["step"])
+        df["step"] = df["step"].astype(int)
+        complete = _complete(df)
+        df["complete"] = complete
+        df["wait_ms"] = np.maximum(df["blocked_ms"].to_numpy(float), _device_wait(df, complete))
+    if cache is not None:
+        cache[key] = df
+    return df
+
+
+def _complete(df) -> np.ndarray:
+    """Rows that belong to an instance every member of a ≥2-rank group logged."""
+    coll = ~df["p2p"].to_numpy(bool) & (df["gsize"].to_numpy() > 1)
+    members = df.groupby(["group", "ordinal"])["rank"].transform("nunique").to_numpy()
+    return coll & (members >= df["gsize"].to_numpy())
+
+
+def _device_wait(df, complete) -> np.ndarray:
+    out = np.zeros(len(df))
+    dev = pd.to_numeric(df["device_ms"], errors="coerce")
+    m = complete & dev.notna().to_numpy()
+    if not m.any():
+        return out
+    d = df.loc[m, ["group", "ordinal"]].assign(dev=dev[m])
+    g = d.groupby(["group", "ordinal"])["dev"]
+    full = g.transform("size").to_numpy() == df.loc[m, "gsize"].to_numpy()
+    wait = (d["dev"] - g.transform("min")).to_numpy()
+    out[np.flatnonzero(m)] = np.where(full, wait, 0.0)
+    return out
+
+
+def lateness(df, peers: dict | None = None) -> pd.Series:
+    """Per record of a complete instance: enqueue − median enqueue of the other members of the
+    instance that are the rank's peers (``peers``: rank -> label of the ranks doing identical
+    work; every member when None); NaN elsewhere and where the rank has no peer there.
+    Vectorized: within an (instance, label) sorted by enqueue, the median of the others of the
+    element at position k picks from the sorted values skipping k."""
+    out = np.full(len(df), np.nan)
+    idx = np.flatnonzero(df["complete"].to_numpy(bool)) if not df.empty else np.array([], int)
+    if idx.size == 0:
+        return pd.Series(out, index=df.index)
+    sub = df.iloc[idx][["group", "ordinal", "t_enq", "rank"]].copy()
+    sub["label"] = sub["rank"].map(peers or {}).fillna("all").astype(str) if peers else "all"
+    sub["row"] = idx
+    sub = sub.sort_values(["group", "ordinal", "label", "t_enq"], kind="mergesort")
+    key = sub.groupby(["group", "ordinal", "label"], sort=False)
+    n = key["t_enq"].transform("size").to_numpy()
+    k = key.cumcount().to_numpy()
+    start = np.arange(len(sub)) - k
+    v = sub["t_enq"].to_numpy(float)
+
+    def other(j):  # the j-th smallest of the other members (clipped: a lone member has none,
+        return v[np.minimum(start + j + (j >= k), len(v) - 1)]  # and its value is dropped)
+
+    m = n - 1  # how many others
+    ok = m >= 1
+    odd = m % 2 == 1
+    lo = np.where(odd, (m - 1) // 2, np.maximum(m // 2 - 1, 0))
+    hi = np.where(odd, lo, m // 2)
+    lo, hi = np.where(ok, lo, 0), np.where(ok, hi, 0)
+    med = (other(lo) + other(hi)) / 2.0
+    rows = sub["row"].to_numpy()
+    out[rows[ok]] = (v - med)[ok]
+    return pd.Series(out, index=df.index)
+
+
+def per_step(df, column: str, how: str) -> pd.DataFrame:
+    """(rank, step, column) aggregated per rank and step (``how``: sum | median), NaN rows out."""
+    d = df.dropna(subset=[column])
+    if d.empty:
+        return pd.DataFrame(columns=["rank", "step", column])
+    return d.groupby(["rank", "step"], as_index=False)[column].agg(how)
+
+
+def waits_caused(df, late_rank: int, steps) -> dict:
+    """The waits that ``late_rank``'s arrivals explain on every rank sharing a collective with
+    it: per waiter, min(its wait, late_rank's arrival − its arrival) summed per step; medians
+    over ``steps`` (a step without such waits counts as 0). Returns ``{"by_rank": {rank: ms per
+    step}, "ops": {op: ms per step, summed over the waiters}}``."""
+    if df.empty or "complete" not in df:
+        return {"by_rank": {}, "ops": {}}
+    c = df[df["complete"] & df["step"].isin(list(steps))]
+    mine = c.loc[c["rank"] == late_rank, ["group", "ordinal", "t_enq", "device_ms"]].rename(
+        columns={"t_enq": "t_late", "device_ms": "dev_late"})
+    if mine.empty:
+        return {"by_rank": {}, "ops": {}}
+    w = c[c["rank"] != late_rank].merge(mine, on=["group", "ordinal"])
+    if w.empty:
+        return {"by_rank": {}, "ops": {}}
+    host_gap = (w["t_late"] - w["t_enq"]).clip(lower=0.0)
+    # on the device the late rank runs the shortest kernel: the others' longer ones spun for it
+    dev_gap = (pd.to_numeric(w["device_ms"], errors="coerce")
+               - pd.to_numeric(w["dev_late"], errors="coerce")).clip(lower=0.0).fillna(0.0)
+    w = w.assign(caused=np.minimum(w["wait_ms"], np.maximum(host_gap, dev_gap)))
+    steps = list(steps)
+    per = w.groupby(["rank", "step"])["caused"].sum().unstack("step").reindex(columns=steps).fillna(0.0)
+    by_rank = {int(r): float(np.median(row)) for r, row in zip(per.index, per.to_numpy(float))}
+    n = max(1, len(by_rank))
+    ops = (w.groupby("op")["caused"].sum() / max(1, len(steps)) / n).sort_values(ascending=False)
+    return {"by_rank": by_rank, "ops": {str(o): float(v) for o, v in ops.items() if v > 0}}

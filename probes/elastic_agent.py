@@ -1,0 +1,204 @@
+"""How each worker of a torchrun job ended, recorded by the torchrun agent itself.
+
+A rank killed by SIGKILL writes nothing more; only its parent saw how it ended. Under `trainprof
+wrap -- torchrun ...` the agent process (torch.distributed.run) is a Python process of the job
+too, so the bootstrap patches its process context: when the agent closes its workers (because
+one failed, or all finished, or it was told to stop), ``PContext.close`` is wrapped to record,
+before and after the close, every worker's global rank, pid and exit status into
+RUN/worker-exits.jsonl (one line per close, O_APPEND; one file for all the nodes' agents)::
+
+    {"t_ns", "event": "workers_closed", "host", "agent_pid", "restart",
+     "workers": [{"rank", "local_rank", "pid", "exitcode_at_close", "exitcode"}]}
+
+``exitcode_at_close`` is the status a worker had already ended with when the agent began to close
+the group (None: still running, so whatever ``exitcode`` says, the agent ended it); exit codes
+follow subprocess (-N: signal N). Workers that had failed before the close are the ones that
+made the agent stop the job: the first failures. Nothing here runs in the ranks themselves: only
+the module that defines PContext triggers it, and only the agent imports that.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import signal
+import socket
+import sys
+import time
+
+from trainprof.probes import runtime
+
+MODULE = "torch.distributed.elastic.multiprocessing.api"
+STREAM = "worker-exits.jsonl"  # in the run directory's top level
+_patched = False
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    """Call patch(module) right after MODULE finishes importing (one shot)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != MODULE:
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module):
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+def install() -> None:
+    """Arrange for the agent's process context to be patched (any process: a no-op in those
+    that never import the elastic agent)."""
+    try:
+        if MODULE in sys.modules:
+            patch(sys.modules[MODULE])
+        elif not any(isinstance(f, _PostImportHook) for f in sys.meta_path):
+            sys.meta_path.insert(0, _PostImportHook())
+    except Exception as e:  # noqa: BLE001 - never stop the job
+        runtime.warn(f"worker exit recording unavailable: {type(e).__name__}: {e}")
+
+
+def patch(module) -> None:
+    global _patched
+    if _patched:
+        return
+    try:
+        pcontext = module.PContext
+        original = pcontext.close
+    except AttributeError as e:
+        runtime.warn(f"worker exit recording unavailable in this torch: {e}")
+        return
+    _patched = True
+
+    def close(self, *args, **kwargs):
+        t_ns = time.time_ns()
+        before = None
+        if not getattr(self, "_trainprof_closed", False):  # the first close ends the workers
+            try:
+                self._trainprof_closed = True
+                before = workers(self)
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if before:
+                record(t_ns, before, self)
+
+    close.__wrapped__ = original
+    pcontext.close = close
+
+
+def workers(ctx) -> dict[int, dict]:
+    """{local_rank: {rank, local_rank, pid, exitcode}} of a process context, without waiting."""
+    out = {}
+    envs = getattr(ctx, "envs", None) or {}
+    handlers = getattr(ctx, "subprocess_handlers", None)
+    if handlers:  # SubprocessContext (torchrun with a script or module)
+        procs = {lr: (h.proc.pid, h.proc.returncode) for lr, h in handlers.items()}
+    else:  # MultiprocessContext (a function entrypoint): multiprocessing.Process objects
+        pc = getattr(ctx, "_pc", None)
+        procs = {lr: (p.pid, p.exitcode) for lr, p in enumerate(getattr(pc, "processes", None) or [])}
+    for lr, (pid, code) in procs.items():
+        env = envs.get(lr) or {}
+        try:
+            rank = int(env.get("RANK"))
+        except (TypeError, ValueError):
+            rank = None
+        out[lr] = {"rank": rank, "local_rank": lr, "pid": pid, "exitcode": code}
+    return out
+
+
+def record(t_ns: int, before: dict, ctx) -> None:
+    try:
+        after = workers(ctx)
+        run_dir = os.environ.get(runtime.ENV_RUN_DIR)
+        if not run_dir:
+            return
+        from trainprof.rundir import dumps_compact
+
+        rows = []
+        for lr, w in sorted(before.items()):
+            end = (after or {}).get(lr, w)
+            rows.append({"rank": w["rank"], "local_rank": lr, "pid": w["pid"],
+                         "exitcode_at_close": w["exitcode"], "exitcode": end["exitcode"]})
+        rec = {"t_ns": t_ns, "event": "workers_closed", "host": socket.gethostname(),
+               "agent_pid": os.getpid(),
+               "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0), "workers": rows}
+        data = (dumps_compact(rec) + "\n").encode()
+        fd = os.open(os.path.join(run_dir, STREAM), os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                     | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, data)  # one write: a kill tears at most this line
+        finally:
+            os.close(fd)
+    except Exception as e:  # noqa: BLE001 - never stop the agent
+        runtime.warn(f"could not record how the workers ended: {type(e).__name__}: {e}")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def describe_exit(code) -> dict:
+    """{"exitcode", "signal", "signal_name"} of a subprocess-style exit code (-N: signal N)."""
+    if not isinstance(code, int) or isinstance(code, bool):
+        return {"exitcode": None, "signal": None, "signal_name": None}
+    sig = -code if code < 0 else None
+    name = None
+    if sig:
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+    return {"exitcode": code, "signal": sig, "signal_name": name}
+
+
+def summarize(records: list[dict]) -> dict:
+    """From worker-exits.jsonl records: {"first_failures": [...], "terminated": [...],
+    "workers": {rank: row}}, each row {rank, local_rank, pid, host, exitcode, signal,
+    signal_name, first}. Per host only the first close of the latest restart counts (the one that
+    stopped the workers; later closes find them all ended)."""
+    latest: dict = {}
+    for rec in records:
+        if not isinstance(rec, dict) or rec.get("event") != "workers_closed":
+            continue
+        ws = rec.get("workers")
+        if not isinstance(ws, list):
+            continue
+        host = str(rec.get("host"))
+        restart = rec.get("restart") if isinstance(rec.get("restart"), int) else 0
+        if host not in latest or restart > latest[host][0]:  # the first close of a round
+            latest[host] = (restart, rec)
+    rows: dict = {}
+    for host, (_, rec) in sorted(latest.items()):
+        for w in rec["workers"]:
+            if not isinstance(w, dict) or not isinstance(w.get("rank"), int):
+                continue
+            at_close, code = w.get("exitcode_at_close"), w.get("exitcode")
+            failed_first = isinstance(at_close, int) and at_close != 0
+            row = {"rank": w["rank"], "local_rank": w.get("local_rank"), "pid": w.get("pid"),
+                   "host": host, "t_close_ns": rec.get("t_ns"),
+                   **describe_exit(at_close if failed_first else code), "first": failed_first,
+                   "ended_by_launcher": at_close is None and isinstance(code, int) and code != 0}
+            rows[w["rank"]] = row
+    return {"workers": rows,
+            "first_failures": [r for _, r in sorted(rows.items()) if r["first"]],
+            "terminated": [r for _, r in sorted(rows.items()) if r["ended_by_launcher"]]}
+
+
+def how(row: dict) -> str:
+    """'killed by SIGKILL (signal 9)' / 'exited with code 1'."""
+    if row.get("signal"):
+        return f"killed by {row.get('signal_name')} (signal {row['signal']})"
+    return f"exited with code {row.get('exitcode')}"

@@ -1,0 +1,384 @@
+"""A job that runs its own profiler (or allocator history, global hooks, anomaly mode) under
+trainprof: the job's tools work as without trainprof, trainprof's profiler window steps aside,
+and the analysis uses the job's traces and says so."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import run_cli, write_script
+from trainprof.rundir import RunDir
+
+DDP_JOB = """
+import gc, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main(mode, trace_dir):
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train_step():
+        loss = model(torch.randn(16, 32)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    CPU = torch.profiler.ProfilerActivity.CPU
+    if mode == "schedule":  # as the torch.profiler docs show
+        with torch.profiler.profile(
+                activities=[CPU],
+                schedule=torch.profiler.schedule(wait=1, warmup=1, active=2),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir)) as prof:
+            for step in range(8):
+                train_step()
+                prof.step()
+    else:  # "mid": started at step 4, while trainprof's default window (3-4) records
+        prof = torch.profiler.profile(activities=[CPU],
+                                      on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir))
+        for step in range(7):
+            if step == 4:
+                prof.start()
+            train_step()
+            if step == 5:
+                prof.stop()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+    # DDP's reference cycles keep the gloo group alive until the interpreter's final collection,
+    # where its worker threads (profiled, so holding Python state) can abort the process; torch
+    # does that without trainprof too (about 1 run in 8 of the "mid" job): collect before exit
+    gc.collect()
+"""
+
+
+def _wrap_ddp(tmp_path, mode, *wrap_args):
+    script = write_script(tmp_path / "job.py", DDP_JOB)
+    out, traces = tmp_path / "run", tmp_path / "job-traces"
+    res = run_cli(["wrap", "--out", out, *wrap_args, "--", sys.executable, "-m",
+                   "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, mode,
+                   traces], timeout=300)
+    return res, out, traces
+
+
+def _job_traces(traces: Path) -> dict[int, list[Path]]:
+    """The job's trace files by the rank in their distributedInfo."""
+    out: dict[int, list[Path]] = {}
+    for p in sorted(traces.iterdir()):
+        out.setdefault(json.loads(p.read_text())["distributedInfo"]["rank"], []).append(p)
+    return out
+
+
+def _line(text: str, code: str) -> int:
+    """The line number of the first line of ``text`` that starts with ``code`` (indent aside)."""
+    return next(i for i, line in enumerate(text.splitlines(), 1) if line.strip().startswith(code))
+
+
+def _profiler_steps(path: Path) -> list[str]:
+    events = json.loads(path.read_text())["traceEvents"]
+    return sorted({e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")})
+
+
+@pytest.mark.multiproc
+def test_ddp_job_with_its_own_scheduled_profiler(tmp_path):
+    res, out, traces = _wrap_ddp(tmp_path, "schedule")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "already enabled" not in res.stderr and "step probe error" not in res.stderr
+    # the job's traces, as without trainprof: 8 steps of a wait 1 + warmup 1 + active 2 cycle
+    # make two traces per rank, the first of ProfilerStep#2-#3, the second of #6-#7
+    by_rank = _job_traces(traces)
+    assert sorted(by_rank) == [0, 1]
+    for files in by_rank.values():
+        assert [_profiler_steps(p) for p in files] == [["ProfilerStep#2", "ProfilerStep#3"],
+                                                      ["ProfilerStep#6", "ProfilerStep#7"]]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run"]["exit_code"] == 0
+    assert (f"job runs its own profiler: trainprof's window skipped; its traces are at {traces} "
+            f"(ranks 0, 1)") in summary["problems"]
+    run = RunDir(out)
+    for r in (0, 1):
+        meta = run.rank_meta(r)
+        jp = meta["job_profiler"]
+        assert jp["window_skipped"] is True and "profile_steps" not in meta
+        assert jp["api"].startswith("torch.profiler")
+        assert jp["where"] == f"{tmp_path / 'job.py'}:{_line(DDP_JOB, 'prof.step()')}"
+        assert jp["traces"] == [str(p) for p in by_rank[r]]
+        # the job's last trace stands in for trainprof's (a hard link: the job's file stays)
+        used = run.profiler_traces()[r]
+        assert used.parent == out / "profiler" and os.path.samefile(used, by_rank[r][-1])
+        assert not any(rec.get("profiled") for rec in run.stream(r, "steps"))
+    assert not list((out / "profiler").glob("*.gz"))  # trainprof wrote no trace of its own
+    cc = summary["metrics"]["comm_compute"]
+    assert sorted(p["rank"] for p in cc["per_rank"]) == [0, 1]
+    assert {s["step"] for s in cc["per_step"]} == {6, 7}  # ProfilerStep numbers of the job's trace
+
+    # without the links (a run directory copied elsewhere) the analysis follows meta.json's paths
+    for p in (out / "profiler").iterdir():
+        p.unlink()
+    assert all(p.exists() for files in by_rank.values() for p in files)
+    assert RunDir(out).profiler_traces() == {r: by_rank[r][-1] for r in (0, 1)}
+
+
+@pytest.mark.multiproc
+def test_ddp_job_starting_its_profiler_inside_trainprofs_window(tmp_path):
+    res, out, traces = _wrap_ddp(tmp_path, "mid", "--no-analyze")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "already enabled" not in res.stderr and "step probe error" not in res.stderr
+    by_rank = _job_traces(traces)
+    assert sorted(by_rank) == [0, 1]
+    for files in by_rank.values():  # started before step 4, stopped after step 5: one trace
+        events = json.loads(files[0].read_text())["traceEvents"]
+        assert len(files) == 1 and sum(e.get("name") == "Optimizer.step#SGD.step" for e in events) == 2
+    run = RunDir(out)
+    for r in (0, 1):
+        jp = run.rank_meta(r)["job_profiler"]
+        assert jp["window_skipped"] is True and jp["step"] == 4
+        # trainprof's window was recording step 3 when the job's profiler came; it was discarded
+        profiled = [rec["step"] for rec in run.stream(r, "steps") if rec.get("profiled")]
+        assert profiled == [3]
+        assert os.path.samefile(run.profiler_traces()[r], by_rank[r][0])
+    assert not list((out / "profiler").glob("*.gz"))
+    assert run.problems == [f"job runs its own profiler: trainprof's window skipped; its traces are "
+                            f"at {traces} (ranks 0, 1)"]
+
+
+WARMUP_FIRST_JOB = """
+import sys, torch
+
+model = torch.nn.Linear(64, 64)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+P = torch.profiler
+with P.profile(activities=[P.ProfilerActivity.CPU], schedule=P.schedule(wait=0, warmup=3, active=1),
+               on_trace_ready=P.tensorboard_trace_handler(sys.argv[1])) as prof:
+    for step in range(6):
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        prof.step()
+"""
+
+
+def test_job_profiler_in_warmup_before_the_probes_activate(tmp_path):
+    """A single-process job's probes activate at its first optimizer step, inside the job's
+    profiler, which is already prepared (warm-up) though not yet on: torch has no flag for that,
+    so the start is caught when torch is imported. Without that, trainprof's window 1-2 would
+    run inside the job's warm-up and the job's own trace would silently not be written."""
+    script = write_script(tmp_path / "job.py", WARMUP_FIRST_JOB)
+    out, traces = tmp_path / "run", tmp_path / "job-traces"
+    res = run_cli(["wrap", "--out", out, "--profile-steps", "1-2", "--no-analyze", "--",
+                   sys.executable, script, traces], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (trace,) = traces.iterdir()  # warm-up over steps 0-2, recorded step 3
+    assert _profiler_steps(trace) == ["ProfilerStep#3"]
+    run = RunDir(out)
+    jp = run.rank_meta(0)["job_profiler"]
+    assert jp["before_probes"] is True and jp["window_skipped"] is True
+    assert jp["api"] == "torch.profiler.profiler.profile.__enter__"
+    assert jp["where"] == f"{script}:{_line(WARMUP_FIRST_JOB, 'with P.profile(')}"
+    assert jp["traces"] == [str(trace)] and os.path.samefile(run.profiler_traces()[0], trace)
+
+
+IN_PROCESS_JOBS = """
+import json, sys, torch, trainprof
+from pathlib import Path
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+root = Path(sys.argv[1])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def train_step():
+    with torch.autograd.profiler.record_function("job_region"):
+        loss = model(torch.randn(16, 32)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+# 1. a legacy autograd profiler enabled before trainprof exists, exported gzip-named
+p = torch.autograd.profiler.profile()
+p.__enter__()
+with trainprof.session(root / "before", profile_steps="2-3"):
+    for step in range(6):
+        train_step()
+    p.__exit__(None, None, None)
+    p.export_chrome_trace(str(root / "before.pt.trace.json.gz"))
+
+# 2. torch.autograd.profiler.profile entered at step 3, while trainprof's window 2-3 records
+with trainprof.session(root / "legacy-mid", profile_steps="2-3"):
+    for step in range(6):
+        if step == 3:
+            q = torch.autograd.profiler.profile()
+            q.__enter__()
+        train_step()
+        if step == 4:
+            q.__exit__(None, None, None)
+            q.export_chrome_trace(str(root / "legacy-mid.json"))
+
+# 3. prof.start()/stop() over steps 0-1, before trainprof's window 3-4: the window still steps
+#    aside (never both), and a job that exports nothing leaves no trace to analyze
+with trainprof.session(root / "start-stop", profile_steps="3-4"):
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    for step in range(6):
+        if step == 0:
+            prof.start()
+        train_step()
+        if step == 1:
+            prof.stop()
+    n_events = len(prof.events())
+
+# 4. record_function, global hooks and anomaly mode but no profiler: trainprof's window runs,
+#    the job's hooks all fire and its anomaly mode stays as it set it
+calls = {"fwd": 0, "pre": 0, "post": 0}
+def fwd_hook(m, i, o): calls["fwd"] += 1
+def pre_hook(o, a, k): calls["pre"] += 1
+def post_hook(o, a, k): calls["post"] += 1
+h = [torch.nn.modules.module.register_module_forward_hook(fwd_hook),
+     register_optimizer_step_pre_hook(pre_hook),
+     register_optimizer_step_post_hook(post_hook)]
+torch.autograd.set_detect_anomaly(True)
+with trainprof.session(root / "plain", profile_steps="1-2"):
+    for step in range(5):
+        train_step()
+    anomaly_inside = torch.is_anomaly_enabled()
+    calls_inside = dict(calls)
+train_step()  # after trainprof closed (and removed its own hooks): the job's still fire
+json.dump({"n_events": n_events, "calls_inside": calls_inside, "calls": calls,
+           "anomaly_inside": anomaly_inside,
+           "anomaly_after": torch.is_anomaly_enabled()}, open(root / "result.json", "w"))
+"""
+
+
+def test_in_process_job_profilers_hooks_and_anomaly_mode(tmp_path):
+    script = write_script(tmp_path / "jobs.py", IN_PROCESS_JOBS)
+    res = subprocess.run([sys.executable, script, tmp_path], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "already enabled" not in res.stderr and "step probe error" not in res.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+
+    # 1: detected as already on when the window was due; its gzip-named plain-JSON export linked
+    run = RunDir(tmp_path / "before")
+    jp = run.rank_meta(0)["job_profiler"]
+    assert jp["window_skipped"] is True and jp["api"] is None and jp["step"] == 1
+    assert jp["traces"] == [str(tmp_path / "before.pt.trace.json.gz")]
+    used = run.profiler_traces()[0]
+    assert used.name == "rank-00000.pt.trace.json"  # named by content: the export is not gzip
+    assert os.path.samefile(used, tmp_path / "before.pt.trace.json.gz")
+    assert "job_region" in {e["name"] for e in json.loads(used.read_text())["traceEvents"]}
+
+    # 2: trainprof's window was recording (step 2 profiled) and was discarded at step 3
+    run = RunDir(tmp_path / "legacy-mid")
+    jp = run.rank_meta(0)["job_profiler"]
+    assert jp["window_skipped"] is True and jp["step"] == 3
+    assert jp["api"].startswith("torch.autograd.profiler.profile")
+    assert jp["where"] == f"{script}:{_line(IN_PROCESS_JOBS, 'q.__enter__()')}"
+    assert [r["step"] for r in run.stream(0, "steps") if r.get("profiled")] == [2]
+    assert os.path.samefile(run.profiler_traces()[0], tmp_path / "legacy-mid.json")
+    assert not list((tmp_path / "legacy-mid" / "profiler").glob("*.gz"))
+
+    # 3: the job's profiler collected (it kept working) but exported nothing: said, loud
+    assert result["n_events"] > 0
+    run = RunDir(tmp_path / "start-stop")
+    jp = run.rank_meta(0)["job_profiler"]
+    assert jp["window_skipped"] is True and jp["step"] == 0 and jp["traces"] == []
+    assert run.profiler_traces() == {}
+    assert run.problems == ["job runs its own profiler: trainprof's window skipped; it exported "
+                            "no trace: no profiler analysis (ranks 0)"]
+
+    # 4: trainprof's own window, with the job's annotation in it; the job's hooks and mode intact
+    run = RunDir(tmp_path / "plain")
+    assert "job_profiler" not in run.rank_meta(0) and run.rank_meta(0)["profile_steps"] == [1, 2]
+    trace = run.profiler_traces()[0]
+    assert trace.name == "rank-00000.pt.trace.json.gz" and run.problems == []
+    with gzip.open(trace) as f:
+        assert "job_region" in {e["name"] for e in json.load(f)["traceEvents"]}
+    # 2 Linear + ReLU + Sequential forward calls a step; one optimizer step a step
+    assert result["calls_inside"] == {"fwd": 4 * 5, "pre": 5, "post": 5}
+    assert result["calls"] == {"fwd": 4 * 6, "pre": 6, "post": 6}
+    assert result["anomaly_inside"] is True and result["anomaly_after"] is True
+
+
+class _FakeSession:
+    def __init__(self, step):
+        self.meta: dict = {}
+        self.clock = type("Clock", (), {"step": step})()
+
+    def update_meta(self, **fields):
+        self.meta.update(fields)
+
+
+@pytest.fixture
+def history(monkeypatch):
+    """The memory probe's allocator-history logic against a recording stand-in for
+    torch.cuda.memory._record_memory_history (CPU-only machines have no CUDA allocator)."""
+    import torch
+    import torch.cuda.memory as tcm
+
+    from trainprof.probes import memory, runtime
+
+    calls: list = []
+    snapshot = {"segments": [], "device_traces": []}
+    monkeypatch.setattr(tcm, "_record_memory_history", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(tcm, "_snapshot", lambda *a, **k: snapshot)
+    monkeypatch.delattr(torch._C, "_cuda_isHistoryEnabled", raising=False)  # (CUDA builds)
+    monkeypatch.setattr(memory, "_history", {"ours": False, "job": False})
+    session = _FakeSession(step=7)
+    monkeypatch.setattr(runtime, "active", lambda: session)
+    memory._watch_job_history()  # (monkeypatch restores the real function afterwards)
+    return memory, tcm, calls, snapshot, session
+
+
+def test_job_memory_history_started_while_trainprofs_records(history):
+    memory, tcm, calls, _, session = history
+    memory._start_history(session)
+    assert calls == [((), {"max_entries": 100000})]
+    session.clock.step = 9
+    tcm._record_memory_history(max_entries=500, context="alloc")  # the job's own recording
+    # trainprof's is switched off first (which drops its entries), then the job's call as made
+    assert calls[1:] == [((None,), {}), ((), {"max_entries": 500, "context": "alloc"})]
+    assert session.meta["job_memory_history"] == {"step": 9, "trainprof_history": "stopped"}
+    tcm._record_memory_history(None)  # later calls of the job's pass straight through
+    assert calls[3:] == [((None,), {})]
+
+
+def test_job_memory_history_before_trainprofs_is_left_alone(history):
+    memory, tcm, calls, snapshot, session = history
+    tcm._record_memory_history(max_entries=10)  # after the watch, before trainprof would start
+    memory._start_history(session)
+    assert calls == [((), {"max_entries": 10})]
+    assert session.meta["job_memory_history"]["trainprof_history"] == "not started"
+
+
+def test_job_memory_history_on_before_the_watch_is_detected(history):
+    memory, tcm, calls, snapshot, session = history
+    snapshot["device_traces"] = [[{"action": "alloc", "size": 512}]]  # the job's recording
+    memory._start_history(session)
+    assert calls == [] and session.meta["job_memory_history"]["trainprof_history"] == "not started"
+
+
+def test_job_memory_history_on_is_read_from_the_allocator_flag(history, monkeypatch):
+    import torch
+
+    memory, tcm, calls, snapshot, session = history
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: True, raising=False)
+    memory._start_history(session)
+    assert calls == [] and session.meta["job_memory_history"]["trainprof_history"] == "not started"
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: False, raising=False)
+    monkeypatch.setattr(memory, "_history", {"ours": False, "job": False})
+    snapshot["device_traces"] = [[{"action": "alloc", "size": 512}]]  # the flag wins
+    memory._start_history(session)
+    assert calls == [((), {"max_entries": 100000})]

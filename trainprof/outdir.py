@@ -1,0 +1,294 @@
+"""Choosing and clearing the run directory of `trainprof wrap` / `trainprof demo` (--out, --force).
+
+The rules (docs/security.md):
+
+* `/`, the home directory and its ancestors, and the current directory and its ancestors are
+  refused outright, with or without --force.
+* An empty or missing directory is used as is. A non-empty one is used only when its
+  manifest.json says it is a trainprof run (``"kind": "trainprof-run"``); anything else is
+  refused, even with --force.
+* --force then removes only the files that run wrote: the files listed in its manifest's
+  ``files`` inventory (written when the job ended) that also follow trainprof's layout, plus
+  summary.json / report.html when their content is trainprof's, plus manifest.json. Without an
+  inventory (the launcher itself was killed) the layout alone decides. Only regular files are
+  removed, symlinks are never followed, and folders go only when nothing is left in them. Every
+  other file stays, and is named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainprof.probes.elastic_agent import STREAM as WORKER_EXITS
+from trainprof.probes.hang_watchdog import TRIGGER as HANG_TRIGGER
+from trainprof.rundir import INJECTED, MANIFEST, PROFILER_DIR, RANKS_DIR, REPORT, SUMMARY
+
+RUN_KIND = "trainprof-run"
+TOP_FILES = (MANIFEST, SUMMARY, REPORT, INJECTED, HANG_TRIGGER, WORKER_EXITS)
+ANALYSIS_OUTPUTS = (SUMMARY, REPORT)  # written by `trainprof analyze`, after the inventory
+RANK_DIR_RE = re.compile(r"rank-\d{5,}")
+RANK_FILE_RE = re.compile(r"[a-z0-9_]+(\.prev)?\.jsonl|meta\.json|hang-dump\.json"
+                          r"|flight-recorder\.(pkl|json)|(memory|oom)_snapshot\.pickle")
+TRACE_RE = re.compile(r"rank-\d{5,}\.pt\.trace\.json(\.gz)?")
+# temporaries of an interrupted atomic write: .NAME.PID.THREAD.tmp (rundir.write_json_atomic)
+# and .report.html.XXXXXXXX (reports/html.py)
+TMP_RE = re.compile(r"\.(?P<name>.+)\.\d+\.\d+\.tmp|\.(?P<html>report\.html)\.[A-Za-z0-9_]{8}")
+MAX_INVENTORY = 200_000  # files; a larger run keeps no inventory (the layout alone decides)
+
+
+class OutDirError(Exception):
+    """--out cannot be used (exit 2); the message says why and what to do."""
+
+
+def _is_layout_name(name: str, pattern) -> bool:
+    """name (or the file an interrupted atomic write of it was for) matches pattern, a regex
+    or a tuple of names."""
+    def match(n):
+        return n in pattern if isinstance(pattern, tuple) else bool(pattern.fullmatch(n))
+
+    if match(name):
+        return True
+    m = TMP_RE.fullmatch(name)
+    return bool(m) and match(m.group("name") or m.group("html"))
+
+
+def layout_files(out: Path) -> tuple[list[str], list[str]]:
+    """(relative paths of regular files that follow trainprof's layout, every other entry).
+    Nothing is followed through a symlink."""
+    ours, other = [], []
+
+    def walk_dir(rel: str, accept) -> None:
+        path = out / rel
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError:
+            other.append(rel + "/")
+            return
+        if not entries:
+            return
+        for e in entries:
+            accept(f"{rel}/{e.name}", e)
+
+    def top(rel, e):
+        if e.is_symlink():
+            other.append(rel)
+        elif e.is_dir(follow_symlinks=False) and e.name == RANKS_DIR:
+            walk_dir(rel, ranks)
+        elif e.is_dir(follow_symlinks=False) and e.name == PROFILER_DIR:
+            walk_dir(rel, lambda r, x: (ours if _regular(x) and _is_layout_name(x.name, TRACE_RE)
+                                        else other).append(r))
+        elif _regular(e) and _is_layout_name(e.name, TOP_FILES):
+            ours.append(rel)
+        else:
+            other.append(rel)
+
+    def ranks(rel, e):
+        if e.is_dir(follow_symlinks=False) and not e.is_symlink() and RANK_DIR_RE.fullmatch(e.name):
+            walk_dir(rel, lambda r, x: (ours if _regular(x) and _is_layout_name(x.name, RANK_FILE_RE)
+                                        else other).append(r))
+        else:
+            other.append(rel)
+
+    try:
+        entries = sorted(os.scandir(out), key=lambda e: e.name)
+    except OSError as err:
+        raise OutDirError(f"{out}: cannot list it: {err.strerror or err}") from err
+    for e in entries:
+        top(e.name, e)
+    return ours, other
+
+
+def _regular(e) -> bool:
+    try:
+        return e.is_file(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def read_run_manifest(out: Path) -> dict | None:
+    """The manifest.json of a trainprof run in out, or None when out holds none."""
+    p = out / MANIFEST
+    try:
+        if not p.is_file() or p.is_symlink() or p.stat().st_size > 64 << 20:
+            return None
+        man = json.loads(p.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return man if isinstance(man, dict) and man.get("kind") == RUN_KIND else None
+
+
+def _is_analysis_output(path: Path) -> bool:
+    """summary.json / report.html whose first bytes are trainprof's."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8192)
+    except OSError:
+        return False
+    if path.name == SUMMARY:
+        return head.lstrip().startswith(b"{") and b'"trainprof_version"' in head \
+            and b'"schema_version"' in head
+    return head.startswith(b"<!DOCTYPE html>") and b"<title>trainprof" in head
+
+
+@dataclass
+class Plan:
+    """What --force does to a previous run: remove `remove` (relative paths), keep `keep`."""
+    out: Path
+    remove: list[str] = field(default_factory=list)
+    keep: list[str] = field(default_factory=list)
+
+    def describe(self, limit: int = 6) -> str:
+        def names(items):
+            tops: dict[str, int] = {}
+            for rel in items:
+                head = rel.split("/", 1)[0] + ("/" if "/" in rel else "")
+                tops[head] = tops.get(head, 0) + 1
+            parts = [f"{k} ({n} file{'s' if n > 1 else ''})" if k.endswith("/") else k
+                     for k, n in tops.items()]
+            return ", ".join(parts[:limit]) + (f", … {len(parts) - limit} more"
+                                               if len(parts) > limit else "")
+
+        text = f"{len(self.remove)} file(s) it wrote ({names(self.remove)})"
+        if self.keep:
+            shown = ", ".join(self.keep[:limit]) + (f", … {len(self.keep) - limit} more"
+                                                      if len(self.keep) > limit else "")
+            text += f"; {len(self.keep)} other entr{'y' if len(self.keep) == 1 else 'ies'} " \
+                    f"would stay ({shown})"
+        return text
+
+
+def plan_force(out: Path, manifest: dict) -> Plan:
+    ours, other = layout_files(out)
+    inventory = manifest.get("files")
+    listed = set(inventory) if isinstance(inventory, list) and \
+        all(isinstance(x, str) for x in inventory) else None
+    plan = Plan(out)
+    for rel in ours:
+        name = rel.rsplit("/", 1)[-1]
+        if rel == MANIFEST:
+            continue  # removed last: the directory stays identifiable until then
+        if rel in ANALYSIS_OUTPUTS:
+            ok = _is_analysis_output(out / rel)
+        elif TMP_RE.fullmatch(name):
+            ok = True  # an interrupted write of one of our files
+        else:
+            ok = listed is None or rel in listed
+        (plan.remove if ok else plan.keep).append(rel)
+    plan.keep += other
+    plan.remove.append(MANIFEST)
+    return plan
+
+
+def execute(plan: Plan) -> list[str]:
+    """Remove the plan's files, then the folders left empty; returns what could not go."""
+    failed = []
+    for rel in plan.remove:
+        p = plan.out / rel
+        try:
+            if p.is_symlink() or not p.is_file():
+                continue
+            p.unlink()
+        except OSError as e:
+            failed.append(f"{rel} ({e.strerror or e})")
+    dirs = sorted({str(Path(rel).parent) for rel in plan.remove if "/" in rel},
+                  key=lambda d: -d.count("/"))
+    for d in dirs + [RANKS_DIR, PROFILER_DIR]:
+        try:
+            (plan.out / d).rmdir()  # only when empty
+        except OSError:
+            pass
+    return failed
+
+
+def protected(out: Path) -> str | None:
+    """Why out must never be a run directory, or None."""
+    target = out.resolve()
+    if target == Path(target.anchor):
+        return "the file system root"
+    for label, base in (("your home directory", _home()), ("your home directory", _pw_home()),
+                        ("the current directory", _cwd())):
+        if base is None:
+            continue
+        base = base.resolve()
+        if target == base:
+            return label
+        if target in base.parents:
+            return f"an ancestor of {label}"
+    return None
+
+
+def _home() -> Path | None:
+    try:
+        return Path.home()  # $HOME
+    except RuntimeError:
+        return None
+
+
+def _pw_home() -> Path | None:
+    try:
+        import pwd
+
+        return Path(pwd.getpwuid(os.getuid()).pw_dir)
+    except (ImportError, KeyError, OSError):
+        return None
+
+
+def _cwd() -> Path | None:
+    try:
+        return Path.cwd()
+    except OSError:
+        return None
+
+
+def prepare(out: Path, force: bool, log=None) -> set[str]:
+    """Make out ready for a new run. Returns the relative paths already in it (kept files of a
+    previous run), which the new run's inventory leaves out. OutDirError when out is refused."""
+    why = protected(out)
+    if why:
+        raise OutDirError(f"{out}: is {why}; trainprof never writes a run into it. "
+                          f"Use --out NEW_DIR.")
+    if out.is_symlink() and not out.exists():
+        raise OutDirError(f"{out}: a dangling symlink")
+    if out.exists() and not out.is_dir():
+        raise OutDirError(f"{out}: exists and is not a directory")
+    if not out.is_dir():
+        return set()
+    try:
+        empty = not any(out.iterdir())
+    except OSError as e:
+        raise OutDirError(f"{out}: cannot list it: {e.strerror or e}") from e
+    if empty:
+        return set()
+    manifest = read_run_manifest(out)
+    if manifest is None:
+        raise OutDirError(
+            f"{out}: not empty and not a trainprof run directory (no manifest.json of kind "
+            f"{RUN_KIND}); trainprof does not write into it, even with --force. Use --out NEW_DIR.")
+    plan = plan_force(out, manifest)
+    if not force:
+        raise OutDirError(f"{out}: holds a previous trainprof run. Use --out NEW_DIR, or --force "
+                          f"to remove {plan.describe()}.")
+    failed = execute(plan)
+    if failed:
+        raise OutDirError(f"{out}: --force could not remove {', '.join(failed[:5])}")
+    if log:
+        log(f"--force: removed {len(plan.remove)} file(s) of the previous run in {out}" +
+            (f"; kept {len(plan.keep)} it did not write: {', '.join(plan.keep[:6])}"
+             + (" …" if len(plan.keep) > 6 else "") if plan.keep else ""))
+    return set(layout_files(out)[0]) | set(plan.keep)
+
+
+def inventory(out: Path, before: set[str]) -> list[str] | None:
+    """The files this run wrote (trainprof's layout, not there before it), for the manifest;
+    None when there are too many to list."""
+    try:
+        ours, _ = layout_files(out)
+    except OutDirError:
+        return None
+    files = [rel for rel in ours if rel not in before and rel not in ANALYSIS_OUTPUTS
+             and not TMP_RE.fullmatch(rel.rsplit("/", 1)[-1])]
+    return files if len(files) <= MAX_INVENTORY else None
