@@ -353,14 +353,10 @@ def _late_waits(run, blocked) -> dict:
            "wait_ms": {}, "note": ""}
     if not blocked:
         return out
-    try:
-        from trainprof.analyzers.stragglers import waits_for_stragglers
+    from trainprof.analyzers.stragglers import waits_or_problem
 
-        w = waits_for_stragglers(run)
-    except Exception as e:  # noqa: BLE001 - a refinement: keep the plain fraction
-        run.problems.append(f"collectives: waits for stragglers unavailable ({type(e).__name__}: {e})")
-        return out
-    if not w["wait_ms"]:
+    w = waits_or_problem(run, NAME)
+    if w is None or not w["wait_ms"]:
         return out
     n = max(1, blocked["steps"])
     fr = [max(0.0, p["blocked_ms"] - n * w["wait_ms"].get(p["rank"], 0.0)) / p["step_ms"]

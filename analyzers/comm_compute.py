@@ -128,12 +128,14 @@ def _host_stalls(ev: pd.DataFrame) -> dict[int, tuple[int, int]]:
     return {int(s): (int(r["size"]), int(r["sum"])) for s, r in g.iterrows()}
 
 
-def hta_view(ev: pd.DataFrame, last_step: int, base_ns: int = 0) -> dict | None:
+def hta_view(ev: pd.DataFrame, last_step: int | None, base_ns: int = 0) -> dict | None:
     """HTA's temporal breakdown and overlap, computed HTA's way: kernels, memcpy and memset of
-    every profiled iteration but the last, window = first kernel start .. last kernel end, and
-    sub-µs timestamps rounded like HTA does (start up, end down, in whole µs of the trace)."""
-    m = (ev["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"]).to_numpy()
-         & (ev["step"].to_numpy() >= 0) & (ev["step"].to_numpy() != last_step))
+    every profiled iteration but the last (``last_step``; None: all of them), window = first
+    kernel start .. last kernel end, and sub-µs timestamps rounded like HTA does (start up, end
+    down, in whole µs of the trace)."""
+    step = ev["step"].to_numpy()
+    m = (ev["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"]).to_numpy() & (step >= 0)
+         & ((step != last_step) if last_step is not None else True))
     k = ev[m]
     if k.empty:
         return None
@@ -153,14 +155,18 @@ def hta_view(ev: pd.DataFrame, last_step: int, base_ns: int = 0) -> dict | None:
 
 
 # --------------------------------------------------------------------------- CPU
-def _main_tid(ev: pd.DataFrame) -> int | None:
+def _main_tid(ev: pd.DataFrame, whole: bool = False) -> int | None:
+    """The training thread: the one running ProfilerStep; in a whole-trace window (no
+    ProfilerStep) the thread with the most CPU ops."""
     steps = ev[name_mask(ev["name"], lambda n: n.startswith("ProfilerStep#"))]
+    if steps.empty and whole:
+        steps = ev[ev["cat"].isin(["cpu_op"]).to_numpy()]
     return None if steps.empty else int(steps["tid"].mode().iloc[0])
 
 
 def _cpu_rows(trace, dims: dict, log: pd.DataFrame | None) -> list[dict]:
     ev = trace.events
-    main = _main_tid(ev)
+    main = _main_tid(ev, bool(trace.meta.get("whole_trace_window")))
     if main is None:
         return []
     on_main = ev["tid"].to_numpy() == main
@@ -211,7 +217,9 @@ def rank_breakdown(trace, dims: dict | None = None, log: pd.DataFrame | None = N
     dims = dims or {}
     ev = trace.events
     if ev["cat"].isin(["kernel"]).any():
-        last = int(trace.steps["step"].max()) if len(trace.steps) else -1
+        # HTA leaves out the last profiled iteration; a whole-trace window (no ProfilerStep) is kept
+        last = (int(trace.steps["step"].max()) if len(trace.steps)
+                and not trace.meta.get("whole_trace_window") else None)
         base = trace.meta.get("baseTimeNanoseconds")
         base = int(base) if isinstance(base, (int, float)) else 0
         return _gpu_rows(trace, dims), hta_view(ev, last, base), "gpu"
@@ -335,14 +343,10 @@ def _late_waits(run, per_rank: list[dict]) -> dict:
     for a late rank (a straggler or a rank starved of input: the stragglers analyzer's finding,
     from the collective log; ms per step over its analysed steps ÷ the profiled step window)."""
     out = {"late": [], "wait_ms": {}, "adjusted": {}, "exposed": None}
-    try:
-        from trainprof.analyzers.stragglers import waits_for_stragglers
+    from trainprof.analyzers.stragglers import waits_or_problem
 
-        w = waits_for_stragglers(run)
-    except Exception as e:  # noqa: BLE001 - a refinement: keep the plain fractions
-        run.problems.append(f"comm_compute: waits for stragglers unavailable ({type(e).__name__}: {e})")
-        return out
-    if not w["wait_ms"]:
+    w = waits_or_problem(run, NAME)
+    if w is None or not w["wait_ms"]:
         return out
     for r in per_rank:
         wait = w["wait_ms"].get(r["rank"], 0.0)

@@ -300,6 +300,16 @@ def analyze(run) -> AnalyzerResult:
     return res
 
 
+def waits_or_problem(run, analyzer: str) -> dict | None:
+    """waits_for_stragglers, or None with a problem line (for analyzers that only refine a
+    figure with it and keep the plain one when it fails)."""
+    try:
+        return waits_for_stragglers(run)
+    except Exception as e:  # noqa: BLE001
+        run.problems.append(f"{analyzer}: waits for stragglers unavailable ({type(e).__name__}: {e})")
+        return None
+
+
 def waits_for_stragglers(run) -> dict:
     """What exposed-communication judgments leave out: ``{"late": [ranks late for the others:
     chronic stragglers and input-starved ranks], "wait_ms": {rank: ms per step (median over the

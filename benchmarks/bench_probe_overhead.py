@@ -84,6 +84,7 @@ def worker(out_dir: str, module: str, args: list[str]) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     stamps: list[int] = []
+    cpu: list[int] = []
     leader: list[int] = []
 
     def hook(opt, a, k):
@@ -91,6 +92,7 @@ def worker(out_dir: str, module: str, args: list[str]) -> None:
             leader.append(id(opt))
         if id(opt) == leader[0]:
             stamps.append(time.perf_counter_ns())
+            cpu.append(time.process_time_ns())  # every thread of the rank, probes' included
 
     register_optimizer_step_post_hook(hook)
     sys.argv = [module] + args
@@ -103,6 +105,8 @@ def worker(out_dir: str, module: str, args: list[str]) -> None:
         rank = os.environ.get("RANK", "0")
         durs = [(b - a) / 1e6 for a, b in zip(stamps, stamps[1:])]
         Path(out_dir, f"steps-{rank}.json").write_text(json.dumps(durs))
+        cpus = [(b - a) / 1e6 for a, b in zip(cpu, cpu[1:])]
+        Path(out_dir, f"cpu-{rank}.json").write_text(json.dumps(cpus))
 
 
 def job_step_ms(out_dir: Path) -> float:
@@ -112,6 +116,17 @@ def job_step_ms(out_dir: Path) -> float:
     n = min(len(d) for d in per_rank)
     slowest = [max(d[i] for d in per_rank) for i in range(min(WARMUP, n - 1), n)]
     return statistics.median(slowest)
+
+
+def job_cpu_ms(out_dir: Path) -> float | None:
+    """Median over steps of the ranks' mean CPU time per step (all threads of a rank): less
+    sensitive than wall time to other load on a shared machine, and it counts probe threads."""
+    per_rank = [json.loads(p.read_text()) for p in sorted(out_dir.glob("cpu-*.json"))]
+    if not per_rank or not all(per_rank):
+        return None
+    n = min(len(d) for d in per_rank)
+    mean = [sum(d[i] for d in per_rank) / len(per_rank) for i in range(min(WARMUP, n - 1), n)]
+    return statistics.median(mean)
 
 
 def run_once(variant: str, nproc: int, module: str, args: list[str], tmp: Path, i: int) -> dict:
@@ -129,7 +144,8 @@ def run_once(variant: str, nproc: int, module: str, args: list[str], tmp: Path, 
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{variant} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    res = {"variant": variant, "step_ms": job_step_ms(out), "wall_s": time.monotonic() - t0}
+    res = {"variant": variant, "step_ms": job_step_ms(out), "cpu_ms": job_cpu_ms(out),
+           "wall_s": time.monotonic() - t0}
     if variant == "probes":  # analyze time of the captured run (summary + report)
         t1 = time.monotonic()
         a = subprocess.run([sys.executable, "-m", "trainprof", "analyze", str(out / "run"), "--quiet"],
@@ -172,7 +188,8 @@ def main() -> None:
             for variant in ("probes", "bare") if i % 2 == 0 else ("bare", "probes"):
                 r = run_once(variant, a.nproc, module, args, tmp, i)
                 results.append(r)
-                print(f"  {variant:6s} run {i}: median step {r['step_ms']:.2f} ms "
+                print(f"  {variant:6s} run {i}: median step {r['step_ms']:.2f} ms, "
+                      f"CPU {r['cpu_ms']:.2f} ms/rank "
                       f"(wall {r['wall_s']:.1f} s"
                       + (f", {r['collective_records_per_rank']:.0f} collective records/rank"
                          if "collective_records_per_rank" in r else "")
@@ -184,6 +201,12 @@ def main() -> None:
           f"({a.nproc} ranks, {a.steps} steps, first {WARMUP} dropped)")
     print(f"probe overhead: {100 * (mp - mb) / mb:+.2f} %  (spread: probes {min(probes):.2f}–"
           f"{max(probes):.2f} ms, bare {min(bare):.2f}–{max(bare):.2f} ms)")
+    pc = [r["cpu_ms"] for r in results if r["variant"] == "probes" and r["cpu_ms"] is not None]
+    bc = [r["cpu_ms"] for r in results if r["variant"] == "bare" and r["cpu_ms"] is not None]
+    if pc and bc:
+        cp, cb = statistics.median(pc), statistics.median(bc)
+        print(f"CPU per rank and step: probes {cp:.2f} ms, bare {cb:.2f} ms: {100 * (cp - cb) / cb:+.2f} %"
+              f"  (spread: probes {min(pc):.2f}–{max(pc):.2f}, bare {min(bc):.2f}–{max(bc):.2f})")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,15 @@ def render_terminal(summary, report_path=None, console=None) -> None:
     if run.get("exit_code") is not None:
         bits.append(f"exit {run['exit_code']}" + (f" (signal {run['signal']})" if run.get("signal") else ""))
     console.print(f"[bold]trainprof[/bold] {escape(str(run.get('dir') or ''))}: {escape(', '.join(bits))}")
+    inp = run.get("input")
+    if isinstance(inp, Mapping):  # bare profiler traces: how much of the input was analyzed
+        console.print(escape(
+            f"input: {inp.get('files', '?')} trace file(s), {inp.get('traces_read', '?')} read"
+            + (f", {inp['unreadable']} unreadable" if inp.get("unreadable") else "")
+            + (f", {inp['older_windows_skipped']} older window(s) skipped"
+               if inp.get("older_windows_skipped") else "")
+            + f"; {inp.get('ranks', '?')} rank(s), {inp.get('steps', '?')} profiled step(s)"
+            + (" (whole-trace windows: no ProfilerStep)" if inp.get("whole_trace_windows") else "")))
     partial = run.get("partial")
     if isinstance(partial, Mapping):
         console.print(f"[bold yellow]partial run[/bold yellow]: {escape(partial_text(partial))}; "

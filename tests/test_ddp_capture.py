@@ -55,8 +55,7 @@ def _meta(run, rank):
 @pytest.mark.parametrize("n,args,tag", [
     (3, [], "ws3"),                                    # 1/3 is inexact: the Reducer's multiply
     (2, ["--bucket-view", "--accum", "2"], "view"),    # bucket views + no_sync accumulation
-    (2, ["--static"], "static"),
-    (2, ["--unused"], "unused"),
+    (2, ["--static", "--unused"], "unused"),        # static graph with an unused layer
     (2, ["--hook", "fp16"], "fp16"),                   # the job's own hook, composed
 ])
 def test_bucket_allreduce_recorded_and_numerics_unchanged(tmp_path, n, args, tag):

@@ -53,6 +53,8 @@ def run_info(run: RunDir) -> dict:
         # ranks of the job without files: job-level figures are partial (or withheld)
         **({"partial": partial} if (partial := run.partial()) else {}),
         **({"snapshots": [str(p) for p in run.bare_snapshots]} if run.snapshot_only else {}),
+        # bare profiler traces: what was found and read, and the facts only the traces carry
+        **({"input": dict(run.input_facts), **run.trace_run_facts()} if run.trace_inputs else {}),
     }
 
 
@@ -107,7 +109,11 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
 def nothing_captured(run: RunDir) -> str | None:
     """Why a run directory holds no rank's data (so that no analysis ran), or None. Such a run
     must never read as "nothing looks wrong"."""
-    if run.snapshot_only or run.ranks:
+    if run.snapshot_only:
+        return None
+    if run.trace_inputs:
+        return _nothing_in_traces(run)
+    if run.ranks:
         return None
     from trainprof.settings import flag_on
 
@@ -119,6 +125,22 @@ def nothing_captured(run: RunDir) -> str | None:
         return "the probes were disabled (TRAINPROF_DISABLE): no rank captured anything"
     return ("no rank captured any data (the probes start in a process that initializes "
             "torch.distributed, creates a DeviceMesh or steps an optimizer)")
+
+
+def _nothing_in_traces(run: RunDir) -> str | None:
+    """Why bare profiler traces gave nothing to analyze (no trace read, or no event in any)."""
+    f = run.input_facts
+    where = ", ".join(str(p) for p in run.trace_inputs[:3]) + (" …" if len(run.trace_inputs) > 3 else "")
+    if not f.get("files"):
+        return (f"no profiler trace file (*.json, *.json.gz) in {where}; expected Chrome traces "
+                f"written by torch.profiler (tensorboard_trace_handler or export_chrome_trace)")
+    if not run.ranks:
+        return (f"none of the {f['traces_read'] + f['unreadable']} profiler trace file(s) in {where} "
+                f"could be read (see problems); expected Chrome traces written by torch.profiler")
+    if not f.get("steps"):
+        return (f"the {f['traces_read']} profiler trace(s) read from {where} hold no events; "
+                f"expected the CPU ops (and kernels) of at least one step")
+    return None
 
 
 def analyze_and_write(run_dir, out_dir=None, report: bool = True, progress=None):
@@ -133,11 +155,19 @@ def analyze_and_write(run_dir, out_dir=None, report: bool = True, progress=None)
     out = Path(out_dir) if out_dir else run.path
     out.mkdir(parents=True, exist_ok=True)
     names = (SUMMARY, REPORT)
-    if not out_dir and len(run.bare_snapshots) == 1 and Path(run_dir).is_file():
-        # one bare snapshot: name the outputs after it, beside it, so that several snapshots
-        # in one folder can be analysed one by one without overwriting each other
-        names = (f"{run.bare_snapshots[0].name}.{SUMMARY}", f"{run.bare_snapshots[0].name}.{REPORT}")
+    single = run_dir if not isinstance(run_dir, (list, tuple)) else (
+        run_dir[0] if len(run_dir) == 1 else None)
+    if not out_dir and single is not None and Path(single).is_file() \
+            and (len(run.bare_snapshots) == 1 or run.trace_inputs):
+        # one bare snapshot or trace: name the outputs after it, beside it, so that several
+        # files in one folder can be analysed one by one without overwriting each other
+        name = Path(single).name
+        names = (f"{name}.{SUMMARY}", f"{name}.{REPORT}")
     summary_path = out / names[0]
+    if run.trace_inputs:  # a folder of the user's files: never overwrite one trainprof did not write
+        _refuse_foreign(summary_path, b'"trainprof_version"')
+        if report:
+            _refuse_foreign(out / names[1], b"trainprof report")
     write_json_atomic(summary_path, summary)
     report_path = None
     if report:
@@ -146,3 +176,22 @@ def analyze_and_write(run_dir, out_dir=None, report: bool = True, progress=None)
         report_path = out / names[1]
         write_html(summary, report_path)
     return summary, summary_path, report_path
+
+
+def _refuse_foreign(path, marker: bytes) -> None:
+    """RunDirError when ``path`` exists and does not look written by trainprof (no ``marker``
+    in its first 64 KB)."""
+    import os
+
+    from trainprof.rundir import RunDirError
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16) if os.path.isfile(path) else marker
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise RunDirError(f"{path}: cannot check before writing: {e.strerror or e}") from None
+    if marker not in head:
+        raise RunDirError(f"{path} exists and was not written by trainprof; not overwritten: "
+                          f"write the outputs elsewhere with --out DIR")

@@ -216,6 +216,7 @@ def collect_rank_entries(run: str | os.PathLike) -> dict:
 
 
 SNAPSHOT_SUFFIXES = (".pickle", ".pkl")
+TRACE_SUFFIXES = (".json", ".json.gz")  # a bare profiler trace (trainprof/trace/_discover.py)
 NOT_SNAPSHOTS = ("flight-recorder",)  # the hang watchdog's pickles in a rank directory
 
 
@@ -338,42 +339,94 @@ class RunDir:
     """Read-side view of a run directory. Everything is loaded lazily and cached, so all
     analyzers share one parse of each file (profiler traces included)."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike | list | tuple):
+        # several inputs (trace files or folders of traces) are analyzed as one job
+        inputs = [Path(p) for p in path] if isinstance(path, (list, tuple)) else [Path(path)]
+        if not inputs:
+            raise RunDirError("no input given")
+        self.path = inputs[0]
         # Bare allocator snapshots (torch.cuda.memory._dump_snapshot pickles), given as one file
         # or a folder of them, are analysed as a "run" that holds nothing else.
         self.bare_snapshots: list[Path] = []
+        # Bare torch.profiler traces (a folder of them, files, or several of those), analysed as
+        # a run that holds only traces (trainprof/trace/_discover.py finds their ranks).
+        self.trace_inputs: list[Path] = []
+        self.input_facts: dict = {}
         self.problems: list[str] = []
         self._cache: dict[str, Any] = {}
         self._unreadable: set[int] = set()  # rank folders that cannot be read (said once)
-        try:
-            mode = os.stat(self.path).st_mode
-        except FileNotFoundError:
-            raise RunDirError(f"{self.path}: no such directory") from None
-        except OSError as e:
-            raise RunDirError(f"{self.path}: cannot read: {e.strerror or e}") from None
-        if stat.S_ISREG(mode):
-            if not self.path.name.endswith(SNAPSHOT_SUFFIXES):
-                raise RunDirError(f"{self.path}: not a directory (nor an allocator snapshot "
-                                  f"*.pickle written by torch.cuda.memory._dump_snapshot)")
-            self.bare_snapshots = [self.path]
-            self.path = self.path.parent
-        elif not stat.S_ISDIR(mode):
-            raise RunDirError(f"{self.path}: not a directory nor a regular file; not read")
-        elif not _exists(self.path / MANIFEST) and not _is_dir(self.path / RANKS_DIR) \
-                and not _is_dir(self.path / PROFILER_DIR):
-            listed: list[str] = []
-            self.bare_snapshots = [p for p in _listdir(self.path, listed)
-                                   if p.name.endswith(SNAPSHOT_SUFFIXES) and safeio.is_regular(p)]
-            if listed:
-                raise RunDirError(listed[0])
-            if not self.bare_snapshots:
-                raise RunDirError(
-                    f"{self.path}: not a trainprof run directory (no {MANIFEST}, {RANKS_DIR}/ or "
-                    f"{PROFILER_DIR}/) and no allocator snapshots (*.pickle); create one with "
-                    f"`trainprof wrap --out {self.path} -- CMD`")
+        if len(inputs) > 1:
+            self._bare_trace_inputs(inputs)
+        else:
+            self._classify(self.path)
         self.launcher  # noqa: B018 - read now: a newer schema is refused before any analysis
         self._census()
+
+    def _classify(self, path: Path) -> None:
+        from trainprof.trace._discover import is_trace_name
+
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            raise RunDirError(f"{path}: no such directory") from None
+        except OSError as e:
+            raise RunDirError(f"{path}: cannot read: {e.strerror or e}") from None
+        if stat.S_ISREG(mode):
+            if not is_trace_name(path.name) and path.name.endswith(TRACE_SUFFIXES):
+                raise RunDirError(f"{path}: a run-directory document, not a profiler trace; "
+                                  f"analyze the folder it belongs to")
+            if path.name.endswith(TRACE_SUFFIXES):
+                self._bare_trace_inputs([path])
+                return
+            if not path.name.endswith(SNAPSHOT_SUFFIXES):
+                raise RunDirError(f"{path}: not a directory (nor a profiler trace *.json[.gz] "
+                                  f"nor an allocator snapshot *.pickle written by "
+                                  f"torch.cuda.memory._dump_snapshot)")
+            self.bare_snapshots = [path]
+            self.path = path.parent
+        elif not stat.S_ISDIR(mode):
+            raise RunDirError(f"{path}: not a directory nor a regular file; not read")
+        elif not _exists(path / MANIFEST) and not _is_dir(path / RANKS_DIR) \
+                and _is_dir(path / PROFILER_DIR):
+            # only profiler/: traces copied into the run-directory layout, named any way
+            self._bare_trace_inputs([path / PROFILER_DIR])
+            self.path = path
+        elif not _exists(path / MANIFEST) and not _is_dir(path / RANKS_DIR):
+            listed: list[str] = []
+            entries = _listdir(path, listed)
+            if listed:
+                raise RunDirError(listed[0])
+            if any(is_trace_name(p.name) and safeio.is_regular(p) for p in entries):
+                self._bare_trace_inputs([path])
+                snaps = [p for p in entries if p.name.endswith(SNAPSHOT_SUFFIXES)]
+                if snaps:
+                    self.problems.append(f"{path}: {len(snaps)} allocator snapshot(s) beside the "
+                                         f"traces are not analyzed with them; analyze them one by "
+                                         f"one (trainprof analyze {snaps[0]})")
+                return
+            self.bare_snapshots = [p for p in entries
+                                   if p.name.endswith(SNAPSHOT_SUFFIXES) and safeio.is_regular(p)]
+            if not self.bare_snapshots:
+                raise RunDirError(
+                    f"{path}: not a trainprof run directory (no {MANIFEST}, {RANKS_DIR}/ or "
+                    f"{PROFILER_DIR}/), no profiler traces (*.json, *.json.gz) and no allocator "
+                    f"snapshots (*.pickle); create one with `trainprof wrap --out {path} -- CMD`")
+
+    def _bare_trace_inputs(self, inputs: list[Path]) -> None:
+        for p in inputs:
+            try:
+                mode = os.stat(p).st_mode
+            except OSError as e:
+                raise RunDirError(f"{p}: cannot read: {e.strerror or e}") from None
+            if stat.S_ISDIR(mode) and (_exists(p / MANIFEST) or _is_dir(p / RANKS_DIR)):
+                raise RunDirError(f"{p}: a trainprof run directory cannot be analyzed together "
+                                  f"with other inputs; analyze it alone")
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                raise RunDirError(f"{p}: not a directory nor a regular file; not read")
+        self.trace_inputs = inputs
+        dirs = [p if p.is_dir() else p.parent for p in inputs]
+        self.path = dirs[0] if len(set(dirs)) == 1 else Path(os.path.commonpath(
+            [os.path.abspath(d) for d in dirs]))
 
     @property
     def snapshot_only(self) -> bool:
@@ -417,7 +470,7 @@ class RunDir:
         if "launcher" not in self._cache:
             p = self.path / MANIFEST
             man: dict = {}
-            if not self.bare_snapshots and _exists(p, self.problems):
+            if not self.bare_snapshots and not self.trace_inputs and _exists(p, self.problems):
                 try:
                     raw = read_json(p)
                 except RunDirError as e:
@@ -457,7 +510,7 @@ class RunDir:
                 return []
             found: set[int] = set()
             rd = self.path / RANKS_DIR
-            if _is_dir(rd):
+            if not self.trace_inputs and _is_dir(rd):
                 for d in _listdir(rd, self.problems):
                     if not d.name.startswith("rank-") or not _is_dir(d):
                         continue
@@ -480,6 +533,8 @@ class RunDir:
         """ranks/rank-N/meta.json ({} when missing), its wrongly typed fields dropped (each a
         problem naming the file and the field)."""
         key = f"meta:{rank}"
+        if key not in self._cache and self.trace_inputs:
+            self._cache[key] = self._trace_meta(rank)
         if key not in self._cache:
             p = rank_dir(self.path, rank) / META
             meta: dict = {}
@@ -513,7 +568,7 @@ class RunDir:
         for r in ranks:
             ws = self.rank_meta(r).get("world_size")
             if ws is not None:
-                claims.setdefault(ws, []).append(f"{RANKS_DIR}/{rank_dirname(r)}/{META}")
+                claims.setdefault(ws, []).append(self._meta_source(r))
         ws = self.launcher.get("world_size")
         if ws is not None:
             claims.setdefault(ws, []).append(MANIFEST)
@@ -540,16 +595,18 @@ class RunDir:
             world = top if top <= bound else n
         else:
             world = declared if declared is not None else n
-        have = self._cache.get("rank_dirs", set()) if _is_dir(self.path / RANKS_DIR) else set(ranks)
+        have = (self._cache.get("rank_dirs", set()) if not self.trace_inputs
+                and _is_dir(self.path / RANKS_DIR) else set(ranks))
         # without a declared world size nothing says which ranks should be there
         missing = [r for r in range(world) if r not in have] if declared is not None else []
         absent = max(0, (declared or 0) - world) + len(missing)
         if missing:
             shown = ", ".join(map(str, missing[:10])) + (", …" if len(missing) > 10 else "")
+            where = ("no trace" if self.trace_inputs else f"{RANKS_DIR}/{rank_dirname(missing[0])}"
+                     f"{' …' if len(missing) > 1 else ''} missing")
             self.problems.append(
                 f"{self.path}: {len(missing)} of {world} rank(s) have no readable files "
-                f"({RANKS_DIR}/{rank_dirname(missing[0])}"
-                f"{' …' if len(missing) > 1 else ''} missing): rank(s) {shown}; job-level figures "
+                f"({where}): rank(s) {shown}; job-level figures "
                 f"that need every rank (step time, MFU, pipeline bubble, ...) are partial or withheld")
         shape = self.mesh.get("shape") or []
         if shape and declared is not None and math.prod(shape) != declared:
@@ -558,6 +615,13 @@ class RunDir:
         self._cache["census"] = {"world_size": world, "declared": declared, "missing": missing,
                                  "absent": absent}
         return self._cache["census"]
+
+    def _meta_source(self, rank: int) -> str:
+        """Where a rank's facts come from, for problem lines."""
+        if self.trace_inputs:
+            p = self.profiler_traces().get(rank)
+            return p.name if p else f"rank {rank}'s trace"
+        return f"{RANKS_DIR}/{rank_dirname(rank)}/{META}"
 
     @property
     def world_size(self) -> int:
@@ -658,6 +722,8 @@ class RunDir:
     def profiler_traces(self) -> dict[int, Path]:
         """rank -> trace file. Ranks come from our file names; other names are read for
         distributedInfo.rank by the trace parser (see traces())."""
+        if "trace_paths" not in self._cache and self.trace_inputs:
+            self._load_bare_traces()
         if "trace_paths" not in self._cache:
             out: dict[int, Path] = {}
             d = self.path / PROFILER_DIR
@@ -703,10 +769,64 @@ class RunDir:
 
     def traces(self, progress=None) -> dict:
         """rank -> parsed trace (trainprof.trace.Trace), parsed once, in parallel across ranks."""
+        paths = self.profiler_traces()  # bare traces: parsed (and cached) while finding ranks
         if "traces" not in self._cache:
             from trainprof.trace import load_traces
 
-            traces, errors = load_traces(self.profiler_traces(), progress=progress)
+            traces, errors = load_traces(paths, progress=progress)
             self.problems.extend(errors)
             self._cache["traces"] = traces
+        if "traces_said" not in self._cache:
+            self._cache["traces_said"] = True
+            for r, t in sorted(self._cache["traces"].items()):
+                if n := t.stats.get("gpu_ops_without_launch"):
+                    self.problems.append(
+                        f"{t.path}: {n} GPU op(s) have no launching runtime call in the trace "
+                        f"(queued before recording started): left out of the step windows")
+                if t.meta.get("whole_trace_window"):
+                    span = t.meta.get("span_ns") or [0, 0]
+                    self.problems.append(
+                        f"{t.path}: no ProfilerStep in the trace (torch.profiler used without "
+                        f"schedule/step()): rank {r} analyzed as one window covering the whole "
+                        f"trace ({(span[1] - span[0]) / 1e6:.3f} ms), not per step")
         return self._cache["traces"]
+
+    # -- bare profiler traces (no run directory)
+    def _load_bare_traces(self) -> None:
+        """Parse the latest window of every process among the inputs and key them by rank
+        (trainprof/trace/_discover.py); what was found and read goes to ``input_facts``."""
+        from trainprof.trace import _discover as disc
+        from trainprof.trace import load_traces
+
+        files = disc.candidates(self.trace_inputs, self.problems)
+        chosen = disc.latest_windows(files, self.problems)
+        loaded, errors = load_traces(dict(enumerate(chosen)))
+        self.problems.extend(errors)
+        ranked = disc.assign_ranks([(chosen[i], t) for i, t in loaded.items()], self.problems)
+        self._cache["traces"] = ranked
+        self._cache["trace_paths"] = {r: t.path for r, t in ranked.items()}
+        whole = sum(1 for t in ranked.values() if t.meta.get("whole_trace_window"))
+        self.input_facts = {
+            "kind": "profiler traces", "inputs": [str(p) for p in self.trace_inputs],
+            "files": len(files), "older_windows_skipped": len(files) - len(chosen),
+            "traces_read": len(loaded), "unreadable": len(chosen) - len(loaded),
+            "ranks": len(ranked), "steps": sum(len(t.steps) for t in ranked.values()),
+            **({"whole_trace_windows": whole} if whole else {})}
+
+    def _trace_meta(self, rank: int) -> dict:
+        """A rank's facts from its bare trace (distributedInfo, deviceProperties, torch's
+        <host>_<pid> file name), checked like meta.json."""
+        from trainprof.trace._discover import rank_facts
+
+        tr = self.traces().get(rank)
+        if tr is None:
+            return {}
+        return rundir_schema.clean_object(rundir_schema.META, rank_facts(tr, rank), str(tr.path),
+                                          self.problems)
+
+    def trace_run_facts(self) -> dict:
+        """Run facts only a trace carries (bare traces): the process groups (pg_config) and the
+        devices (deviceProperties) of the first rank that has them."""
+        from trainprof.trace._discover import run_facts
+
+        return run_facts([self.traces()[r] for r in self.ranks if r in self.traces()])

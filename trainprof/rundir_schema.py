@@ -124,7 +124,7 @@ STREAMS: dict[str, dict[str, Field]] = {
     "collectives": {"step": STEP, "pg": STR, "seq": NAT, "op": STR, "bytes": NAT, "numel": NAT,
                     "dtype": STR, "enqueue_ns": NS, "start_ns": NS, "end_ns": NS,
                     "blocked_ms": MS, "device_ms": MS, "peer": INT, "async": BOOL, "api": STR,
-                    "replay": BOOL},
+                    "replay": BOOL, "bucket": NAT, "hook": STR, "inferred": BOOL},
     "groups": {"pg": STR, "ranks": INTS, "mesh_dim": STR, "backend": STR, "size": NAT},
     "clock": {"phase": STR, "ref_rank": INT, "offset_ns": NSD, "uncertainty_ns": NSD,
               "t_ns": NS, "rounds": INT},

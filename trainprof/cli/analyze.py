@@ -9,22 +9,30 @@ import click
 from trainprof.cli._output import InputError, apply_input_limit, max_input_option
 from trainprof.rundir import RunDirError
 
-NOTHING_ANALYZED_EXIT = 3  # the run holds no rank's data (probes disabled, or never started)
+NOTHING_ANALYZED_EXIT = 3  # no rank's data, no trace read, or no event in the traces read
 
 
 @click.command()
-@click.argument("run_dir", metavar="RUN_DIR|SNAPSHOT", type=click.Path(path_type=Path))
+@click.argument("inputs", metavar="RUN_DIR|TRACES|SNAPSHOT...", nargs=-1, required=True,
+                type=click.Path(path_type=Path))
 @click.option("--out", "-o", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where summary.json and report.html go (default: RUN_DIR).")
+              help="Where summary.json and report.html go (default: RUN_DIR, the traces' folder, or "
+                   "beside a single file).")
 @click.option("--json", "as_json", is_flag=True, help="Print summary.json to stdout.")
 @click.option("--no-report", is_flag=True, help="Skip report.html.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing (files are still written).")
 @max_input_option
-def analyze(run_dir, out, as_json, no_report, quiet, max_input_mb):
+def analyze(inputs, out, as_json, no_report, quiet, max_input_mb):
     """Analyze RUN_DIR (written by `trainprof wrap`) and report what is wrong, where and why.
 
     Writes RUN_DIR/summary.json (machine-readable findings and metrics) and RUN_DIR/report.html
     (one self-contained file, opens offline), and prints a short summary.
+
+    TRACES: torch.profiler traces you already have are analyzed as a job: a folder of them
+    (tensorboard_trace_handler's <host>_<pid>.<ts>.pt.trace.json[.gz], HTA's rank-N.*), one trace
+    file (FILE.summary.json / FILE.report.html beside it), or several files and folders together
+    (outputs in their common folder). The rank is distributedInfo.rank, else the rank in the file
+    name, else one rank per file; of several windows of one process the latest is analyzed.
 
     RUN_DIR may also be a CUDA allocator snapshot (a *.pickle written by
     torch.cuda.memory._dump_snapshot) or a folder of them: the memory and fragmentation
@@ -36,11 +44,12 @@ def analyze(run_dir, out, as_json, no_report, quiet, max_input_mb):
 
     Exit codes: 0 analyzed, 2 input refused (not a readable run directory, a newer schema, a
     bad input limit), 3 nothing to analyze (no rank captured any data, e.g. the probes were
-    disabled).
+    disabled; no profiler trace could be read; the traces read hold no events).
     """
     from trainprof.cli._output import analyze_and_print
 
     apply_input_limit(max_input_mb)
+    run_dir = inputs[0] if len(inputs) == 1 else list(inputs)
     try:
         summary = analyze_and_print(run_dir, out, as_json=as_json, report=not no_report, quiet=quiet)
     except RunDirError as e:

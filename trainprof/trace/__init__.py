@@ -23,7 +23,9 @@
     is_gpu               bool: cat in kernel/gpu_memcpy/gpu_memset/gpu_user_annotation
     step                 int64 N of the ProfilerStep#N containing the event: host events by
                          their start time, GPU events through the correlation id of the runtime
-                         call that launched them (else by time); -1 outside every step
+                         call that launched them (else by time); -1 outside every step, and
+                         for kernels/memcpys/memsets whose launch is not in the trace (queued
+                         before recording started; counted in stats["gpu_ops_without_launch"])
     correlation, external_id  int64, -1 when absent
     input_dims, input_types   object (lists as recorded, or None; present when record_shapes)
     concrete_inputs      object ("Concrete Inputs": scalar arguments as strings, e.g. is_causal
@@ -36,7 +38,9 @@
     dst_rank.
 - ``memory`` (DataFrame): the ``[memory]`` instant events: ts_ns, bytes, total_allocated,
     total_reserved, device_type, device_id, addr (all int64).
-- ``steps`` (DataFrame): ProfilerStep spans: step, start_ns, end_ns (int64), sorted.
+- ``steps`` (DataFrame): ProfilerStep spans: step, start_ns, end_ns (int64), sorted. A trace
+    without ProfilerStep (no schedule/step()) gets one window, step 0, over the whole trace (every
+    event in it) and ``meta["whole_trace_window"] = True``.
 - ``stats`` (dict): events (all traceEvents), complete ('X' rows), malformed, decoder.
 
 Helpers: ``Trace.host_events()``, ``Trace.gpu_events()``, ``name_mask(series, pred)`` (a boolean
@@ -158,7 +162,20 @@ def _parse(path: Path, rank: int | None, fast: bool, pieces: int) -> Trace:
 
     events = _events_frame(cols, base)
     steps = _steps(events)
-    events["step"] = _assign_steps(events, steps)
+    meta["whole_trace_window"] = False  # ours, whatever the file's top level holds
+    if steps.empty and len(events):
+        # no ProfilerStep (a profiler used without schedule/step()): one window over the whole
+        # trace, as HTA does; RunDir.traces() says so in a problem line
+        steps = pd.DataFrame({"step": np.zeros(1, np.int64),
+                              "start_ns": np.array([events["ts_ns"].min()], np.int64),
+                              "end_ns": np.array([events["end_ns"].max()], np.int64)})
+        meta["whole_trace_window"] = True
+        events["step"] = np.zeros(len(events), np.int64)
+    else:
+        events["step"] = _assign_steps(events, steps)
+    unlaunched = _unlaunched(events)
+    if unlaunched.any():  # queued before recording started: in no window (HTA drops them too)
+        events.loc[unlaunched, "step"] = -1
     ts = events["ts_ns"].to_numpy()
     if len(ts) > 1 and (ts[1:] < ts[:-1]).any():  # Kineto writes host events mostly in order
         order = np.argsort(ts, kind="stable")
@@ -173,6 +190,7 @@ def _parse(path: Path, rank: int | None, fast: bool, pieces: int) -> Trace:
     return Trace(path=path, rank=rank, meta=meta, events=events, comm=_comm_frame(cols.comm, remap),
                  memory=_memory_frame(cols.mem, base), steps=steps,
                  stats={"events": cols.n_events, "complete": len(events), "malformed": cols.n_bad,
+                        "gpu_ops_without_launch": int(unlaunched.sum()),
                         "decoder": "msgspec" if fast and _decode.msgspec is not None else "orjson"})
 
 
@@ -289,6 +307,18 @@ def _assign_steps(events: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
         found[found] = hc[j[found]] == corr[g][found]
         out[g[found]] = hstep[j[found]]
     return out
+
+
+def _unlaunched(events: pd.DataFrame) -> np.ndarray:
+    """Kernels, memcpys and memsets whose correlation id matches no host call of the trace:
+    work queued before the profiler started recording. Only where the trace has host calls
+    with correlation ids at all (a trace of GPU activity alone keeps its ops)."""
+    gpu = events["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"]).to_numpy()
+    corr = events["correlation"].to_numpy()
+    host = corr[~events["is_gpu"].to_numpy() & (corr >= 0)]
+    if not gpu.any() or not len(host):
+        return np.zeros(len(events), bool)
+    return gpu & (corr >= 0) & ~np.isin(corr, host)
 
 
 def load_trace(path: str | os.PathLike, rank: int | None = None) -> Trace:
