@@ -1,7 +1,8 @@
 """Renderings of a `trainprof compare` result: terminal table, markdown (asv-style), JSON, JUnit XML.
 
-`result` is the dict built by trainprof.cli.compare (see comparison_result): settings, the two
-runs' fingerprints, `metrics` (Comparison.to_dict() each), `exit_code`, `verdict`.
+`result` is the dict built by trainprof.cli.compare (see comparison_result): settings, each side's
+runs (paths, analysed steps per run, fingerprint), `metrics` (Comparison.to_dict() each),
+`exit_code`, `verdict`.
 Marks (as in `asv compare`): `+` regression (worse), `-` improvement (better), `~` changed but
 not significantly or within the threshold, blank unchanged, `?` insufficient data / missing.
 """
@@ -15,7 +16,9 @@ from collections.abc import Mapping
 
 from trainprof.reports import kit
 
-MARK = {"regression": "+", "improvement": "-", "insufficient data": "?", "missing": "?"}
+INFO_WORD = {"regression": "worse", "improvement": "better"}  # informational metrics never "regress"
+MARK = {"regression": "+", "improvement": "-", "insufficient data": "?", "missing": "?", "runs differ": "?"}
+INCONCLUSIVE = ("insufficient data", "missing", "runs differ")
 
 
 def mark(m: Mapping) -> str:
@@ -42,8 +45,16 @@ def fmt_metric(value, unit: str) -> str:
     return kit.fmt_value(float(value))
 
 
+def _in_pp(m: Mapping) -> bool:
+    """Fractions gated in percentage points show their change in points too."""
+    return (m.get("unit") == "fraction" and str(m.get("threshold") or "").endswith("pp")
+            and isinstance(m.get("baseline"), (int, float)))
+
+
 def fmt_change(m: Mapping) -> str:
     r = m.get("ratio")
+    if _in_pp(m) and isinstance(m.get("candidate"), (int, float)):
+        return f"{(m['candidate'] - m['baseline']) * 100:+.1f}pp"
     if r is None:
         return "n/a"
     return f"{(r - 1) * 100:+.1f}%"
@@ -53,28 +64,63 @@ def fmt_ci(m: Mapping) -> str:
     ci = m.get("ci")
     if not ci or any(x is None or not math.isfinite(x) for x in ci):
         return ""
+    if _in_pp(m):
+        b = m["baseline"] * 100
+        return f"[{(ci[0] - 1) * b:+.1f}pp, {(ci[1] - 1) * b:+.1f}pp]"
     return f"[{(ci[0] - 1) * 100:+.1f}%, {(ci[1] - 1) * 100:+.1f}%]"
 
 
 def fmt_p(m: Mapping) -> str:
-    p = m.get("p_value")
+    """The p-value the verdict used: Benjamini–Hochberg adjusted for gated metrics."""
+    p = m.get("p_adjusted")
+    if p is None:
+        p = m.get("p_value")
     return "" if p is None else (f"{p:.2g}" if p >= 1e-4 else "<1e-4")
+
+
+def fmt_n(m: Mapping) -> str:
+    """Samples per side; with several runs, runs×samples."""
+    n, runs = m.get("n"), m.get("runs")
+    if runs and max(runs) > 1:
+        if n:
+            return f"{runs[0]}r·{n[0]}/{runs[1]}r·{n[1]}"
+        return f"{runs[0]}r/{runs[1]}r"
+    return f"{n[0]}/{n[1]}" if n else ""
+
+
+TEST_SHORT = {"U over steps": "U", "t over runs": "t", "threshold only": "—"}
+
+
+def describe_side(side: Mapping) -> str:
+    runs, steps = side.get("runs"), side.get("steps") or []
+    if not runs:
+        return str(side.get("path", ""))
+    if len(set(steps)) == 1:
+        per = f"{steps[0]} analysed steps" + (" each" if runs > 1 else "")
+    else:
+        per = f"{', '.join(map(str, steps))} analysed steps"
+    return f"{runs} run{'s' * (runs != 1)} ({per})"
+
+
+def sides_line(result: Mapping) -> str:
+    return (f"baseline: {describe_side(result.get('baseline', {}))} · "
+            f"candidate: {describe_side(result.get('candidate', {}))}")
 
 
 def rows(result: Mapping) -> list[dict]:
     out = []
     for m in result.get("metrics", []):
         unit = m.get("unit", "")
-        n = m.get("n")
         out.append({
             "mark": mark(m), "metric": m.get("metric"), "label": m.get("label"),
             "baseline": fmt_metric(m.get("baseline"), unit),
             "candidate": fmt_metric(m.get("candidate"), unit),
             "change": fmt_change(m), "ci": fmt_ci(m), "p": fmt_p(m),
-            "n": f"{n[0]}/{n[1]}" if n else "",
+            "n": fmt_n(m), "test": TEST_SHORT.get(m.get("test"), m.get("test") or ""),
             "threshold": m.get("threshold") or "report only",
-            "verdict": m.get("verdict") if m.get("gate", True) else f"{m.get('verdict')} (not gated)",
-            "detail": m.get("detail") or "",
+            "verdict": m.get("verdict") if m.get("gate", True) else
+            f"{INFO_WORD.get(m.get('verdict'), m.get('verdict'))} (not gated)",
+            "detail": "; ".join(x for x in (m.get("detail"), m.get("reason")) if x),
         })
     return out
 
@@ -84,7 +130,7 @@ def headline(result: Mapping) -> str:
     regressed = [m["metric"] for m in result.get("metrics", [])
                  if m.get("gate", True) and m.get("verdict") == "regression"]
     inconclusive = [m["metric"] for m in result.get("metrics", [])
-                    if m.get("gate", True) and m.get("verdict") in ("insufficient data", "missing")]
+                    if m.get("gate", True) and m.get("verdict") in INCONCLUSIVE]
     if regressed:
         return f"REGRESSION in {', '.join(regressed)} (exit {code})"
     if inconclusive:
@@ -102,20 +148,20 @@ def render_terminal(result: Mapping, console=None) -> None:
     if console is None:  # CI logs are wide: do not squeeze the table into 80 columns
         console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     s = result.get("settings", {})
-    table = Table(title=f"trainprof compare  (α={s.get('alpha')}, min effect "
-                        f"{s.get('min_effect', 0) * 100:g}%)", title_justify="left")
-    for col in ("", "metric", "baseline", "candidate", "change", "95% CI", "p", "n", "threshold",
-                "verdict"):
-        table.add_column(col, overflow="fold", no_wrap=col in ("", "change", "p", "n"))
+    table = Table(title=f"trainprof compare  (α={s.get('alpha')} after Benjamini–Hochberg, min effect "
+                        f"{s.get('min_effect', 0) * 100:g}%)\n{sides_line(result)}", title_justify="left")
+    for col in ("", "metric", "baseline", "candidate", "change", "95% CI", "test", "p", "n",
+                "threshold", "verdict"):
+        table.add_column(col, overflow="fold", no_wrap=col in ("", "change", "p", "n", "test"))
     style = {"regression": "bold red", "improvement": "green", "insufficient data": "yellow",
-             "missing": "yellow"}
+             "missing": "yellow", "runs differ": "yellow"}
     details = []
     for r, m in zip(rows(result), result.get("metrics", [])):
         st = style.get(m.get("verdict"), "")
         verdict = escape(r["verdict"])
         table.add_row(f"[{st}]{escape(r['mark'])}[/]" if st else escape(r["mark"]),
                       escape(r["metric"]), r["baseline"], r["candidate"], r["change"],
-                      r["ci"], r["p"], r["n"], escape(r["threshold"]),
+                      r["ci"], r["test"], r["p"], r["n"], escape(r["threshold"]),
                       f"[{st}]{verdict}[/]" if st else verdict)
         if r["detail"]:
             details.append(f"  {r['metric']}: {r['detail']}")
@@ -131,23 +177,34 @@ def _md_cell(x) -> str:
     return str(x).replace("|", "\\|").replace("\n", " ")
 
 
+def _md_paths(side: Mapping) -> str:
+    paths = side.get("paths") or [side.get("path")]
+    if side.get("path") not in paths:  # a baseline history: its directory
+        return f"`{_md_cell(side.get('path'))}`"
+    more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+    return f"`{_md_cell(paths[0])}`{more}"
+
+
 def render_markdown(result: Mapping) -> str:
     b, c = result.get("baseline", {}), result.get("candidate", {})
     lines = [f"### trainprof compare: {headline(result)}", "",
-             f"Baseline `{_md_cell(b.get('path'))}` → candidate `{_md_cell(c.get('path'))}`", "",
-             "| Change | Before | After | Ratio | 95% CI | p | Metric | Verdict |",
-             "|:------:|-------:|------:|------:|:------:|--:|:-------|:--------|"]
+             f"Baseline {_md_paths(b)} → candidate {_md_paths(c)}  ",
+             _md_cell(sides_line(result)), "",
+             "| Change | Before | After | Ratio | 95% CI | p | n | Metric | Verdict |",
+             "|:------:|-------:|------:|------:|:------:|--:|--:|:-------|:--------|"]
     for r, m in zip(rows(result), result.get("metrics", [])):
         ratio = f"{m['ratio']:.2f}" if isinstance(m.get("ratio"), (int, float)) else "n/a"
         verdict = r["verdict"] + (f" — {r['detail']}" if r["detail"] else "")
         lines.append("| " + " | ".join(_md_cell(x) for x in (
-            r["mark"], r["baseline"], r["candidate"], ratio, r["ci"], r["p"],
+            r["mark"], r["baseline"], r["candidate"], ratio, r["ci"], r["p"], r["n"],
             f"{r['label']} (`{r['metric']}`)" if r["label"] != r["metric"] else f"`{r['metric']}`",
             verdict)) + " |")
     s = result.get("settings", {})
     lines += ["", f"`+` worse · `-` better · `~` changed within noise or threshold · `?` insufficient "
-              f"data · sampled metrics: Mann–Whitney U at α={s.get('alpha')} and ≥"
-              f"{s.get('min_effect', 0) * 100:g}% on the median; CI: bootstrap of the median ratio.", ""]
+              f"data · a regression is significant at α={s.get('alpha')} (p adjusted by "
+              f"Benjamini–Hochberg over the gated metrics; one run per side: Mann–Whitney U over the "
+              f"steps, several: t-test over the per-run medians) and beyond its threshold "
+              f"(min effect {s.get('min_effect', 0) * 100:g}%) · n: samples per side, `r`: runs.", ""]
     return "\n".join(lines)
 
 
@@ -170,7 +227,7 @@ def render_junit(result: Mapping) -> str:
     the result itself is inconclusive and gated, so CI shows why it stopped: see exit codes)."""
     metrics = result.get("metrics", [])
     failures = sum(1 for m in metrics if m.get("gate", True) and m.get("verdict") == "regression")
-    skipped = sum(1 for m in metrics if m.get("verdict") in ("insufficient data", "missing"))
+    skipped = sum(1 for m in metrics if m.get("verdict") in INCONCLUSIVE)
     suite = ET.Element("testsuite", name="trainprof.compare", tests=str(len(metrics)),
                        failures=str(failures), errors="0", skipped=str(skipped))
     root = ET.Element("testsuites", name="trainprof compare", tests=str(len(metrics)),
@@ -180,12 +237,13 @@ def render_junit(result: Mapping) -> str:
         case = ET.SubElement(suite, "testcase", classname="trainprof.compare", name=str(m.get("metric")),
                              time="0")
         text = (f"{r['label']}: baseline {r['baseline']}, candidate {r['candidate']}, change "
-                f"{r['change']} {r['ci']} p={r['p'] or 'n/a'} threshold {r['threshold']}; {r['verdict']}"
+                f"{r['change']} {r['ci']} p={r['p'] or 'n/a'} n={r['n'] or 'n/a'} threshold "
+                f"{r['threshold']}; {r['verdict']}"
                 + (f" ({r['detail']})" if r["detail"] else ""))
         if m.get("gate", True) and m.get("verdict") == "regression":
             ET.SubElement(case, "failure", message=f"{m.get('metric')} regressed by {r['change']}",
                           type="regression").text = text
-        elif m.get("verdict") in ("insufficient data", "missing"):
+        elif m.get("verdict") in INCONCLUSIVE:
             ET.SubElement(case, "skipped", message=f"{m.get('metric')}: {m.get('verdict')}").text = text
         else:
             ET.SubElement(case, "system-out").text = text

@@ -1,16 +1,21 @@
 """Statistics of `trainprof compare` on synthetic samples (fixed seeds): real shifts are flagged,
-noise and small shifts are not, too few samples are inconclusive."""
+noise and small shifts are not, run-to-run noise is the error term when there are several runs,
+too few samples are inconclusive, and the multiple-comparison control holds the A/A false-alarm
+rate at alpha."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from scipy import stats
 
-from trainprof.regression import (IMPROVEMENT, INSUFFICIENT, MISSING, REGRESSION, UNCHANGED,
-                                  Comparison, Settings, Threshold, ThresholdError,
-                                  bootstrap_ratio_ci, compare_per_rank, compare_samples,
-                                  compare_summaries, compare_values, fingerprint_mismatches,
-                                  overall_verdict, parse_threshold, step_samples)
+from trainprof.regression import (DIFFERS, IMPROVEMENT, INSUFFICIENT, MISSING, REGRESSION,
+                                  TEST_RUNS, TEST_STEPS, UNCHANGED, Comparison, Settings,
+                                  Threshold, ThresholdError, benjamini_hochberg,
+                                  bootstrap_ratio_ci, compare_per_rank, compare_runs,
+                                  compare_samples, compare_summaries, compare_values,
+                                  fingerprint_mismatches, overall_verdict, parse_threshold,
+                                  run_problems, step_samples, t_test)
 
 STEP = Threshold(+1, 0.05)  # step time: up is bad, 5 % minimum effect
 
@@ -20,13 +25,24 @@ def samples(median_ms, n=20, noise=0.01, seed=0):
     return list(median_ms * (1 + noise * rng.standard_normal(n)))
 
 
+def runs(median_ms, k=3, n=12, within=0.01, between=0.01, seed=0):
+    """k runs of n steps: each run's level moves by `between` (relative SD), steps by `within`."""
+    rng = np.random.default_rng(seed)
+    return [list(median_ms * np.exp(between * rng.standard_normal()) * (1 + within * rng.standard_normal(n)))
+            for _ in range(k)]
+
+
+# --- one run per side: within-run test; a difference cannot be pinned on the code ---------------
+
 @pytest.mark.parametrize("seed", range(5))
-def test_ten_percent_shift_with_low_noise_is_a_regression(seed):
+def test_one_run_per_side_ten_percent_shift_says_the_runs_differ(seed):
     r = compare_samples("step_time", samples(100, seed=seed), samples(110, seed=seed + 100), STEP)
-    assert r.verdict == REGRESSION
+    assert r.test == TEST_STEPS and r.runs == [1, 1]
+    assert r.verdict == DIFFERS and r.moved == REGRESSION  # inconclusive, never a regression
     assert r.p_value < 1e-4
     assert r.ci[0] > 1.05 and r.ci[0] < 1.10 < r.ci[1] < 1.15  # CI brackets the true ratio 1.10
     assert r.change == pytest.approx(0.10, abs=0.02)
+    assert "run-to-run noise" in r.reason
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -34,7 +50,7 @@ def test_two_percent_shift_is_not_a_regression_even_when_significant(seed):
     r = compare_samples("step_time", samples(100, seed=seed), samples(102, seed=seed + 100), STEP)
     assert r.verdict == UNCHANGED
     assert r.p_value < 0.01  # detectable at this noise, but below the minimum effect
-    assert "within" in r.detail
+    assert "within" in r.reason
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -44,8 +60,8 @@ def test_identical_distributions_are_not_flagged(seed):
     assert r.ci[0] < 1.0 < r.ci[1]
 
 
-def test_large_shift_drowned_in_noise_is_not_a_regression():
-    # +8 % median but 40 % noise over 8 samples: not significant, so not a regression
+def test_large_shift_drowned_in_noise_is_not_flagged():
+    # +8 % median but 40 % noise over 8 samples: not significant
     r = compare_samples("step_time", samples(100, n=8, noise=0.4, seed=1),
                         samples(108, n=8, noise=0.4, seed=2), STEP)
     assert r.p_value >= 0.01 and r.verdict == UNCHANGED
@@ -68,15 +84,96 @@ def test_fewer_than_six_samples_is_insufficient(nb, nc):
     assert r.verdict == INSUFFICIENT and r.n == [nb, nc]
 
 
-def test_six_samples_each_can_decide():
-    r = compare_samples("step_time", samples(100, n=6), samples(140, n=6, seed=1), STEP)
-    assert r.verdict == REGRESSION  # the exact test reaches p = 2/924 with 6 vs 6
+def test_one_short_run_among_several_is_insufficient():
+    b = runs(100, k=3)
+    c = runs(150, k=3, seed=1)
+    c[1] = c[1][:3]
+    r = compare_samples("step_time", b, c, STEP)
+    assert r.verdict == INSUFFICIENT and "candidate run 2 has 3" in r.detail
+
+
+def test_improvement_with_one_run_is_an_improvement_with_a_caveat():
+    r = compare_samples("step_time", samples(100, seed=3), samples(80, seed=4), STEP)
+    assert r.verdict == IMPROVEMENT and "run-to-run" in r.reason
+
+
+# --- several runs per side: the run is the unit ---------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(5))
+def test_several_runs_thirty_percent_slowdown_is_a_regression(seed):
+    # 3 % run-to-run noise: 4 runs per side (3 per side leave Welch's test 2-4 degrees of freedom)
+    r = compare_samples("step_time", runs(100, k=4, between=0.03, seed=seed),
+                        runs(130, k=4, between=0.03, seed=seed + 50), STEP)
+    assert r.test == TEST_RUNS and r.runs == [4, 4] and r.n == [48, 48]
+    assert r.verdict == REGRESSION
+    assert r.ci[0] < 1.3 < r.ci[1] and r.ci[0] > 1.05
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_run_to_run_shift_with_tight_steps_is_not_a_regression(seed):
+    # within-run noise 1 %, run-to-run 15 %: steps pooled over runs would call any two sets of
+    # runs different; the runs' medians vary as much as the sides do
+    b, c = runs(100, within=0.01, between=0.15, seed=seed), runs(100, within=0.01, between=0.15, seed=seed + 50)
+    pooled = stats.mannwhitneyu(np.concatenate(b), np.concatenate(c)).pvalue
+    r = compare_samples("step_time", b, c, STEP)
+    assert r.verdict != REGRESSION and r.p_value > 0.01
+    assert pooled < r.p_value  # the naive test understates the noise
+
+
+def test_runs_test_is_welchs_t_test_on_log_run_medians():
+    b, c = runs(100, between=0.05, seed=7), runs(112, k=4, between=0.05, seed=8)
+    r = compare_samples("step_time", b, c, STEP)
+    lb, lc = np.log([np.median(x) for x in b]), np.log([np.median(x) for x in c])
+    assert r.p_value == pytest.approx(stats.ttest_ind(lb, lc, equal_var=False).pvalue, rel=1e-9)
+    assert r.ratio == pytest.approx(np.exp(lc.mean() - lb.mean()), rel=1e-12)
+    assert r.baseline == pytest.approx(np.exp(lb.mean()))
+
+
+def test_outlier_runs_on_one_side_do_not_borrow_the_other_sides_spread():
+    # 8 tight baseline runs; 3 candidate runs hit by load bursts of different sizes: a pooled
+    # variance (dominated by the tight side) would call it significant, Welch's does not
+    tight = [[100.0 * f] * 8 for f in (1.00, 1.01, 0.99, 1.005, 0.995, 1.0, 1.002, 0.998)]
+    bursts = [[110.0] * 8, [140.0] * 8, [175.0] * 8]
+    r = compare_samples("step_time", tight, bursts, STEP)
+    lb, lc = np.log([x[0] for x in tight]), np.log([x[0] for x in bursts])
+    assert stats.ttest_ind(lb, lc, equal_var=True).pvalue < 0.01
+    assert r.p_value > 0.05 and r.verdict == UNCHANGED
+
+
+def test_history_of_several_baselines_against_candidate_runs():
+    hist = runs(100, k=8, between=0.02, seed=1)
+    one_slow = compare_samples("step_time", hist, runs(130, k=1, between=0.02, seed=2), STEP)
+    assert one_slow.test == TEST_RUNS and one_slow.p_value < 1e-4
+    assert one_slow.verdict == DIFFERS and "a single candidate run" in one_slow.reason
+    assert compare_samples("step_time", hist, runs(130, k=2, between=0.02, seed=2), STEP).verdict == REGRESSION
+    assert compare_samples("step_time", hist, runs(100, k=2, between=0.02, seed=3), STEP).verdict == UNCHANGED
+
+
+def test_one_outlier_run_is_not_a_regression():
+    # a history of tight runs and one candidate run hit as a whole by a load burst (+60 %):
+    # significant against the history, yet one run cannot be pinned on the code
+    hist = runs(100, k=5, between=0.03, seed=4)
+    r = compare_samples("step_time", hist, runs(160, k=1, between=0.0, seed=5), STEP)
+    assert r.p_value < 0.01 and r.verdict == DIFFERS
+    assert overall_verdict([r]) == (3, "inconclusive")
+
+
+def test_t_test_matches_scipy_and_handles_no_spread():
+    a, b = [1.0, 2.0, 3.5], [2.0, 4.0, 5.0, 6.5]
+    p, d, ci = t_test(a, b)
+    ref = stats.ttest_ind(a, b, equal_var=False)
+    assert p == pytest.approx(ref.pvalue) and d == pytest.approx(np.mean(b) - np.mean(a))
+    lo, hi = ref.confidence_interval(0.95)  # of mean(a) - mean(b)
+    assert ci == pytest.approx([-hi, -lo])
+    one = [4.0]  # a single value on a side: Student's pooled test (the other side's variance)
+    assert t_test(a, one)[0] == pytest.approx(stats.ttest_ind(a, one, equal_var=True).pvalue)
+    assert t_test([5, 5], [5]) == (1.0, 0.0, [0.0, 0.0])
+    assert t_test([5, 5], [6])[0] == 0.0  # deterministic values that differ
 
 
 def test_direction_awareness():
     down_bad = Threshold(-1, 0.05)  # throughput
-    slower = samples(90, seed=3)
-    base = samples(100, seed=4)
+    slower, base = runs(90, seed=3), runs(100, seed=4)
     assert compare_samples("throughput", base, slower, down_bad).verdict == REGRESSION
     assert compare_samples("throughput", slower, base, down_bad).verdict == IMPROVEMENT
     assert compare_samples("step_time", slower, base, STEP).verdict == REGRESSION
@@ -88,6 +185,58 @@ def test_bootstrap_ci_is_reproducible_and_covers_the_ratio():
     lo, hi = bootstrap_ratio_ci(b, c)
     assert lo < np.median(c) / np.median(b) < hi
 
+
+# --- multiple comparisons ---------------------------------------------------------------------
+
+def test_benjamini_hochberg_by_hand_and_against_scipy():
+    p = [0.01, 0.04, 0.03, 0.005]
+    # sorted 0.005, 0.01, 0.03, 0.04 -> 4p/rank = 0.02, 0.02, 0.04, 0.04 (running minimum from the top)
+    assert benjamini_hochberg(p) == pytest.approx([0.02, 0.04, 0.04, 0.02])
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        ps = list(rng.uniform(0, 0.2, 7))
+        assert benjamini_hochberg(ps) == pytest.approx(list(stats.false_discovery_control(ps)))
+    assert benjamini_hochberg([]) == [] and benjamini_hochberg([0.3]) == [0.3]
+
+
+def _six_metric_summary(rng):
+    """One synthetic run: six independent per-step metrics — step time and m1..m5 — as
+    exp-normal samples (log medians close to normal) with a run-level offset."""
+    def steps():
+        return list(100 * np.exp(0.05 * rng.standard_normal() + 0.02 * rng.standard_normal(8)))
+
+    return {"run": {}, "metrics": {"step_time": {"per_step": [{"max_ms": v} for v in steps()]},
+                                   **{f"m{i}": steps() for i in range(1, 6)}}}
+
+
+def _simulate(n_sims, alpha, seed=0):
+    """A/A comparisons of 3 vs 3 runs, all six metrics gated with no minimum effect: the exit-1
+    count with the BH control, and the count a per-metric test at alpha (no control) would fail."""
+    rng = np.random.default_rng(seed)
+    settings = Settings(alpha=alpha, min_effect=0.0, thresholds={f"metrics.m{i}": "+0%" for i in range(1, 6)})
+    controlled = uncontrolled = 0
+    for _ in range(n_sims):
+        bases = [_six_metric_summary(rng) for _ in range(3)]
+        cands = [_six_metric_summary(rng) for _ in range(3)]
+        results, absent = compare_runs(bases, cands, settings)
+        assert not absent and len(results) == 6 and all(r.gate and r.test == TEST_RUNS for r in results)
+        controlled += overall_verdict(results)[0] == 1
+        uncontrolled += any(r.p_value < alpha and r.moved == REGRESSION for r in results)
+    return controlled, uncontrolled
+
+
+def test_a_a_false_alarm_rate_of_six_gated_metrics_is_at_most_alpha():
+    n, alpha = 1000, 0.05
+    controlled, uncontrolled = _simulate(n, alpha)
+    upper = stats.binom.ppf(0.999, n, alpha)  # 0.1 % one-sided binomial bound at rate alpha
+    assert controlled <= upper, (controlled, upper)
+    # the control is what keeps it there: six uncorrected tests (one bad direction each) fail
+    # up to 1 - (1 - alpha/2)^6 = 14 % of identical comparisons (Welch's test with 3 runs per
+    # side is slightly conservative: about 10 % here)
+    assert uncontrolled > upper, (uncontrolled, upper)
+
+
+# --- thresholds and values -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("text,direction,value,relative", [
     ("+5%", 1, 0.05, True), ("-3%", -1, 0.03, True), ("5%", -1, 0.05, True),
@@ -117,9 +266,25 @@ def test_value_thresholds_relative_and_absolute():
     assert compare_values("mfu", 0.40, 0.38, mfu).verdict == REGRESSION
     assert compare_values("mfu", 0.40, 0.45, mfu).verdict == IMPROVEMENT
     pp = parse_threshold("+2pp", 1)
+    assert pp.describe("fraction") == "+2pp"
     assert compare_values("exposed_comm", 0.10, 0.13, pp).verdict == REGRESSION
     assert compare_values("exposed_comm", 0.10, 0.115, pp).verdict == UNCHANGED
     assert compare_values("mfu", 0.4, None, mfu).verdict == MISSING
+
+
+def test_values_over_several_runs_need_significance_too():
+    pp = parse_threshold("+5pp", 1)
+    noisy = compare_values("bubble", [0.30, 0.40, 0.35], [0.38, 0.45, 0.33], pp)
+    assert noisy.test == TEST_RUNS and noisy.verdict == UNCHANGED  # +3.7pp mean, not significant
+    real = compare_values("bubble", [0.30, 0.31, 0.30], [0.40, 0.41, 0.40], pp)
+    assert real.verdict == REGRESSION and real.p_value < 1e-4
+    gone = compare_values("bubble", [0.30, None, 0.30], [0.40, 0.41], pp)
+    assert gone.verdict == MISSING and "baseline" in gone.detail
+
+
+def test_values_without_threshold_are_shown_not_gated():
+    r = compare_values("exposed_comm", 0.10, 0.50, None)
+    assert r.gate is False and r.verdict == UNCHANGED and r.change == pytest.approx(4.0)
 
 
 def test_per_rank_memory_names_the_worst_rank():
@@ -131,22 +296,32 @@ def test_per_rank_memory_names_the_worst_rank():
     assert (r.baseline, r.candidate) == (100.0, 120.0)
 
 
+def test_per_rank_ranks_missing_from_a_run_is_inconclusive():
+    th = parse_threshold("+5%", 1)
+    r = compare_per_rank("peak_memory", [{"0": 1.0, "1": 1.0}], [{"0": 1.0}], th)
+    assert r.verdict == MISSING and "['1']" in r.detail
+
+
 def test_overall_verdict_priorities():
     def c(verdict, gate=True):
         return Comparison("m", "m", "", "value", verdict, gate=gate)
 
     assert overall_verdict([c(UNCHANGED), c(IMPROVEMENT)]) == (0, "pass")
     assert overall_verdict([c(INSUFFICIENT), c(UNCHANGED)]) == (3, "inconclusive")
+    assert overall_verdict([c(DIFFERS), c(UNCHANGED)]) == (3, "inconclusive")
     assert overall_verdict([c(INSUFFICIENT), c(REGRESSION)]) == (1, "regression")
     assert overall_verdict([c(REGRESSION, gate=False)]) == (0, "pass")
 
 
-def summary(step_ms, tokens=1024, mem=None, run=None):
-    return {"run": {"world_size": 2, "mesh": {"dp": 2, "pp": 1, "tp": 1}, "device": "cpu",
-                    "torch_version": "2.13.0+cpu", **(run or {})},
-            "metrics": {"step_time": {"job": {"tokens_per_step": tokens},
-                                      "per_step": [{"step": i + 1, "max_ms": v} for i, v in enumerate(step_ms)]},
-                        **({"memory": {"per_rank": mem}} if mem else {})}}
+# --- reading summaries ---------------------------------------------------------------------------
+
+def summary(step_ms, tokens=1024, mem=None, run=None, extra=None, ranks=None):
+    s = {"run": {"world_size": 2, "mesh": {"dp": 2, "pp": 1, "tp": 1}, "device": "cpu",
+                 "torch_version": "2.13.0+cpu", **(run or {})},
+         "metrics": {"step_time": {"job": {"tokens_per_step": tokens, **({"ranks_reporting": ranks} if ranks else {})},
+                                   "per_step": [{"step": i + 1, "max_ms": v} for i, v in enumerate(step_ms)]},
+                     **({"memory": {"per_rank": mem}} if mem else {}), **(extra or {})}}
+    return s
 
 
 def test_compare_summaries_reads_step_time_throughput_and_memory():
@@ -155,10 +330,76 @@ def test_compare_summaries_reads_step_time_throughput_and_memory():
     results, absent = compare_summaries(base, cand, Settings())
     by = {r.metric: r for r in results}
     assert absent == []
-    assert by["step_time"].verdict == REGRESSION
-    assert by["throughput"].verdict == REGRESSION and by["throughput"].change == pytest.approx(1 / 1.3 - 1, abs=0.03)
+    assert by["step_time"].verdict == DIFFERS  # one run per side
+    assert by["throughput"].moved == REGRESSION and by["throughput"].change == pytest.approx(1 / 1.3 - 1, abs=0.03)
     assert by["peak_memory"].verdict == UNCHANGED and "peak_rss_bytes" in by["peak_memory"].detail
+    assert by["peak_memory"].gate is False  # informational by default
     assert "mfu" not in by  # absent from both: not compared
+
+
+def test_single_valued_metrics_never_gate_by_default():
+    extra = {"comm_compute": {"exposed_comm_fraction": 0.10}, "pipeline": {"bubble_fraction": 0.20}}
+    worse = {"comm_compute": {"exposed_comm_fraction": 0.60}, "pipeline": {"bubble_fraction": 0.70}}
+    mem = [{"rank": 0, "peak_rss_bytes": 1e9}]
+    bases = [summary(samples(100, seed=i), extra=extra, mem=mem) for i in range(3)]
+    cands = [summary(samples(100, seed=10 + i), extra=worse, mem=[{"rank": 0, "peak_rss_bytes": 9e9}])
+             for i in range(3)]
+    for b, c in ((bases, cands), (bases[:1], cands[:1])):
+        results, _ = compare_runs(b, c, Settings())
+        by = {r.metric: r for r in results}
+        assert {"exposed_comm", "bubble", "peak_memory"} <= set(by)
+        assert not any(by[m].gate for m in ("exposed_comm", "bubble", "peak_memory"))
+        assert overall_verdict(results) == (0, "pass")
+    # an explicit threshold gates them
+    results, _ = compare_runs(bases, cands, Settings(thresholds={"bubble": "+5pp", "peak_memory": "+5%"}))
+    by = {r.metric: r for r in results}
+    assert by["bubble"].gate and by["bubble"].verdict == REGRESSION
+    assert by["peak_memory"].gate and by["peak_memory"].verdict == REGRESSION
+    assert not by["exposed_comm"].gate
+
+
+def test_mfu_per_step_at_a_common_calibrated_peak():
+    def roof(mfus, peak):
+        return {"roofline": {"job": {"mfu": float(np.median(mfus)), "peak_flops_per_s_total": peak,
+                                     "per_step": [{"step": i, "mfu": v} for i, v in enumerate(mfus)]},
+                             "peak": {"basis": "calibration on cpu: ...", "dtype": "fp32"}}}
+    # same step times; the second run's calibration measured a 20 % higher peak, so its MFU
+    # per step reads 1/1.2 lower: at a common peak they are equal again
+    base = summary(samples(100), extra=roof(samples(0.30, seed=1), 1e11))
+    cand = summary(samples(100, seed=2), extra=roof(list(np.array(samples(0.30, seed=3)) / 1.2), 1.2e11))
+    results, _ = compare_summaries(base, cand, Settings())
+    mfu = {r.metric: r for r in results}["mfu"]
+    assert mfu.kind == "sampled" and mfu.verdict == UNCHANGED and abs(mfu.change) < 0.02
+    assert "calibrated peak" in mfu.detail
+
+
+def test_a_run_with_too_few_steps_makes_every_metric_insufficient():
+    extra = {"comm_compute": {"exposed_comm_fraction": 0.10}}
+    base = summary(samples(100), extra=extra, mem=[{"rank": 0, "peak_rss_bytes": 1e9}])
+    cand = summary(samples(200, n=3), extra={"comm_compute": {"exposed_comm_fraction": 0.9}},
+                   mem=[{"rank": 0, "peak_rss_bytes": 9e9}])
+    results, _ = compare_summaries(base, cand, Settings(thresholds={"peak_memory": "+1%", "exposed_comm": "+1pp"}))
+    assert {r.metric for r in results} == {"step_time", "throughput", "exposed_comm", "peak_memory"}
+    assert all(r.verdict == INSUFFICIENT and "candidate run 1: 3 analysed steps" in r.detail for r in results)
+    assert overall_verdict(results) == (3, "inconclusive")
+
+
+def test_ranks_missing_make_every_metric_insufficient():
+    base = summary(samples(100), ranks=2)
+    cand = summary(samples(100, seed=1), ranks=1)
+    assert run_problems(cand) == ["step times from 1 of 2 ranks"]
+    results, _ = compare_summaries(base, cand, Settings())
+    assert all(r.verdict == INSUFFICIENT for r in results)
+
+
+def test_metric_missing_from_some_runs_is_missing():
+    with_bubble = {"pipeline": {"bubble_fraction_by_step": {str(i): 0.3 for i in range(8)}}}
+    bases = [summary(samples(100, seed=i), extra=with_bubble) for i in range(2)]
+    cands = [summary(samples(100, seed=5), extra=with_bubble), summary(samples(100, seed=6))]
+    results, _ = compare_runs(bases, cands, Settings(thresholds={"bubble": "+5pp"}))
+    bubble = {r.metric: r for r in results}["bubble"]
+    assert bubble.verdict == MISSING and "candidate run 2" in bubble.detail
+    assert overall_verdict(results) == (3, "inconclusive")
 
 
 def test_step_samples_fall_back_to_step_ms_by_rank_without_excluded_steps():

@@ -1,23 +1,44 @@
-"""Regression decisions between two summary.json files (`trainprof compare`). Pure: no I/O.
+"""Regression decisions between two sets of runs (`trainprof compare`). Pure: no I/O.
 
-Sampled metrics (step time, throughput: one sample per analysed step) regress only when the
-change is both significant (two-sided Mann–Whitney U, p < alpha) and larger than a minimum
-effect on the median; the bootstrap confidence interval of the median ratio (fixed seed) says how
-sure we are of its size. Fewer than MIN_SAMPLES per side → insufficient data. Single-valued
-metrics (peak memory, MFU, fractions measured over the profiler window) compare against a
-threshold. Every threshold is direction-aware: for each metric one direction is bad.
+Each side is one or more runs (summary.json dicts). A metric is *sampled* (one sample per analysed
+step: step time, throughput, MFU, pipeline bubble) or a *value* (one number per run: exposed
+communication over the profiled window, MFU of a run without per-step data, peak memory per rank,
+any dotted number).
+
+The test depends on how many runs there are:
+- one run per side: sampled metrics go through a two-sided Mann–Whitney U test over the steps,
+  with a bootstrap CI of the median ratio. Steps of one run share the host's state, so this sees
+  within-run noise only; values have no test at all (an explicit threshold only).
+- three or more runs, at least two on one side: the run is the unit. A t-test on the per-run
+  medians (values: the per-run values; Welch's when both sides have ≥2 runs), on the log scale
+  when the threshold is relative, so the between-run variation is the error term (as in the
+  nested-ANOVA test of a fixed effect with runs as a random factor).
+A regression needs run-to-run noise seen on both sides: with a single run on a side (one run
+each, or one candidate run against a history) a significant slowdown says only that the runs
+differ — inconclusive (DIFFERS). One run can be hit by a neighbour's load burst as a whole.
+
+A metric regresses only when its change is significant AND beyond its threshold in the bad
+direction (sampled metrics: the minimum effect unless set explicitly). Step time, throughput and
+MFU gate by default; bubble, exposed communication and peak memory are informational unless the
+user sets a threshold for them. The p-values of the gated metrics are adjusted together with
+Benjamini–Hochberg: when nothing changed (A/A) the false-discovery rate is the chance of any false
+alarm, so identical code fails with probability ≤ alpha however many metrics are gated (for
+independent or positively dependent tests, which per-step metrics of the same runs are).
+Insufficient data (a run with fewer than MIN_STEPS analysed steps, ranks missing, a metric absent
+from some runs) is inconclusive, never a regression.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-MIN_SAMPLES = 6
+MIN_STEPS = 6
+MIN_SAMPLES = MIN_STEPS
 DEFAULT_ALPHA = 0.01
 DEFAULT_MIN_EFFECT = 0.05
 N_BOOT = 2000
@@ -25,9 +46,10 @@ CI_LEVEL = 0.95
 SEED = 0
 
 # verdicts; the exit code is decided from them (see overall_verdict)
-REGRESSION, IMPROVEMENT, UNCHANGED, INSUFFICIENT, MISSING = (
-    "regression", "improvement", "unchanged", "insufficient data", "missing")
-INCONCLUSIVE = (INSUFFICIENT, MISSING)
+REGRESSION, IMPROVEMENT, UNCHANGED, INSUFFICIENT, MISSING, DIFFERS = (
+    "regression", "improvement", "unchanged", "insufficient data", "missing", "runs differ")
+INCONCLUSIVE = (INSUFFICIENT, MISSING, DIFFERS)
+TEST_STEPS, TEST_RUNS, TEST_THRESHOLD = "U over steps", "t over runs", "threshold only"
 
 
 class ThresholdError(ValueError):
@@ -43,9 +65,13 @@ class Threshold:
     value: float
     relative: bool = True
 
-    def describe(self) -> str:
+    def describe(self, unit: str = "") -> str:
         sign = "+" if self.direction > 0 else "-"
-        return f"{sign}{self.value * 100:g}%" if self.relative else f"{sign}{self.value:g}"
+        if self.relative:
+            return f"{sign}{self.value * 100:g}%"
+        if unit == "fraction":
+            return f"{sign}{self.value * 100:g}pp"
+        return f"{sign}{self.value:g}" + (f" {unit}" if unit in ("ms",) else "")
 
 
 _UNITS = {"pp": 0.01, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20,
@@ -78,44 +104,80 @@ class Comparison:
     unit: str
     kind: str  # "sampled" | "value"
     verdict: str
-    baseline: float | None = None  # the median for sampled metrics
+    baseline: float | None = None  # sampled: the median (several runs: mean of the run medians)
     candidate: float | None = None
     ratio: float | None = None  # candidate / baseline
     change: float | None = None  # candidate / baseline - 1
     threshold: str | None = None
     direction: int = 1
-    p_value: float | None = None
-    ci: list[float] | None = None  # bootstrap CI of the ratio
+    p_value: float | None = None  # the test's own p-value
+    p_adjusted: float | None = None  # Benjamini–Hochberg over the gated metrics
+    ci: list[float] | None = None  # CI of the ratio
     n: list[int] | None = None  # samples per side
+    runs: list[int] | None = None  # runs per side
+    test: str | None = None  # TEST_STEPS | TEST_RUNS | TEST_THRESHOLD
     detail: str = ""
     gate: bool = True  # False: shown, never fails
+    moved: str | None = None  # the threshold's decision on the point estimates alone
+    reason: str = ""  # why the verdict is not `moved` (not significant, within the threshold)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _ratio(b, c):
-    if b is None or c is None:
-        return None, None
-    if b == 0:
-        return (None, None) if c != 0 else (1.0, 0.0)
-    return c / b, c / b - 1.0
+# --- statistics ---------------------------------------------------------------------------------
+
+def mann_whitney_p(b, c) -> float:
+    from scipy.stats import mannwhitneyu
+
+    if np.ptp(np.concatenate([b, c])) == 0:
+        return 1.0  # every sample equal: nothing to test
+    p = float(mannwhitneyu(b, c, alternative="two-sided").pvalue)
+    return p if math.isfinite(p) else 1.0
 
 
-def _exceeds(th: Threshold, base: float, cand: float, direction: int) -> bool:
-    """Did the metric move by more than the threshold in `direction`?"""
-    delta = (cand - base) * direction
-    if th.relative:
-        return base != 0 and delta / abs(base) > th.value
-    return delta > th.value
+def t_test(xb, xc, level: float = CI_LEVEL) -> tuple[float, float, list[float]]:
+    """Two-sample t-test: p-value, mean(xc) - mean(xb) and its CI. Welch's (unequal variances,
+    Welch–Satterthwaite degrees of freedom) when both sides have ≥2 values: a side whose runs
+    scatter more — a load burst hitting some of them — is not judged by the other side's
+    tighter spread. Student's pooled test when one side has a single value (its variance is
+    unknown; needs ≥3 values in all). No spread at all: p = 1 if the means are equal, else 0."""
+    from scipy.stats import t as t_dist
+
+    xb, xc = np.asarray(xb, dtype=float), np.asarray(xc, dtype=float)
+    nb, nc = len(xb), len(xc)
+    d = float(xc.mean() - xb.mean())
+    vb = float(xb.var(ddof=1)) if nb > 1 else 0.0
+    vc = float(xc.var(ddof=1)) if nc > 1 else 0.0
+    if nb > 1 and nc > 1:
+        se2 = vb / nb + vc / nc
+        denom = (vb / nb) ** 2 / (nb - 1) + (vc / nc) ** 2 / (nc - 1)
+        df = se2 ** 2 / denom if denom > 0 else nb + nc - 2
+    else:
+        df = nb + nc - 2
+        pooled = ((nb - 1) * vb + (nc - 1) * vc) / df if df > 0 else 0.0
+        se2 = pooled * (1 / nb + 1 / nc)
+    se = math.sqrt(se2)
+    if se == 0:
+        return (1.0 if d == 0 else 0.0), d, [d, d]
+    p = float(2 * t_dist.sf(abs(d) / se, df))
+    h = float(t_dist.ppf(1 - (1 - level) / 2, df)) * se
+    return p, d, [d - h, d + h]
 
 
-def _decide(th: Threshold, base: float, cand: float) -> str:
-    if _exceeds(th, base, cand, th.direction):
-        return REGRESSION
-    if _exceeds(th, base, cand, -th.direction):
-        return IMPROVEMENT
-    return UNCHANGED
+def benjamini_hochberg(pvalues: Sequence[float]) -> list[float]:
+    """Adjusted p-values (q-values) of the Benjamini–Hochberg step-up procedure."""
+    m = len(pvalues)
+    if not m:
+        return []
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    q = [0.0] * m
+    running = 1.0
+    for rank in range(m, 0, -1):
+        i = order[rank - 1]
+        running = min(running, pvalues[i] * m / rank)
+        q[i] = min(1.0, running)
+    return q
 
 
 def bootstrap_ratio_ci(base, cand, n_boot: int = N_BOOT, level: float = CI_LEVEL,
@@ -141,79 +203,212 @@ def bootstrap_ratio_ci(base, cand, n_boot: int = N_BOOT, level: float = CI_LEVEL
     return [float(np.percentile(r, tail)), float(np.percentile(r, 100 - tail))]
 
 
-def compare_samples(metric: str, base, cand, threshold: Threshold, alpha: float = DEFAULT_ALPHA,
-                    label: str | None = None, unit: str = "", min_samples: int = MIN_SAMPLES,
-                    seed: int = SEED) -> Comparison:
-    """Significant (Mann–Whitney U, two-sided, p < alpha) AND beyond the threshold on the median."""
-    from scipy.stats import mannwhitneyu
+# --- decisions ----------------------------------------------------------------------------------
 
-    b = np.asarray([x for x in base if _finite(x)], dtype=float)
-    c = np.asarray([x for x in cand if _finite(x)], dtype=float)
-    out = Comparison(metric, label or metric, unit, "sampled", UNCHANGED, n=[len(b), len(c)],
-                     threshold=threshold.describe(), direction=threshold.direction)
-    if len(b):
-        out.baseline = float(np.median(b))
-    if len(c):
-        out.candidate = float(np.median(c))
-    out.ratio, out.change = _ratio(out.baseline, out.candidate)
-    if len(b) < min_samples or len(c) < min_samples:
-        out.verdict = INSUFFICIENT
-        out.detail = f"need ≥{min_samples} samples per side, have {len(b)} and {len(c)}"
+def _ratio(b, c):
+    if b is None or c is None:
+        return None, None
+    if b == 0:
+        return (None, None) if c != 0 else (1.0, 0.0)
+    return c / b, c / b - 1.0
+
+
+def _exceeds(th: Threshold, base: float, cand: float, direction: int) -> bool:
+    """Did the metric move by more than the threshold in `direction`?"""
+    delta = (cand - base) * direction
+    if th.relative:
+        return base != 0 and delta / abs(base) > th.value
+    return delta > th.value
+
+
+def _decide(th: Threshold, base: float, cand: float) -> str:
+    if _exceeds(th, base, cand, th.direction):
+        return REGRESSION
+    if _exceeds(th, base, cand, -th.direction):
+        return IMPROVEMENT
+    return UNCHANGED
+
+
+def settle(out: Comparison, alpha: float) -> Comparison:
+    """The verdict from `moved` and the (adjusted, when set) p-value: a move beyond the threshold
+    counts only when significant; with a single run on a side, a significant regression only says
+    that the runs differ (inconclusive). Insufficient or missing data stays."""
+    if out.verdict in (INSUFFICIENT, MISSING) or out.moved is None:
         return out
-    if np.ptp(np.concatenate([b, c])) == 0:
-        p = 1.0  # every sample equal: nothing to test
+    p = out.p_adjusted if out.p_adjusted is not None else out.p_value
+    if p is None:  # one value per side: the threshold alone
+        out.verdict = out.moved
+        return out
+    which = "adjusted p" if out.p_adjusted is not None else "p"
+    out.reason = ""
+    if out.moved != UNCHANGED and p >= alpha:
+        out.verdict = UNCHANGED
+        out.reason = f"moved {_pct(out.change)} but not significant ({which}={p:.3g} ≥ α={alpha:g})"
+    elif out.moved == UNCHANGED and p < alpha:
+        out.verdict = UNCHANGED
+        out.reason = f"significant ({which}={p:.3g}) but within {out.threshold}"
+    elif out.moved == REGRESSION and _single_run(out):
+        what, single = _single_run(out)
+        out.verdict = DIFFERS
+        out.reason = (f"{what} ({_pct(out.change)}, {which}={p:.3g}), but {single} cannot tell a "
+                      f"code change from run-to-run noise (one run's load, host state): compare ≥2 "
+                      f"runs per side (3 recommended), or ≥2 candidate runs with --baseline-dir")
     else:
-        p = float(mannwhitneyu(b, c, alternative="two-sided").pvalue)
-    out.p_value = p if math.isfinite(p) else 1.0
-    out.ci = bootstrap_ratio_ci(b, c, seed=seed)
-    decision = _decide(threshold, out.baseline, out.candidate)
-    if decision != UNCHANGED and out.p_value >= alpha:
-        out.detail = f"median moved {_pct(out.change)} but not significant (p={out.p_value:.3g} ≥ α={alpha:g})"
-        decision = UNCHANGED
-    elif decision == UNCHANGED and out.p_value < alpha:
-        out.detail = f"significant (p={out.p_value:.3g}) but within {threshold.describe()}"
-    out.verdict = decision
+        out.verdict = out.moved
+        if out.moved == IMPROVEMENT and _single_run(out):
+            out.reason = f"{_single_run(out)[1]}: may be run-to-run noise"
     return out
+
+
+def _single_run(out: Comparison) -> tuple[str, str] | None:
+    """A regression needs run-to-run noise seen on both sides (≥2 runs each): (what differs,
+    which side has a single run) when a side has one run, else None."""
+    if out.test not in (TEST_STEPS, TEST_RUNS) or not out.runs:
+        return None
+    if out.runs[0] == 1 and out.runs[1] == 1:
+        return "the two runs differ", "one run per side"
+    if out.runs[1] == 1:
+        return "the candidate run differs from the baseline runs", "a single candidate run"
+    if out.runs[0] == 1:
+        return "the candidate runs differ from the baseline run", "a single baseline run"
+    return None
+
+
+def _as_runs(x) -> list[list[float]]:
+    """A flat list of numbers is one run; a list of lists is one list per run."""
+    x = list(x) if x is not None else []
+    if x and all(isinstance(r, (list, tuple, np.ndarray)) for r in x):
+        return [[float(v) for v in r if _finite(v)] for r in x]
+    return [[float(v) for v in x if _finite(v)]]
+
+
+def compare_samples(metric: str, base, cand, threshold: Threshold, alpha: float = DEFAULT_ALPHA,
+                    label: str | None = None, unit: str = "", min_samples: int = MIN_STEPS,
+                    seed: int = SEED, gate: bool = True) -> Comparison:
+    """Per-step samples; `base`/`cand` are one list of samples or one list per run."""
+    rb, rc = _as_runs(base), _as_runs(cand)
+    out = Comparison(metric, label or metric, unit, "sampled", UNCHANGED,
+                     n=[sum(map(len, rb)), sum(map(len, rc))], runs=[len(rb), len(rc)],
+                     threshold=threshold.describe(unit), direction=threshold.direction, gate=gate)
+    if len(rb) == 1 and len(rc) == 1:
+        b, c = np.asarray(rb[0]), np.asarray(rc[0])
+        if len(b):
+            out.baseline = float(np.median(b))
+        if len(c):
+            out.candidate = float(np.median(c))
+        out.ratio, out.change = _ratio(out.baseline, out.candidate)
+        if len(b) < min_samples or len(c) < min_samples:
+            out.verdict = INSUFFICIENT
+            out.detail = f"need ≥{min_samples} samples per side, have {len(b)} and {len(c)}"
+            return out
+        out.test = TEST_STEPS
+        out.p_value = mann_whitney_p(b, c)
+        out.ci = bootstrap_ratio_ci(b, c, seed=seed)
+    else:
+        short = [f"{side} run {i + 1} has {len(r)}" for side, runs in (("baseline", rb), ("candidate", rc))
+                 for i, r in enumerate(runs) if len(r) < min_samples]
+        if short:
+            out.verdict = INSUFFICIENT
+            out.detail = f"need ≥{min_samples} samples per run: " + ", ".join(short)
+            return out
+        _runs_test(out, [float(np.median(r)) for r in rb], [float(np.median(r)) for r in rc], threshold)
+    out.moved = _decide(threshold, out.baseline, out.candidate)
+    return settle(out, alpha)
+
+
+def _runs_test(out: Comparison, vb: list[float], vc: list[float], threshold: Threshold) -> None:
+    """t-test over per-run numbers; log scale (ratio of geometric means) for relative thresholds."""
+    log = threshold.relative and min(vb + vc) > 0
+    xb, xc = (np.log(vb), np.log(vc)) if log else (np.asarray(vb), np.asarray(vc))
+    p, d, (lo, hi) = t_test(xb, xc)
+    out.test, out.p_value = TEST_RUNS, p
+    if log:
+        out.baseline, out.candidate = float(np.exp(xb.mean())), float(np.exp(xc.mean()))
+        out.ci = [math.exp(lo), math.exp(hi)]
+    else:
+        out.baseline, out.candidate = float(xb.mean()), float(xc.mean())
+        if out.baseline:
+            out.ci = [1 + lo / out.baseline, 1 + hi / out.baseline]
+    out.ratio, out.change = _ratio(out.baseline, out.candidate)
 
 
 def compare_values(metric: str, base, cand, threshold: Threshold | None, label: str | None = None,
-                   unit: str = "", detail: str = "") -> Comparison:
-    """A single value per run against a threshold (no threshold: shown, never gates)."""
-    out = Comparison(metric, label or metric, unit, "value", UNCHANGED,
-                     baseline=_float(base), candidate=_float(cand), detail=detail,
-                     threshold=threshold.describe() if threshold else None,
-                     direction=threshold.direction if threshold else 0, gate=threshold is not None)
-    if out.baseline is None or out.candidate is None:
-        side = " and ".join(s for s, v in (("baseline", out.baseline), ("candidate", out.candidate))
-                            if v is None)
-        out.verdict, out.detail = MISSING, f"not in {side}"
+                   unit: str = "", detail: str = "", gate: bool | None = None,
+                   alpha: float = DEFAULT_ALPHA) -> Comparison:
+    """One value per run; `base`/`cand` are a number or a list of numbers (one per run). With a
+    single run on a side the threshold decides alone (on the means); with ≥2 runs per side a
+    t-test over the runs must agree. No threshold: shown, never gated."""
+    vb = list(base) if isinstance(base, (list, tuple)) else [base]
+    vc = list(cand) if isinstance(cand, (list, tuple)) else [cand]
+    out = Comparison(metric, label or metric, unit, "value", UNCHANGED, detail=detail,
+                     threshold=threshold.describe(unit) if threshold else None, runs=[len(vb), len(vc)],
+                     direction=threshold.direction if threshold else 0,
+                     gate=(threshold is not None) if gate is None else gate)
+    missing = [side for side, v in (("baseline", vb), ("candidate", vc)) if any(_float(x) is None for x in v)]
+    if missing:
+        if len(vb) == 1 and len(vc) == 1:
+            out.baseline, out.candidate = _float(vb[0]), _float(vc[0])
+        out.verdict, out.detail = MISSING, _join(detail, f"not in {' and '.join(missing)}"
+                                                 + ("" if len(vb) + len(vc) == 2 else " (every run)"))
         return out
-    out.ratio, out.change = _ratio(out.baseline, out.candidate)
+    vb, vc = [float(x) for x in vb], [float(x) for x in vc]
+    if min(len(vb), len(vc)) == 1:  # no spread on one side: the threshold alone (on the means)
+        out.baseline, out.candidate = float(np.mean(vb)), float(np.mean(vc))
+        out.ratio, out.change = _ratio(out.baseline, out.candidate)
+        out.test = TEST_THRESHOLD
+    else:
+        _runs_test(out, vb, vc, threshold or Threshold(+1, 0.0))
     if threshold is not None:
-        out.verdict = _decide(threshold, out.baseline, out.candidate)
+        out.moved = _decide(threshold, out.baseline, out.candidate)
+        settle(out, alpha)
     return out
 
 
-def compare_per_rank(metric: str, base: Mapping, cand: Mapping, threshold: Threshold,
-                     label: str | None = None, unit: str = "") -> Comparison:
-    """{rank: value} on both sides: the rank that moved most in the bad direction decides."""
-    common = sorted(set(base) & set(cand), key=lambda r: (len(str(r)), str(r)))
-    if not common:
-        return compare_values(metric, None if not base else max(base.values()),
-                              None if not cand else max(cand.values()), threshold, label, unit,
-                              detail="no rank present in both runs" if base and cand else "")
+def compare_per_rank(metric: str, base, cand, threshold: Threshold, label: str | None = None,
+                     unit: str = "", gate: bool | None = None, alpha: float = DEFAULT_ALPHA) -> Comparison:
+    """{rank: value} per run (one mapping, or a list with one per run) on both sides: the rank
+    that moved most in the bad direction decides. Ranks missing from some run: inconclusive."""
+    rb = [base] if isinstance(base, Mapping) else list(base)
+    rc = [cand] if isinstance(cand, Mapping) else list(cand)
+    all_runs = rb + rc
+    ranks = [set(r) for r in all_runs]
+    common = sorted(set.intersection(*ranks) if ranks else set(), key=lambda r: (len(str(r)), str(r)))
+    union = set.union(*ranks) if ranks else set()
+    if not common or union != set(common):
+        out = compare_values(metric, [max(r.values()) if r else None for r in rb],
+                             [max(r.values()) if r else None for r in rc], threshold, label, unit,
+                             gate=gate, alpha=alpha)
+        if not any(ranks):
+            return out
+        out.verdict = MISSING
+        out.detail = (f"ranks not in every run: {sorted(union - set(common), key=str)}" if common
+                      else "no rank present in every run")
+        return out
+
+    def mean(runs, r):
+        return float(np.mean([float(x[r]) for x in runs]))
 
     def badness(r):
-        b, c = float(base[r]), float(cand[r])
+        b, c = mean(rb, r), mean(rc, r)
         d = (c - b) * threshold.direction
         return d / abs(b) if threshold.relative and b else d
 
     worst = max(common, key=badness)
-    out = compare_values(metric, base[worst], cand[worst], threshold, label, unit)
+    out = compare_values(metric, [x[worst] for x in rb], [x[worst] for x in rc], threshold, label,
+                         unit, gate=gate, alpha=alpha)
+    if out.p_value is not None and len(common) > 1:
+        out.p_value = min(1.0, out.p_value * len(common))  # Bonferroni: the worst of N ranks was picked
+        settle(out, alpha)
     out.detail = f"rank {worst} (worst of {len(common)} ranks)"
-    if set(base) != set(cand):
-        out.detail += f"; ranks only in one run: {sorted(set(base) ^ set(cand), key=str)}"
     return out
+
+
+def adjust(results: list[Comparison], alpha: float) -> None:
+    """Benjamini–Hochberg over the gated metrics that have a p-value; verdicts re-settled."""
+    family = [r for r in results if r.gate and r.p_value is not None and r.verdict not in (INSUFFICIENT, MISSING)]
+    for r, q in zip(family, benjamini_hochberg([r.p_value for r in family])):
+        r.p_adjusted = q
+        settle(r, alpha)
 
 
 def overall_verdict(results: list[Comparison]) -> tuple[int, str]:
@@ -226,7 +421,7 @@ def overall_verdict(results: list[Comparison]) -> tuple[int, str]:
     return 0, "pass"
 
 
-# --- reading metrics out of a summary ---------------------------------------------------------
+# --- reading metrics out of a summary -------------------------------------------------------
 
 def get_path(summary: Mapping, dotted: str):
     """summary['a']['b'][0]... for 'a.b.0'; None if any part is missing."""
@@ -282,6 +477,33 @@ def throughput_samples(summary: Mapping) -> list[float]:
     return [float(tokens) / (ms / 1e3) for ms in step_samples(summary) if ms > 0]
 
 
+def mfu_samples(summary: Mapping) -> list[float]:
+    """MFU per analysed step (metrics.roofline.per_step[].mfu, or .job.per_step)."""
+    per_step = first_path(summary, "metrics.roofline.per_step", "metrics.roofline.job.per_step")
+    if not isinstance(per_step, list):
+        return []
+    return [float(p["mfu"]) for p in per_step if isinstance(p, Mapping) and _finite(p.get("mfu"))]
+
+
+def mfu_peak(summary: Mapping) -> tuple[float | None, bool, str | None]:
+    """(Σ peak FLOP/s the run's MFU divides by, whether it was calibrated on the host, dtype)."""
+    total = first_path(summary, "metrics.roofline.job.peak_flops_per_s_total",
+                       "metrics.roofline.peak_flops_per_s_total")
+    basis = first_path(summary, "metrics.roofline.peak.basis") or ""
+    dtype = first_path(summary, "metrics.roofline.peak.dtype", "metrics.roofline.compute_dtype")
+    return _float(total), isinstance(basis, str) and basis.startswith("calibration"), dtype
+
+
+def bubble_samples(summary: Mapping) -> list[float]:
+    """Pipeline bubble fraction per analysed step (metrics.pipeline.bubble_fraction_by_step)."""
+    by_step = get_path(summary, "metrics.pipeline.bubble_fraction_by_step")
+    if not isinstance(by_step, Mapping):
+        return []
+    items = sorted(((int(k), v) for k, v in by_step.items() if str(k).lstrip("-").isdigit()),
+                   key=lambda kv: kv[0])
+    return [float(v) for _, v in items if _finite(v)]
+
+
 MEMORY_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_bytes", "peak_rss_bytes")
 
 
@@ -301,20 +523,97 @@ def peak_memory(summary: Mapping, key: str | None = None) -> tuple[dict, str | N
     return {str(r["rank"]): float(r[k]) for r in rows if _finite(r.get(k))}, k
 
 
-# builtin metric name -> (label, unit, bad direction, kind, default threshold text)
+def _number_or_null(x) -> bool:
+    return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+
+def malformed(summary: Mapping) -> list[str]:
+    """Type errors in the parts of a summary compare reads ("path: expected ..."); absent parts
+    are fine (a metric a run does not have), wrong types mean a damaged or foreign file."""
+    errors = []
+
+    def expect(path, ok, what):
+        v = get_path(summary, path)
+        if v is not None and not ok(v):
+            errors.append(f"{path}: expected {what}, got {type(v).__name__}")
+            return None
+        return v
+
+    def rows(path, key):
+        v = expect(path, lambda x: isinstance(x, list), "a list")
+        for i, row in enumerate(v or []):
+            if not isinstance(row, Mapping):
+                errors.append(f"{path}[{i}]: expected an object, got {type(row).__name__}")
+            elif key and not _number_or_null(row.get(key)):
+                errors.append(f"{path}[{i}].{key}: expected a number, got {type(row.get(key)).__name__}")
+
+    for path in ("metrics.step_time", "metrics.step_time.job", "metrics.roofline", "metrics.pipeline",
+                 "metrics.comm_compute", "metrics.memory", "run.run_info"):
+        expect(path, lambda x: isinstance(x, Mapping), "an object")
+    for path in ("run.world_size", "metrics.step_time.job.tokens_per_step",
+                 "metrics.step_time.job.ranks_reporting", "metrics.step_time.first_step",
+                 "metrics.roofline.job.peak_flops_per_s_total", *(p for ps in VALUE_PATHS.values() for p in ps)):
+        expect(path, _number_or_null, "a number")
+    if isinstance(get_path(summary, "metrics.step_time"), Mapping):
+        rows("metrics.step_time.per_step", "max_ms")
+        by_rank = expect("metrics.step_time.step_ms_by_rank", lambda x: isinstance(x, Mapping), "an object")
+        for r, v in (by_rank or {}).items():
+            if not (isinstance(v, list) and all(_number_or_null(x) for x in v)):
+                errors.append(f"metrics.step_time.step_ms_by_rank.{r}: expected a list of numbers")
+    if isinstance(get_path(summary, "metrics.roofline.job"), Mapping):
+        rows("metrics.roofline.job.per_step", "mfu")
+    by_step = expect("metrics.pipeline.bubble_fraction_by_step", lambda x: isinstance(x, Mapping), "an object")
+    if by_step and not all(_number_or_null(v) for v in by_step.values()):
+        errors.append("metrics.pipeline.bubble_fraction_by_step: expected numbers")
+    per_rank = get_path(summary, "metrics.memory.per_rank")
+    if isinstance(per_rank, list):
+        rows("metrics.memory.per_rank", None)
+        for i, row in enumerate(per_rank):
+            if isinstance(row, Mapping):
+                bad = [k for k in MEMORY_KEYS if not _number_or_null(row.get(k))]
+                if bad:
+                    errors.append(f"metrics.memory.per_rank[{i}].{bad[0]}: expected a number")
+    elif per_rank is not None and not isinstance(per_rank, Mapping):
+        errors.append(f"metrics.memory.per_rank: expected a list, got {type(per_rank).__name__}")
+    return errors
+
+
+def run_problems(summary: Mapping, min_steps: int = MIN_STEPS, check_steps: bool = True) -> list[str]:
+    """Why a run cannot be trusted for any metric: too few analysed steps, ranks missing."""
+    problems = []
+    n = len(step_samples(summary))
+    if check_steps and n < min_steps:
+        problems.append(f"{n} analysed step{'s' * (n != 1)} (need ≥{min_steps})")
+    world = get_path(summary, "run.world_size")
+    reporting = get_path(summary, "metrics.step_time.job.ranks_reporting")
+    if _finite(world) and _finite(reporting) and reporting < world:
+        problems.append(f"step times from {int(reporting)} of {int(world)} ranks")
+    return problems
+
+
+def side_info(summaries: Sequence[Mapping]) -> dict:
+    """Runs and analysed steps per run of one side (for the output)."""
+    steps = [len(step_samples(s)) for s in summaries]
+    return {"runs": len(steps), "steps": steps}
+
+
+# builtin metric name -> (label, unit, bad direction, kind, display threshold, gated by default)
 BUILTIN = {
-    "step_time": ("step time", "ms", +1, "sampled", None),  # None: --min-effect
-    "throughput": ("throughput", "tokens/s", -1, "sampled", None),
-    "mfu": ("MFU", "fraction", -1, "value", "5%"),
-    "exposed_comm": ("exposed comm fraction", "fraction", +1, "value", "5pp"),
-    "bubble": ("pipeline bubble fraction", "fraction", +1, "value", "5pp"),
-    "peak_memory": ("peak memory (worst rank)", "bytes", +1, "per_rank", "5%"),
+    "step_time": ("step time", "ms", +1, "sampled", None, True),  # None: --min-effect
+    "throughput": ("throughput", "tokens/s", -1, "sampled", None, True),
+    "mfu": ("MFU", "fraction", -1, "sampled", None, True),
+    "exposed_comm": ("exposed comm fraction", "fraction", +1, "value", "5pp", False),
+    "bubble": ("pipeline bubble fraction", "fraction", +1, "sampled", "5pp", False),
+    "peak_memory": ("peak memory (worst rank)", "bytes", +1, "per_rank", "5%", False),
 }
 ALIASES = {"step": "step_time", "step_ms": "step_time", "tokens_per_s": "throughput",
            "tokens/s": "throughput", "exposed_comm_fraction": "exposed_comm",
            "bubble_fraction": "bubble", "memory": "peak_memory", "peak_mem": "peak_memory"}
+SAMPLES = {"step_time": step_samples, "throughput": throughput_samples, "mfu": mfu_samples,
+           "bubble": bubble_samples}
 
-# keys read defensively (analyzers owned by others; the first present wins)
+# one value per run: keys read defensively (analyzers owned by others; the first present wins);
+# sampled metrics fall back to these when no run has per-step samples
 VALUE_PATHS = {
     "mfu": ("metrics.roofline.mfu", "metrics.roofline.job.mfu"),
     "exposed_comm": ("metrics.comm_compute.exposed_comm_fraction",
@@ -345,59 +644,108 @@ def _threshold_for(name: str, settings: Settings, direction: int, default: str |
     return parse_threshold(text, direction)
 
 
-def compare_summaries(base: Mapping, cand: Mapping, settings: Settings) -> tuple[list[Comparison], list[str]]:
-    """All comparisons, plus the names of explicitly requested metrics found in neither run."""
+def _missing_runs(bases, cands, present) -> str:
+    gone = [f"{side} run {i + 1}" for side, runs in (("baseline", bases), ("candidate", cands))
+            for i, s in enumerate(runs) if not present(s)]
+    return "not in " + ", ".join(gone)
+
+
+def _mfu_runs(bases, cands) -> tuple[list, list, str]:
+    """Per-step MFU per run. Host-calibrated peaks (CPU) are measurements of the same hardware
+    whose run-to-run spread is not a change of MFU: then every run is put on the first baseline
+    run's peak, so MFU moves with step time and model FLOPs only."""
+    runs = [mfu_samples(s) for s in (*bases, *cands)]
+    peaks = [mfu_peak(s) for s in (*bases, *cands)]
+    note = ""
+    if (all(p[0] and p[1] for p in peaks) and len({p[2] for p in peaks}) == 1
+            and len({p[0] for p in peaks}) > 1):
+        ref = peaks[0][0]
+        runs = [[v * p[0] / ref for v in r] for r, p in zip(runs, peaks)]
+        spread = max(p[0] for p in peaks) / min(p[0] for p in peaks) - 1
+        note = f"at the first baseline run's calibrated peak (peaks differ by {spread * 100:.0f}%)"
+    return runs[:len(bases)], runs[len(bases):], note
+
+
+def compare_runs(bases: Sequence[Mapping], cands: Sequence[Mapping],
+                 settings: Settings) -> tuple[list[Comparison], list[str]]:
+    """Every metric over one or more runs per side, plus the names of explicitly requested
+    metrics found in no run. Multiple comparisons adjusted (Benjamini–Hochberg) over the gated."""
+    bases, cands = list(bases), list(cands)
+    everything = bases + cands
     results: list[Comparison] = []
     absent: list[str] = []
-    for name, (label, unit, direction, kind, default) in BUILTIN.items():
+    for name, (label, unit, direction, kind, default, gated) in BUILTIN.items():
         th = _threshold_for(name, settings, direction, default)
+        gate = gated or name in settings.thresholds
+        r = None
         if kind == "sampled":
-            fn = step_samples if name == "step_time" else throughput_samples
-            b, c = fn(base), fn(cand)
-            if not b and not c:
-                if name in settings.thresholds:
-                    absent.append(name)
-                continue
-            results.append(compare_samples(name, b, c, th, settings.alpha, label, unit, seed=settings.seed))
-        elif kind == "per_rank":
-            b, key = peak_memory(base)
-            c, _ = peak_memory(cand, key) if key else peak_memory(cand)
-            if not b and not c:
-                if name in settings.thresholds:
-                    absent.append(name)
-                continue
-            r = compare_per_rank(name, b, c, th, label, unit)
-            if key:
-                r.detail += f" [{key}]"
-            results.append(r)
-        else:
-            paths = VALUE_PATHS[name]
-            b, c = first_path(base, *paths), first_path(cand, *paths)
-            if b is None and c is None:
-                if name in settings.thresholds:
-                    absent.append(name)
-                continue
-            results.append(compare_values(name, b, c, th, label, unit))
+            note = ""
+            if name == "mfu":
+                rb, rc, note = _mfu_runs(bases, cands)
+            else:
+                rb, rc = [SAMPLES[name](s) for s in bases], [SAMPLES[name](s) for s in cands]
+            if all(rb + rc):
+                r = compare_samples(name, rb, rc, th, settings.alpha, label, unit, seed=settings.seed,
+                                    gate=gate)
+                r.detail = _join(note, r.detail)
+            elif any(rb + rc):
+                r = Comparison(name, label, unit, "sampled", MISSING, threshold=th.describe(unit),
+                               direction=direction, gate=gate, runs=[len(rb), len(rc)],
+                               detail=_join(_missing_runs(bases, cands, SAMPLES[name]), "per-step samples"))
+        if r is None and kind in ("sampled", "value") and name in VALUE_PATHS:
+            vb = [first_path(s, *VALUE_PATHS[name]) for s in bases]
+            vc = [first_path(s, *VALUE_PATHS[name]) for s in cands]
+            if any(v is not None for v in vb + vc):  # one number per run: gated only on request
+                r = compare_values(name, vb, vc, th, label, unit, gate=name in settings.thresholds,
+                                   alpha=settings.alpha)
+                if r.verdict == MISSING and len(everything) > 2:
+                    r.detail = _missing_runs(bases, cands, lambda s: first_path(s, *VALUE_PATHS[name]) is not None)
+        if r is None and kind == "per_rank":
+            key = next((k for k in (peak_memory(s)[1] for s in everything) if k), None)
+            mb = [peak_memory(s, key)[0] for s in bases]
+            mc = [peak_memory(s, key)[0] for s in cands]
+            if any(mb + mc):
+                r = compare_per_rank(name, mb, mc, th, label, unit, gate=gate, alpha=settings.alpha)
+                if key:
+                    r.detail = _join(r.detail, f"[{key}]")
+        if r is None:
+            if name in settings.thresholds:
+                absent.append(name)
+            continue
+        results.append(r)
     custom = list(dict.fromkeys([*settings.extra, *(k for k in settings.thresholds if k not in BUILTIN)]))
     for path in custom:
-        b, c = get_path(base, path), get_path(cand, path)
-        if b is None and c is None:
+        vb, vc = [get_path(s, path) for s in bases], [get_path(s, path) for s in cands]
+        if all(v is None for v in vb + vc):
             absent.append(path)
             continue
         text = settings.thresholds.get(path)
         th = parse_threshold(text, +1) if text else None
-        if _is_samples(b) and _is_samples(c):
-            results.append(compare_samples(path, b, c, th or Threshold(+1, settings.min_effect),
-                                           settings.alpha, seed=settings.seed))
-            results[-1].gate = th is not None
-        else:
-            bad = [s for s, v in (("baseline", b), ("candidate", c)) if v is not None and not _finite(v)]
-            if bad:
-                results.append(Comparison(path, path, "", "value", MISSING, gate=th is not None,
-                                          detail=f"not a number or a list of numbers in {' and '.join(bad)}"))
-                continue
-            results.append(compare_values(path, b, c, th))
+        if all(_is_samples(v) for v in vb + vc):
+            results.append(compare_samples(path, vb, vc, th or Threshold(+1, settings.min_effect),
+                                           settings.alpha, seed=settings.seed, gate=th is not None))
+            continue
+        bad = [s for s, vs in (("baseline", vb), ("candidate", vc)) if any(v is not None and not _finite(v) for v in vs)]
+        if bad:
+            results.append(Comparison(path, path, "", "value", MISSING, gate=th is not None,
+                                      detail=f"not a number or a list of numbers in {' and '.join(bad)}"))
+            continue
+        results.append(compare_values(path, vb, vc, th, alpha=settings.alpha))
+    # runs without any step times (custom metrics only) have no steps to count
+    steps_known = any(step_samples(s) for s in everything)
+    problems = [f"{side} run {i + 1}: {p}" for side, runs in (("baseline", bases), ("candidate", cands))
+                for i, s in enumerate(runs) for p in run_problems(s, check_steps=steps_known)]
+    if problems:  # a run that cannot be trusted makes every metric inconclusive
+        for r in results:
+            r.verdict, r.moved = INSUFFICIENT, None
+            r.detail = "; ".join(problems)
+    adjust(results, settings.alpha)
     return results, absent
+
+
+def compare_summaries(base: Mapping, cand: Mapping, settings: Settings) -> tuple[list[Comparison], list[str]]:
+    """One run per side (see compare_runs)."""
+    return compare_runs([base], [cand], settings)
 
 
 # --- environment fingerprint --------------------------------------------------------------------
@@ -425,6 +773,10 @@ def _float(x):
 
 def _is_samples(x) -> bool:
     return isinstance(x, list) and bool(x) and all(_finite(v) for v in x)
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
 
 
 def _pct(x) -> str:
