@@ -27,11 +27,21 @@ def _torchrun(n):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
 
 
+def _run_bare(cmd):
+    """The job without trainprof. gloo on a loaded 2-core machine fails a bare run now and then
+    (torch's own flake, seen without trainprof): one retry, since the bare run is the reference,
+    not what is tested."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROF_")}
+    for attempt in (1, 2):
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        if r.returncode == 0:
+            return
+    raise AssertionError(f"bare run failed twice ({r.returncode}): {r.stderr[-2000:]}")
+
+
 def _bare(tmp_path, n, args, tag):
     out = tmp_path / f"{tag}.bare.hash"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROF_")}
-    subprocess.run(_torchrun(n) + [str(JOB), "--hash-out", str(out), *args], env=env, check=True,
-                   capture_output=True, timeout=300)
+    _run_bare(_torchrun(n) + [str(JOB), "--hash-out", str(out), *args])
     return out.read_text()
 
 
@@ -119,10 +129,8 @@ EDGE_JOB = Path(__file__).parent / "jobs" / "ddp_edge_job.py"
 
 @pytest.mark.parametrize("mode", ["late_join_false", "hook_then_builtin", "cpp_hook", "compile"])
 def test_ddp_corner_cases_keep_the_job_and_are_recorded(tmp_path, mode):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROF_")}
     bare_out, out, run = tmp_path / "bare", tmp_path / "wrapped", tmp_path / "run"
-    subprocess.run(_torchrun(2) + [str(EDGE_JOB), mode, "--hash-out", str(bare_out)], env=env,
-                   check=True, capture_output=True, timeout=300)
+    _run_bare(_torchrun(2) + [str(EDGE_JOB), mode, "--hash-out", str(bare_out)])
     r = run_cli(["wrap", "--out", run, "--no-analyze", "--profile-steps", "none", "--",
                  *_torchrun(2), EDGE_JOB, mode, "--hash-out", out], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
