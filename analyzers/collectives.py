@@ -79,15 +79,20 @@ def _frame(run):
     df = df.dropna(subset=["seq", "enqueue_ns"])
     df["seq"] = df["seq"].astype(np.int64)
     groups = _groups(run)
+    # group key, dim and size once per (rank, pg), not per record: a key names every member, so
+    # building it per record costs records x group size (1,024-rank groups)
+    df = df.reset_index(drop=True)
+    gid = df.groupby(["rank", "pg"], sort=False).ngroup().to_numpy()
     keys, dims, sizes = [], [], []
-    for r, pg in zip(df["rank"], df["pg"]):
+    for r, pg in df.drop_duplicates(["rank", "pg"])[["rank", "pg"]].itertuples(index=False):
         g = groups.get((int(r), pg))
         ranks = tuple(g.get("ranks") or ()) if g else ()
         keys.append(f"{pg}:{','.join(map(str, ranks))}" if ranks else f"{pg}:?")
         dims.append(g.get("mesh_dim") if g else None)
         sizes.append(int(g.get("size") or len(ranks)) if g else 0)
-    df["group"], df["gsize"] = keys, sizes
-    df["mesh_dim"] = pd.Series(dims, index=df.index, dtype=object)
+    df["group"] = np.array(keys, dtype=object)[gid]
+    df["gsize"] = np.array(sizes, dtype=np.int64)[gid]
+    df["mesh_dim"] = pd.Series(np.array(dims, dtype=object)[gid], index=df.index, dtype=object)
     # clock alignment: offsets are applied to absolute ns, then made relative to keep float64 exact
     align = offsets(run)
     enq = df["enqueue_ns"].astype(np.int64).to_numpy()
