@@ -56,8 +56,11 @@ import time
 
 # A wrapper's line that calls the job's own work: samples whose innermost trainprof frame sits
 # there belong to the job (the wrapped collective, backward, DataLoader fetch, pipeline action).
+# the job's own work called from a probe's wrapper (the calls of the originals they wrap: c10d,
+# funcol, DDP's init/hooks/all-reduce, the framework integrations' backward, optimizer step, ...)
 JOB_CALL = re.compile(r"^\s*(return\s+|\w+\s*=\s*)?(original|orig|_orig_backward|self\._packet|"
-                      r"mesh_init|exec_module|start|end)\(")
+                      r"mesh_init|exec_module|start|end|init|backward|opt_step|prepare_model|"
+                      r"register|builtin|hook|fn|dist\.all_reduce)\(")
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>.+):(?P<line>\d+)\)$")
 # The collective log's C hot path (probes/_fastlog.c): with --native its frames are in the
 # stacks; time below `call_job` is the job's own op, time in any other of its frames the probe's
@@ -81,6 +84,8 @@ def main() -> int:
     ap.add_argument("--native", choices=("auto", "on", "off"), default="auto",
                     help="unwind native frames too (py-spy --native), so the collective log's C "
                          "path is counted; auto: on where trainprof.probes._fastlog is built")
+    ap.add_argument("--script", help="sample this training script instead of the reference; it gets "
+                    "the step count as its first argument, then job_args (e.g. benchmarks/jobs/ddp_mlp.py)")
     ap.add_argument("job_args", nargs="*", help="reference args (default: the demo mesh for 8 ranks)")
     a = ap.parse_args()
     if shutil.which("py-spy") is None:
@@ -88,15 +93,17 @@ def main() -> int:
     native = a.native == "on" or (a.native == "auto" and _fastlog_built())
     if os.environ.get("TRAINPROF_COLLECTIVES_PY", "") in ("1", "true", "yes") and a.native == "auto":
         native = False
-    job_args = a.job_args or (["--dp", "2", "--pp", "2", "--tp", "2"] if a.nproc == 8 else [])
+    job_args = a.job_args or (["--dp", "2", "--pp", "2", "--tp", "2"]
+                              if a.nproc == 8 and not a.script else [])
     root = a.keep or tempfile.mkdtemp(prefix="tp-samples-")
     os.makedirs(root, exist_ok=True)
     run = os.path.join(root, "run")
     shutil.rmtree(run, ignore_errors=True)  # a kept run's meta.json would name dead pids
     cmd = [sys.executable, "-m", "trainprof", "wrap", "--out", run, "--force", "--no-analyze",
            "--profile-steps", "none", "--",
-           "torchrun", "--nproc-per-node", str(a.nproc), "-m", "trainprof.reference",
-           "--steps", str(a.steps), *job_args]
+           "torchrun", "--standalone", "--nproc-per-node", str(a.nproc),
+           *([a.script, str(a.steps)] if a.script else ["-m", "trainprof.reference",
+                                                         "--steps", str(a.steps)]), *job_args]
     env = dict(os.environ)
     env.pop("TRAINPROF_DISABLE", None)
     job = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -282,7 +289,7 @@ def _interval(k, n):
 def report(spies, a, job_args, calib, cpu_calib, sampled, cpu_sampled):
     step_ms = statistics.median(r["dur_ms"] for r in calib)
     sampled_ms = statistics.median(r["dur_ms"] for r in sampled) if sampled else float("nan")
-    print(f"reference, {a.nproc} ranks {' '.join(job_args)} on {os.cpu_count()} cores: "
+    print(f"{a.script or 'reference'}, {a.nproc} ranks {' '.join(job_args)} on {os.cpu_count()} cores: "
           f"{len(calib)} steps unsampled, median {step_ms:.0f} ms; {len(sampled)} steps sampled "
           f"at {a.rate} Hz, median {sampled_ms:.0f} ms (py-spy pauses the ranks); idle samples left out")
     print("share: probe samples / the rank's Python-thread samples. CPU columns: /proc, unsampled "
