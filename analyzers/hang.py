@@ -30,20 +30,18 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 
 from trainprof import safeio
 from trainprof.analyzers import _flight_recorder as fr
 from trainprof.findings import AnalyzerResult, Finding
-from trainprof.probes import elastic_agent
-from trainprof.rundir import RunDirError, iter_jsonl, rank_dir, read_json
+from trainprof import worker_exits
+from trainprof.rundir import RunDirError, rank_dir, read_json
 
 NAME = "hang"
 DUMP = "hang-dump.json"       # written by probes/hang_watchdog.py
 HEARTBEAT, HEARTBEAT_PREV = "heartbeat", "heartbeat.prev"
 MIN_STALL_S = 5.0
 MIN_LEAD_S = 2.0   # a heartbeat must stop this long before the others' to single its rank out
-MAX_EXITS_BYTES = 64 << 20
 P2P_OPS = fr.P2P_OPS
 SIZE_STRICT_OPS = {"all_reduce", "allreduce", "broadcast", "reduce", "all_gather",
                    "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "barrier"}
@@ -367,21 +365,8 @@ def _detect(run, views, exits=None) -> dict:
 
 
 def _worker_exits(run) -> dict:
-    """elastic_agent.summarize() of RUN/worker-exits.jsonl ({} workers when absent)."""
-    p = run.path / elastic_agent.STREAM
-    records: list = []
-    try:
-        st = os.stat(p)
-    except OSError:
-        st = None
-    if st is not None:
-        if not stat.S_ISREG(st.st_mode):
-            run.problems.append(f"{p}: not a regular file, ignored")
-        elif st.st_size > MAX_EXITS_BYTES:
-            run.problems.append(f"{p}: {st.st_size} bytes, over the {MAX_EXITS_BYTES} read; ignored")
-        else:
-            records = list(iter_jsonl(p, run.problems))
-    return elastic_agent.summarize(records)
+    """worker_exits.summarize() of RUN/worker-exits.jsonl ({} workers when absent)."""
+    return worker_exits.summarize(run.worker_exits())
 
 
 def _died(run, views, exits, det) -> list[dict]:
@@ -401,7 +386,7 @@ def _died(run, views, exits, det) -> list[dict]:
             and man.get("status") in ("failed", "killed"):
         (r,) = views
         code = man.get("signal")
-        row = elastic_agent.describe_exit(-code if isinstance(code, int) and code > 0
+        row = worker_exits.describe_exit(-code if isinstance(code, int) and code > 0
                                           else man.get("exit_code"))
         if row["exitcode"]:
             first = [dict(row, rank=r, pid=None, host=man.get("host"),
@@ -414,7 +399,7 @@ def _died(run, views, exits, det) -> list[dict]:
             r0 = min(lp, key=lp.get)
             rest = min(t for r, t in lp.items() if r != r0)
             if not views[r0].closed and (rest - lp[r0]) / 1e9 > lead:
-                first = [dict(elastic_agent.describe_exit(None), rank=r0, pid=None, host=None,
+                first = [dict(worker_exits.describe_exit(None), rank=r0, pid=None, host=None,
                               source=f"heartbeat: it stopped {(rest - lp[r0]) / 1e9:.1f} s before "
                                      f"any other rank's and never closed")]
     # a death by a signal is a cause; an error exit beside it is usually its consequence (a
@@ -524,7 +509,7 @@ def _culprit(views, desync, missing, stacks, hung, died=()) -> dict | None:
 
     if died:  # a process that died is the cause of whatever the others did next
         d = died[0]
-        what = elastic_agent.how(d) if d.get("exitcode") is not None else "stopped (its process died?)"
+        what = worker_exits.how(d) if d.get("exitcode") is not None else "stopped (its process died?)"
         where = f" in step {d['step']}" if d.get("step") is not None else ""
         done = f" (last completed step {d['last_step_done']})" if d.get("last_step_done") is not None else ""
         coll = _fmt_collective(d.get("last_collective"))

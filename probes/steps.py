@@ -17,6 +17,11 @@ import sys
 import threading
 import time
 
+try:
+    import resource
+except ImportError:  # not POSIX: ThreadSched stays off
+    resource = None
+
 from trainprof.rundir import JsonlWriter
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
@@ -31,15 +36,13 @@ class ThreadSched:
     (the counters are per thread) and starts a new baseline."""
 
     def __init__(self):
-        self.enabled = sys.platform.startswith("linux")
+        self.enabled = sys.platform.startswith("linux") and resource is not None
         self._fd: int | None = None
         self._owner: int | None = None
         self._last: tuple | None = None
         self.deltas()  # baseline at activation
 
     def _read(self) -> tuple:
-        import resource
-
         owner = threading.get_ident()
         if owner != self._owner:
             if self._fd is not None:

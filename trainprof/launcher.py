@@ -16,7 +16,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from trainprof import __version__, outdir
-from trainprof.probes import elastic_agent, runtime
+from trainprof import worker_exits
+from trainprof.probes import runtime
 from trainprof.probes.hang_watchdog import DUMP as HANG_DUMP
 from trainprof.probes.hang_watchdog import TRIGGER as HANG_TRIGGER
 from trainprof.rundir import (MANIFEST, RANKS_DIR, SCHEMA_VERSION, RunDirError,
@@ -381,9 +382,9 @@ def _record_end(out: Path, manifest: _Manifest, rc: int, watch, before: set[str]
         m.update(collect_rank_entries(out))
     except Exception as e:  # noqa: BLE001
         m["rank_entries_error"] = str(e)
-    exits = out / elastic_agent.STREAM
+    exits = out / worker_exits.STREAM
     if exits.is_file():  # written by the torchrun agent: how each worker ended
-        summary = elastic_agent.summarize(list(iter_jsonl(exits)))
+        summary = worker_exits.summarize(list(iter_jsonl(exits)))
         if summary["first_failures"]:
             result.first_failures = summary["first_failures"]
             m["first_failures"] = summary["first_failures"]

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainprof.probes.elastic_agent import STREAM as WORKER_EXITS
+from trainprof.worker_exits import STREAM as WORKER_EXITS
 from trainprof.probes.hang_watchdog import TRIGGER as HANG_TRIGGER
 from trainprof.rundir import INJECTED, MANIFEST, PROFILER_DIR, RANKS_DIR, REPORT, SUMMARY
 

@@ -228,6 +228,9 @@ def _rank_from_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+MAX_WORKER_EXITS_BYTES = 64 << 20  # a real one: one line per worker and restart
+
+
 class RunDirError(Exception):
     """A run directory (or a file in it) cannot be read; the message names the file."""
 
@@ -664,6 +667,25 @@ class RunDir:
             return doc
         return rundir_schema.clean_object(rundir_schema.HANG_DUMP, doc, str(path), self.problems,
                                           rundir_schema.HANG_DUMP_NESTED)
+
+    def worker_exits(self) -> list[dict]:
+        """The records of RUN/worker-exits.jsonl (how the launcher's workers ended); [] when it
+        is absent, not a regular file or too large (each a problem)."""
+        from trainprof.worker_exits import STREAM
+
+        p = self.path / STREAM
+        try:
+            st = os.stat(p)
+        except OSError:
+            return []
+        if not stat.S_ISREG(st.st_mode):
+            self.problems.append(f"{p}: not a regular file, ignored")
+            return []
+        if st.st_size > MAX_WORKER_EXITS_BYTES:
+            self.problems.append(f"{p}: {st.st_size} bytes, over the {MAX_WORKER_EXITS_BYTES} "
+                                 "read; ignored")
+            return []
+        return list(iter_jsonl(p, self.problems))
 
     def rank_file(self, rank: int, name: str) -> Path | None:
         """ranks/rank-N/NAME if it exists (None also when it cannot be checked, with a problem)."""

@@ -102,9 +102,12 @@ def finish(out: Path, result: JobResult, analyze: bool) -> None:
     if code == HANG_EXIT_CODE and not sig and _hung(out):
         how = f"terminated as hung, exit code {code}"
     _say(f"job finished ({how}); run directory: {out}")
-    for f in result.first_failures[:4]:
-        _say(f"first failure: rank {f.get('rank')} (pid {f.get('pid')} on {f.get('host')}) "
-             f"{describe_exit(f)}")
+    try:  # trainprof's own reporting: whatever fails here, the job's exit status stands
+        for f in result.first_failures[:4]:
+            _say(f"first failure: rank {f.get('rank')} (pid {f.get('pid')} on {f.get('host')}) "
+                 f"{describe_exit(f)}")
+    except Exception as e:  # noqa: BLE001
+        _say(f"could not report the first failure: {type(e).__name__}: {e}")
     notes = list(result.notes)
     if analyze and result.probes_ran:
         try:
@@ -132,7 +135,7 @@ def _say(msg: str) -> None:
 
 
 def describe_exit(row: dict) -> str:
-    from trainprof.probes.elastic_agent import how
+    from trainprof.worker_exits import how
 
     return how(row)
 
