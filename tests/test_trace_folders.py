@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import run_cli
+from helpers import run_cli
 from trainprof.rundir import RunDir
 from trainprof.trace._discover import name_rank
 
