@@ -27,3 +27,8 @@ def load_all():
         except Exception as e:  # noqa: BLE001
             errors.append({"analyzer": name, "error": f"import failed: {type(e).__name__}: {e}"})
     return mods, errors
+
+
+def digest_function(name: str):
+    """The per-rank trace reduction of analyzer ``name``: ``trace_digest(run, rank, trace)``."""
+    return importlib.import_module(f"{__name__}.{name}").trace_digest

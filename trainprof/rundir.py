@@ -813,6 +813,19 @@ class RunDir:
                         f"trace ({(span[1] - span[0]) / 1e6:.3f} ms), not per step")
         return self._cache["traces"]
 
+    def trace_digests(self, name: str) -> dict[int, dict]:
+        """rank -> the per-rank digest section ``name`` of that rank's profiler trace: what the
+        analyzer ``name`` computes from one trace alone (its module's ``trace_digest(run, rank,
+        trace) -> dict``, small and JSON-able). Job-level analysis reads these, never the traces
+        themselves, so that it needs one trace in memory at a time."""
+        key = ("digest", name)
+        if key not in self._cache:
+            from trainprof.analyzers import digest_function
+
+            fn = digest_function(name)
+            self._cache[key] = {r: fn(self, r, t) for r, t in sorted(self.traces().items())}
+        return self._cache[key]
+
     # -- bare profiler traces (no run directory)
     def _load_bare_traces(self) -> None:
         """Parse the latest window of every process among the inputs and key them by rank
