@@ -12,7 +12,7 @@ import importlib
 # Order matters only for the report's section order. Modules not present in this build are
 # skipped silently.
 ANALYZER_MODULES = ("step_time", "comm_compute", "collectives", "stragglers", "pipeline",
-                    "nan_origin", "hang", "memory", "fragmentation", "roofline")
+                    "nan_origin", "hang", "memory", "fragmentation", "roofline", "ops", "launch")
 
 
 def load_all():

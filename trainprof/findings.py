@@ -22,6 +22,7 @@ SEVERITIES = ("info", "warning", "error", "critical")
 KINDS = (
     "straggler", "nan_origin", "loss_spike", "hang", "pipeline_bubble", "stage_imbalance",
     "exposed_comm", "fragmentation", "memory", "roofline", "data_starvation", "host_stall",
+    "device_starved",
 )
 
 
