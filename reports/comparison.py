@@ -168,6 +168,8 @@ def render_terminal(result: Mapping, console=None) -> None:
     console.print(table)
     for d in details:
         console.print(d, markup=False)
+    for line in op_diff_lines(result.get("op_diff")):
+        console.print(line, markup=False)
     code = result.get("exit_code")
     colour = {0: "green", 1: "bold red", 3: "yellow"}.get(code, "")
     console.print(f"[{colour}]{escape(headline(result))}[/]" if colour else escape(headline(result)))
@@ -205,6 +207,7 @@ def render_markdown(result: Mapping) -> str:
               f"Benjamini–Hochberg over the gated metrics; one run per side: Mann–Whitney U over the "
               f"steps, several: t-test over the per-run medians) and beyond its threshold "
               f"(min effect {s.get('min_effect', 0) * 100:g}%) · n: samples per side, `r`: runs.", ""]
+    lines += op_diff_markdown(result.get("op_diff"))
     return "\n".join(lines)
 
 
@@ -249,3 +252,79 @@ def render_junit(result: Mapping) -> str:
             ET.SubElement(case, "system-out").text = text
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+# --- which ops moved (result["op_diff"], trainprof/opdiff.py) -------------------------------------
+
+OP_ROWS = 10
+OP_NAME_CHARS = 90
+
+
+def _op_name(name) -> str:
+    """A trace's op name shortened, with control and format characters shown as escapes."""
+    from trainprof.reports.terminal import printable
+
+    s = str(name)
+    return printable(s if len(s) <= OP_NAME_CHARS else s[:OP_NAME_CHARS - 1] + "…")
+
+
+def _op_tables(diff: Mapping) -> list[tuple[str, Mapping]]:
+    return [(t, diff[t]) for t in ("kernels", "cpu_ops") if isinstance(diff.get(t), Mapping)]
+
+
+def _op_row(r: Mapping) -> tuple[str, str, str, str, str]:
+    status = r.get("status", "")
+    change = r.get("change")
+    pct = f" ({change * 100:+.0f}%)" if isinstance(change, (int, float)) else ""
+    approx = "≈" if r.get("below_top_in") else ""
+    return (_op_name(r.get("name")), kit.fmt_ms(r.get("baseline_ms")), kit.fmt_ms(r.get("candidate_ms")),
+            f"{approx}{'+' if (r.get('delta_ms') or 0) >= 0 else '-'}{kit.fmt_ms(abs(r.get('delta_ms') or 0))}{pct}",
+            "" if status == "changed" else status)
+
+
+def op_diff_lines(diff) -> list[str]:
+    """Plain-text lines of the op diff for the terminal (names are printed as text, not markup)."""
+    if not isinstance(diff, Mapping):
+        return []
+    if not diff.get("available"):
+        return [f"which ops moved: not available ({diff.get('reason', 'no op breakdown')})"] if diff.get("reason") else []
+    sw = diff.get("step_window_ms") or {}
+    lines = ["", f"Which ops moved (profiled steps, {diff.get('basis', '')}); step window "
+                 f"{kit.fmt_ms(sw.get('baseline'))} -> {kit.fmt_ms(sw.get('candidate'))}:"]
+    for table, t in _op_tables(diff):
+        lines.append(f"  {'GPU kernels' if table == 'kernels' else 'CPU ops'}, {t.get('measure')}: "
+                     f"{kit.fmt_ms(t.get('baseline_ms'))} -> {kit.fmt_ms(t.get('candidate_ms'))}")
+        for r in [r for r in t.get("top") or [] if r.get("delta_ms")][:OP_ROWS]:
+            name, b, c, d, status = _op_row(r)
+            lines.append(f"    {d:>18}  {b:>9} -> {c:<9} {name}" + (f"  [{status}]" if status else ""))
+        for what in ("added", "removed"):
+            ops = t.get(what) or []
+            if ops:
+                lines.append(f"    {what}: " + ", ".join(f"{_op_name(o['name'])} ({kit.fmt_ms(o['ms'])})"
+                                                        for o in ops[:5])
+                             + (f" and {len(ops) - 5} more" if len(ops) > 5 else ""))
+    for note in diff.get("notes") or []:
+        lines.append(f"  note: {note}")
+    return lines
+
+
+def op_diff_markdown(diff) -> list[str]:
+    if not isinstance(diff, Mapping) or not diff.get("available"):
+        return []
+    sw = diff.get("step_window_ms") or {}
+    lines = ["#### Which ops moved", "",
+             f"Profiled steps, {_md_cell(diff.get('basis', ''))}; step window "
+             f"{kit.fmt_ms(sw.get('baseline'))} → {kit.fmt_ms(sw.get('candidate'))}.", ""]
+    for table, t in _op_tables(diff):
+        rows = [r for r in t.get("top") or [] if r.get("delta_ms")][:OP_ROWS]
+        lines += [f"{'GPU kernels' if table == 'kernels' else 'CPU ops'} ({_md_cell(t.get('measure'))}): "
+                  f"{kit.fmt_ms(t.get('baseline_ms'))} → {kit.fmt_ms(t.get('candidate_ms'))}", ""]
+        if not rows:
+            lines += ["No op moved.", ""]
+            continue
+        lines += ["| Change | Before | After | Op | |", "|-------:|-------:|------:|:---|:--|"]
+        for r in rows:
+            name, b, c, d, status = _op_row(r)
+            lines.append(f"| {_md_cell(d)} | {b} | {c} | `{_md_cell(name).replace('`', '')}` | {status} |")
+        lines.append("")
+    return lines

@@ -296,7 +296,18 @@ def comparison_result(bases, cands, settings, allow_mismatch=False, mismatches=(
                      "thresholds": settings.thresholds, "metrics": settings.extra,
                      "allow_mismatch": allow_mismatch, "multiple_comparisons": "benjamini-hochberg"},
         "metrics": [r.to_dict() for r in results],
+        "op_diff": _op_diff(bases, cands),
     }
+
+
+def _op_diff(bases, cands) -> dict:
+    """Which ops moved (trainprof/opdiff.py): informational, never part of the verdict."""
+    try:
+        from trainprof.opdiff import op_diff
+
+        return op_diff(bases, cands)
+    except Exception as e:  # noqa: BLE001 - the gate's answer must not depend on it
+        return {"available": False, "reason": f"op diff failed ({type(e).__name__}: {_one_line(e)})"}
 
 
 def _write(path: Path, text: str, what: str):
