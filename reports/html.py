@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import statistics
 import tempfile
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
 
-from trainprof.reports import kit
+from trainprof.reports import kit, ranks as rk
 
 SEVERITY_COLOURS = {"critical": "#b3001b", "error": "#d9480f", "warning": "#e8a200", "info": "#1c7ed6"}
 
@@ -46,8 +47,9 @@ table{border-collapse:collapse;font-size:12.5px;margin:6px 0}
 th,td{border:1px solid var(--line);padding:3px 8px;text-align:left;vertical-align:top}
 thead th{background:#eef1f5;position:sticky;top:0}
 table.kv th{background:#f3f5f8;font-weight:500;white-space:nowrap}
+tr.agg td{background:#f3f5f8;font-style:italic;border-top:2px solid #c3c9d4}
 td.num{text-align:right;font-variant-numeric:tabular-nums}
-.tablewrap{max-height:480px;overflow:auto;display:inline-block;max-width:100%}
+.tablewrap{max-height:640px;overflow:auto;display:inline-block;max-width:100%}
 .note{color:var(--muted);font-size:12px}
 .error{color:#b3001b;white-space:pre-wrap;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;background:#fff5f5;border:1px solid #f1c0c0;padding:8px}
 figure.plot{margin:8px 0}
@@ -58,6 +60,7 @@ footer{color:var(--muted);font-size:12px;text-align:center;padding:20px}
 """
 
 MAX_GENERIC_ITEMS = 50
+MAX_PROBLEMS = 100
 
 
 def _get(d, *keys, default=None):
@@ -84,11 +87,15 @@ def _rank_labels(summary: dict) -> dict[int, str]:
 
 
 def ranks_text(ranks, summary: dict, limit: int = 8) -> str:
+    """Up to `limit` ranks each named with its mesh coordinates; more as a capped list of
+    ranges ("ranks 0–4, 6–1023", "ranks 3, 7, 9 … and 1,021 more")."""
+    ranks = list(ranks or []) if isinstance(ranks, (list, tuple)) else []
+    if not ranks:
+        return "all ranks / job-wide"
+    if len(ranks) > limit:
+        return f"{len(ranks):,} ranks: " + rk.rank_list(ranks, limit)
     labels = _rank_labels(summary)
-    ranks = list(ranks or [])
-    shown = [labels.get(r, f"rank {r}") if isinstance(r, int) else f"rank {r}" for r in ranks[:limit]]
-    more = f" … +{len(ranks) - limit} more" if len(ranks) > limit else ""
-    return ", ".join(shown) + more if shown else "all ranks / job-wide"
+    return ", ".join(labels.get(r, f"rank {r}") if isinstance(r, int) else f"rank {r}" for r in ranks)
 
 
 def _header(summary: dict) -> str:
@@ -100,7 +107,11 @@ def _header(summary: dict) -> str:
     exit_s = run.get("exit_code")
     if run.get("signal"):
         exit_s = f"{exit_s} (signal {run['signal']})"
-    facts = [("world size", run.get("world_size")), ("mesh", mesh_s or None),
+    n_hosts = len(set(rk.hosts(summary).values()))
+    facts = [("world size", run.get("world_size")), ("hosts", n_hosts if n_hosts > 1 else None),
+             ("mesh", mesh_s or None),
+             ("profiled", (run.get("profiled") or {}).get("text")
+              if isinstance(run.get("profiled"), Mapping) else None),
              ("device", run.get("device")), ("backend", run.get("backend")),
              ("exit code", exit_s), ("torch", run.get("torch_version")),
              ("started", _get(run, "start_time", "iso") if isinstance(run.get("start_time"), Mapping)
@@ -112,13 +123,14 @@ def _header(summary: dict) -> str:
             f'<div class="cmd">{kit.esc(cmd_s)}</div><div class="facts">{facts_html}</div></header>')
 
 
-def _finding(f: Mapping, summary: dict) -> str:
+def _finding(f: Mapping, summary: dict, evidence_open: bool = True) -> str:
     sev = str(f.get("severity", "info"))
     colour = SEVERITY_COLOURS.get(sev, "#868e96")
     evidence = f.get("evidence") or {}
     ev_html = ""
     if isinstance(evidence, Mapping) and evidence:
-        ev_html = "<details open><summary>evidence</summary>" + generic(evidence) + "</details>"
+        ev_html = (f"<details{' open' if evidence_open else ''}><summary>evidence</summary>"
+                   + generic(evidence) + "</details>")
     elif evidence:
         ev_html = kit.para(kit.fmt_value(evidence))
     analyzer = f.get("analyzer")
@@ -126,7 +138,7 @@ def _finding(f: Mapping, summary: dict) -> str:
             f'<span class="sev">{kit.esc(sev)}</span><span class="kind">{kit.esc(f.get("kind"))}</span>'
             f'<span class="ranks">{kit.esc(ranks_text(f.get("ranks"), summary))}</span>'
             + (f'<span class="note">from {kit.esc(analyzer)}</span>' if analyzer else "")
-            + f'</div><div class="msg">{kit.esc(f.get("message"))}</div>{ev_html}</div>')
+            + f'</div><div class="msg">{kit.esc(rk.cap_numbers(f.get("message")))}</div>{ev_html}</div>')
 
 
 def _findings(summary: dict) -> str:
@@ -138,9 +150,29 @@ def _findings(summary: dict) -> str:
     counts: dict[str, int] = {}
     for f in findings:
         counts[str(f.get("severity"))] = counts.get(str(f.get("severity")), 0) + 1
-    tally = ", ".join(f"{n} {s}" for s, n in counts.items())
-    return (f"<h2>Findings ({kit.esc(tally)})</h2>"
-            + "".join(_finding(f, summary) for f in findings))
+    tally = ", ".join(f"{n:,} {s}" for s, n in counts.items())
+    head = f"<h2>Findings ({kit.esc(tally)})</h2>"
+    if len(findings) <= rk.MANY_FINDINGS:
+        return head + "".join(_finding(f, summary) for f in findings)
+    return head + _many_findings(findings, summary)
+
+
+def _many_findings(findings: list, summary: dict) -> str:
+    """Findings by kind: the most severe few of each in full (evidence folded), the rest of the
+    kind one row each (the first rk.TOP; every finding is in summary.json)."""
+    groups = rk.findings_by_kind(findings)
+    out = [kit.para(f"{len(findings):,} findings of {len(groups)} kind(s): per kind, the "
+                    f"{rk.FULL_PER_KIND} most severe in full, the others one line each.", "note")]
+    for kind, fs in groups:
+        if len(fs) > 1:
+            out.append(f"<h3>{kit.esc(kind)}: {len(fs):,} findings — "
+                       f"{kit.esc(ranks_text(rk.finding_ranks(fs), summary))}</h3>")
+        out.extend(_finding(f, summary, evidence_open=False) for f in fs[:rk.FULL_PER_KIND])
+        rest = [{"severity": f.get("severity"), "ranks": ranks_text(f.get("ranks"), summary, limit=4),
+                 "message": rk.cap_numbers(f.get("message"))} for f in fs[rk.FULL_PER_KIND:]]
+        if rest:
+            out.append(kit.table(rest, max_rows=rk.TOP, what=f"{kind} findings"))
+    return "".join(out)
 
 
 def generic(value, depth: int = 0) -> str:
@@ -150,14 +182,17 @@ def generic(value, depth: int = 0) -> str:
         scalars = {k: v for k, v in value.items() if not isinstance(v, (Mapping, list, tuple))
                    or (isinstance(v, (list, tuple)) and len(v) <= 20
                        and all(not isinstance(x, (Mapping, list, tuple)) for x in v))}
-        parts = [kit.kv(scalars)] if scalars else []
-        for k, v in value.items():
-            if k in scalars:
-                continue
+        parts = [_capped_kv(scalars)] if scalars else []
+        nested = [k for k in value if k not in scalars]
+        for k in nested[:MAX_GENERIC_ITEMS]:
+            v = value[k]
             if depth >= 3:
                 parts.append(f"<h3>{kit.esc(k)}</h3>" + kit.para(kit.fmt_value(v)))
                 continue
             parts.append(f"<h3>{kit.esc(k)}</h3>" + generic(v, depth + 1))
+        if len(nested) > MAX_GENERIC_ITEMS:
+            parts.append(kit.para(f"… {len(nested) - MAX_GENERIC_ITEMS:,} more entries not shown "
+                                  f"(of {len(nested):,}); full data in summary.json.", "note"))
         return "".join(parts)
     if isinstance(value, (list, tuple)):
         if value and all(isinstance(x, Mapping) for x in value):
@@ -169,6 +204,25 @@ def generic(value, depth: int = 0) -> str:
             if len(value) > MAX_GENERIC_ITEMS else ""
         return f"<ul>{shown}</ul>{more}"
     return kit.para(kit.fmt_value(value))
+
+
+def _capped_kv(scalars: Mapping) -> str:
+    """Key/value table. A long one (more than MAX_GENERIC_ITEMS entries: a value per rank) of
+    numbers becomes one line: its largest entries, the median, the smallest; of anything else,
+    the first rk.TOP entries; either says how many it left out."""
+    if len(scalars) <= MAX_GENERIC_ITEMS:
+        return kit.kv(scalars)
+    items = list(scalars.items())
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for _, v in items):
+        items.sort(key=lambda kv: -kv[1])
+        line = lambda part: ", ".join(f"{k}: {kit.fmt_value(v)}" for k, v in part)  # noqa: E731
+        median = statistics.median(v for _, v in items)
+        return kit.para(f"{len(items):,} entries. Largest: {line(items[:rk.OUTLIERS])}; median "
+                        f"{kit.fmt_value(median)}; smallest: {line(items[-3:])}. Full data in "
+                        "summary.json.")
+    return (kit.kv(dict(items[:rk.TOP]))
+            + kit.para(f"… {len(items) - rk.TOP:,} more entries not shown (of {len(items):,}); "
+                       "full data in summary.json.", "note"))
 
 
 def _section_module(name: str):
@@ -223,10 +277,11 @@ def _problems(summary: dict) -> str:
                 out.append(kit.para(e))
     if problems:
         out.append("<h3>Input that could not be (fully) read</h3><ul class=\"problems\">")
-        out.extend(f"<li>{kit.esc(p)}</li>" for p in problems[:500])
+        out.extend(f"<li>{kit.esc(p)}</li>" for p in problems[:MAX_PROBLEMS])
         out.append("</ul>")
-        if len(problems) > 500:
-            out.append(kit.para(f"{len(problems) - 500} more not shown.", "note"))
+        if len(problems) > MAX_PROBLEMS:
+            out.append(kit.para(f"… {len(problems) - MAX_PROBLEMS:,} more not shown (of "
+                                f"{len(problems):,}); all of them are in summary.json.", "note"))
     return "".join(out)
 
 

@@ -79,7 +79,7 @@ def fmt_value(x) -> str:
         return ", ".join(f"{k}={fmt_value(v)}" for k, v in x.items())
     if isinstance(x, (list, tuple)):
         shown = ", ".join(fmt_value(v) for v in list(x)[:20])
-        return shown + (f", … (+{len(x) - 20})" if len(x) > 20 else "")
+        return shown + (f" … and {len(x) - 20:,} more" if len(x) > 20 else "")
     return str(x)
 
 
@@ -106,9 +106,11 @@ def _safe_fmt(f, v) -> str:
 
 
 def table(rows: Iterable[Mapping], columns: list[tuple[str, str]] | None = None,
-          fmt: Mapping[str, Callable] | None = None, max_rows: int = 200) -> str:
+          fmt: Mapping[str, Callable] | None = None, max_rows: int = 200, what: str = "rows",
+          extra_rows: Iterable[str] = ()) -> str:
     """A data table. columns = [(key, label)] (default: the union of the rows' keys, in order);
-    rows past max_rows are left out with a note saying how many."""
+    rows past max_rows are left out with a note saying how many (`what`: "rows", "ranks", ...).
+    extra_rows: ready-made <tr> fragments appended to the body (a summary row)."""
     rows = [r for r in rows if isinstance(r, Mapping)]
     if columns is None:
         keys: dict[str, None] = {}
@@ -127,9 +129,10 @@ def table(rows: Iterable[Mapping], columns: list[tuple[str, str]] | None = None,
         body.append(f"<tr>{''.join(cells)}</tr>")
     note = ""
     if len(rows) > max_rows:
-        note = para(f"{len(rows) - max_rows} more rows not shown (of {len(rows)}).", "note")
+        note = para(f"… {len(rows) - max_rows:,} more {what} not shown (of {len(rows):,}); "
+                    "full data in summary.json.", "note")
     return (f'<div class="tablewrap"><table class="data"><thead><tr>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table></div>{note}")
+            f"<tbody>{''.join(body)}{''.join(extra_rows)}</tbody></table></div>{note}")
 
 
 def plt():
@@ -171,21 +174,31 @@ def figure(fig, alt: str = "") -> str:
 
 
 def heatmap(matrix, row_labels: list, col_labels: list, title: str, cbar_label: str = "",
-            alt: str | None = None, cmap: str = "viridis") -> str:
-    """A rows × columns heatmap (NaN cells blank) as an inline figure."""
+            alt: str | None = None, cmap: str = "viridis", separator: int | None = None,
+            vmin: float | None = None, vmax: float | None = None) -> str:
+    """A rows × columns heatmap (NaN cells blank) as an inline figure; `separator`: a line drawn
+    under that many top rows; vmin/vmax: the colour scale (cells beyond it saturate)."""
     import numpy as np
 
     pyplot = plt()
     m = np.asarray(matrix, dtype=float)
-    h = min(0.28 * max(len(row_labels), 1) + 1.4, 9)
+    h = min(0.28 * max(len(row_labels), 1) + 1.4, 9 if len(row_labels) <= 40 else 12)
     fig, ax = pyplot.subplots(figsize=(7.5, h))
-    im = ax.imshow(np.ma.masked_invalid(m), aspect="auto", cmap=cmap, interpolation="nearest")
+    im = ax.imshow(np.ma.masked_invalid(m), aspect="auto", cmap=cmap, interpolation="nearest",
+                   vmin=vmin, vmax=vmax)
     ax.set_yticks(range(len(row_labels)))
     ax.set_yticklabels([str(r) for r in row_labels], fontsize=7)
     step = max(1, len(col_labels) // 20)
     ax.set_xticks(range(0, len(col_labels), step))
     ax.set_xticklabels([str(c) for c in col_labels[::step]], fontsize=7)
     ax.set_title(title, fontsize=9)
-    cb = fig.colorbar(im, ax=ax)
+    if separator:
+        ax.axhline(separator - 0.5, color="white", linewidth=2.5)
+        ax.axhline(separator - 0.5, color="black", linewidth=1)
+    finite = m[np.isfinite(m)]
+    over = vmax is not None and finite.size and finite.max() > vmax
+    under = vmin is not None and finite.size and finite.min() < vmin
+    cb = fig.colorbar(im, ax=ax, extend={(True, True): "both", (True, False): "max",
+                                         (False, True): "min"}.get((bool(over), bool(under)), "neither"))
     cb.set_label(cbar_label, fontsize=8)
     return figure(fig, alt or title)

@@ -12,7 +12,7 @@ import re
 import sys
 from collections.abc import Mapping
 
-from trainprof.reports import kit
+from trainprof.reports import kit, ranks as rk
 
 SEVERITY_STYLES = {"critical": "bold white on red", "error": "bold red", "warning": "yellow",
                    "info": "cyan"}
@@ -99,6 +99,24 @@ def _ranks(f: Mapping, summary: Mapping) -> str:
     return ranks_text(f.get("ranks"), summary, limit=4)
 
 
+MAX_ROWS = 20
+
+
+def _shown(findings: list) -> list:
+    """Up to MAX_ROWS findings as they are; more: per kind the rk.FULL_PER_KIND most severe and
+    one row standing for the rest of the kind (its ranks, capped)."""
+    if len(findings) <= MAX_ROWS:
+        return findings
+    rows = []
+    for kind, fs in rk.findings_by_kind(findings):
+        rows += fs[:rk.FULL_PER_KIND]
+        rest = fs[rk.FULL_PER_KIND:]
+        if rest:
+            rows.append({"severity": "", "kind": kind, "ranks": rk.finding_ranks(rest),
+                         "message": f"… {len(rest):,} more {kind} findings (see the report)"})
+    return rows
+
+
 def render_terminal(summary, report_path=None, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -112,6 +130,9 @@ def render_terminal(summary, report_path=None, console=None) -> None:
     mesh = run.get("mesh") or {}
     mesh_s = "·".join(f"{k}{v}" for k, v in mesh.items()) if isinstance(mesh, Mapping) else ""
     bits = [f"{run.get('world_size', '?')} ranks"]
+    n_hosts = len(set(rk.hosts(summary).values()))
+    if n_hosts > 1:
+        bits.append(f"{n_hosts:,} hosts")
     if mesh_s:
         bits.append(mesh_s)
     if run.get("device"):
@@ -128,6 +149,9 @@ def render_terminal(summary, report_path=None, console=None) -> None:
                if inp.get("older_windows_skipped") else "")
             + f"; {inp.get('ranks', '?')} rank(s), {inp.get('steps', '?')} profiled step(s)"
             + (" (whole-trace windows: no ProfilerStep)" if inp.get("whole_trace_windows") else "")))
+    prof = run.get("profiled")  # --profile-ranks: a subset recorded the profiler window
+    if isinstance(prof, Mapping) and prof.get("text") and prof.get("count") != prof.get("of"):
+        console.print(escape(str(prof["text"])))
     partial = run.get("partial")
     if isinstance(partial, Mapping):
         console.print(f"[bold yellow]partial run[/bold yellow]: {escape(partial_text(partial))}; "
@@ -149,14 +173,12 @@ def render_terminal(summary, report_path=None, console=None) -> None:
                       expand=False)
         for col in ("severity", "kind", "ranks", "message"):
             table.add_column(col, overflow="fold")
-        for f in findings[:20]:
+        for f in _shown(findings):
             sev = str(f.get("severity", ""))
             table.add_row(f"[{SEVERITY_STYLES.get(sev, '')}]{escape(sev)}[/]" if sev in SEVERITY_STYLES
                           else escape(sev), escape(str(f.get("kind", ""))), escape(_ranks(f, summary)),
-                          escape(str(f.get("message", ""))))
+                          escape(rk.cap_numbers(f.get("message", ""))))
         console.print(table)
-        if len(findings) > 20:
-            console.print(f"  … {len(findings) - 20} more in the report")
     n_err = len(summary.get("errors") or [])
     n_prob = len(summary.get("problems") or [])
     if n_err or n_prob:
@@ -167,6 +189,6 @@ def render_terminal(summary, report_path=None, console=None) -> None:
 
 def partial_text(p: Mapping) -> str:
     missing = p.get("missing_ranks") or []
-    shown = ", ".join(str(r) for r in missing[:8]) + (", …" if len(missing) > 8 else "")
+    shown = rk.rank_list(missing, 8) if isinstance(missing, list) else ""
     return (f"{p.get('ranks_present', '?')} of {p.get('world_size', '?')} ranks have files"
             + (f" (missing: {shown})" if shown else ""))

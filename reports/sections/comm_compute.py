@@ -2,29 +2,36 @@
 
 from __future__ import annotations
 
-from trainprof.reports import kit
+from trainprof.reports import kit, ranks as rk
 
 TITLE = "Communication vs computation"
 _PARTS = (("compute_fraction", "compute", "#2f9e44"), ("overlapped_fraction", "comm hidden under compute", "#74c0fc"),
           ("exposed_comm_fraction", "exposed comm", "#e03131"), ("data_fraction", "data loading", "#f59f00"),
-          ("other_fraction", "other (host)", "#868e96"), ("idle_fraction", "idle", "#dee2e6"))
+          ("other_fraction", "other (GPU traces: memcpy/memset; CPU traces: host)", "#868e96"), ("idle_fraction", "idle", "#dee2e6"))
 
 
-def _bars(per_rank: list) -> str:
+def _bars(per_rank: list, summary: dict) -> str:
+    by_rank = {r["rank"]: [float(r.get(key) or 0) for key, _, _ in _PARTS] for r in per_rank}
+    rows, n_single, note = rk.chart_rows(by_rank, summary, rk.named(summary))
     plt = kit.plt()
-    fig, ax = plt.subplots(figsize=(max(4, 0.5 * len(per_rank) + 2), 3))
-    xs = [str(r["rank"]) for r in per_rank]
-    bottom = [0.0] * len(per_rank)
-    for key, label, color in _PARTS:
-        vals = [float(r.get(key) or 0) for r in per_rank]
+    fig, ax = plt.subplots(figsize=(min(max(4, 0.5 * len(rows) + 2), 11), 3 if not note else 4))
+    xs = [label for label, _ in rows]
+    bottom = [0.0] * len(rows)
+    for i, (key, label, color) in enumerate(_PARTS):
+        # a group's bar: the mean of its ranks' shares (means of shares still add up to 1)
+        vals = [sum(by_rank[r][i] for r in members) / len(members) for _, members in rows]
         ax.bar(xs, vals, bottom=bottom, label=label, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xlabel("rank")
+    if note:
+        ax.axvline(n_single - 0.5, color="black", linewidth=1)
+        ax.tick_params(axis="x", labelrotation=90, labelsize=6)
+        note = note.replace("the median of", "the mean of")
+    ax.set_xlabel("rank" if not note else "rank / host")
     ax.set_ylabel("share of profiled steps")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    return kit.figure(fig, "Per-rank breakdown of the profiled steps")
+    return kit.figure(fig, "Per-rank breakdown of the profiled steps") + (kit.para(note, "note") if note else "")
 
 
 def _step_label(per_step: list, step) -> str:
@@ -32,17 +39,18 @@ def _step_label(per_step: list, step) -> str:
     return f"{step} (job step {run.pop()})" if len(run) == 1 else str(step)
 
 
-def _heatmaps(per_step: list) -> str:
+def _heatmaps(per_step: list, summary: dict) -> str:
     ranks = sorted({r["rank"] for r in per_step})
     steps = sorted({r["step"] for r in per_step})
     if len(steps) < 1 or len(ranks) < 1:
         return ""
     at = {(r["rank"], r["step"]): r for r in per_step}
     out = []
+    labels = [_step_label(per_step, s) for s in steps]
     for key, title in (("compute_ms", "compute (ms)"), ("exposed_comm_ms", "exposed communication / wait (ms)")):
-        matrix = [[(at.get((r, s)) or {}).get(key) for s in steps] for r in ranks]
-        out.append(kit.heatmap(matrix, [str(r) for r in ranks], [_step_label(per_step, s) for s in steps],
-                               f"{title}, rank × profiled step", cbar_label="ms"))
+        by_rank = {r: [(at.get((r, s)) or {}).get(key) for s in steps] for r in ranks}
+        out.append(rk.rank_heatmap(by_rank, labels, f"{title}, rank × profiled step", "ms", summary,
+                                   alt=f"{title}, rank × profiled step", named=rk.named(summary)))
     return "".join(out)
 
 
@@ -54,8 +62,8 @@ def render(metrics: dict, summary: dict) -> str:
              kit.para("Definitions: docs/comm-compute.md. CPU traces: compute = aten ops on the "
                       "main thread; communication = gloo worker threads and main-thread waits.")]
     if per_rank:
-        parts.append(_bars(per_rank))
-        parts.append(_heatmaps(metrics.get("per_step") or []))
+        parts.append(_bars(per_rank, summary))
+        parts.append(_heatmaps(metrics.get("per_step") or [], summary))
         rows = []
         for r in per_rank:
             row = {"rank": r["rank"], "coords": " ".join(f"{k}{v}" for k, v in (r.get("coords") or {}).items()),
@@ -66,7 +74,10 @@ def render(metrics: dict, summary: dict) -> str:
             rows.append(row)
         fmt = {k: kit.fmt_pct for k, _, _ in _PARTS}
         fmt["step_ms"] = kit.fmt_ms
-        parts.append(kit.table(rows, fmt=fmt))
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        parts.append(rk.rank_table(rows, [(k, k) for k in columns], fmt,
+                                   worst=lambda r: r.get("exposed_comm_fraction"),
+                                   worst_label="exposed communication", pinned=rk.named(summary)))
         types: dict[str, list] = {}
         for r in per_rank:
             for t, v in (r.get("comm_by_type_ms_per_step") or {}).items():
@@ -97,10 +108,13 @@ def render(metrics: dict, summary: dict) -> str:
     if stalls:
         parts.append(kit.para("Host-side stalls (GPU): blocking synchronizations and device-to-host "
                               "copies inside the profiled steps."))
-        parts.append(kit.table([{"rank": r["rank"], "sync calls/step": r["sync_calls_per_step"],
-                                 "sync ms/step": r["sync_ms_per_step"], "share of step": r["sync_fraction"],
-                                 "D2H copies/step": r.get("d2h_copies_per_step")} for r in stalls],
-                               fmt={"sync ms/step": kit.fmt_ms, "share of step": kit.fmt_pct}))
+        cols = ("rank", "sync calls/step", "sync ms/step", "share of step", "D2H copies/step")
+        parts.append(rk.rank_table([{"rank": r["rank"], "sync calls/step": r["sync_calls_per_step"],
+                                     "sync ms/step": r["sync_ms_per_step"], "share of step": r["sync_fraction"],
+                                     "D2H copies/step": r.get("d2h_copies_per_step")} for r in stalls],
+                                   [(c, c) for c in cols],
+                                   fmt={"sync ms/step": kit.fmt_ms, "share of step": kit.fmt_pct},
+                                   worst=lambda r: r.get("share of step"), worst_label="share of step"))
     warm = job.get("warmup_steps") or []
     if warm:
         parts.append(kit.para(f"Warm-up profiled steps left out of the fractions: {', '.join(map(str, warm))}."))

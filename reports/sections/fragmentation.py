@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainprof.reports import kit
+from trainprof.reports import kit, ranks as rk
 
 TITLE = "Allocator fragmentation"
 
@@ -20,7 +20,8 @@ def render(metrics: dict, summary: dict) -> str:
     b = kit.fmt_bytes
     rows = metrics.get("per_rank") or []
     if rows:
-        parts.append(kit.table(rows, columns=[
+        parts.append(rk.rank_table(rows, worst=lambda r: r.get("score"), worst_label="score",
+                                   pinned=rk.named(summary), columns=[
             ("rank", "rank"), ("step", "at step"), ("reserved_bytes", "reserved"),
             ("allocated_bytes", "allocated"), ("reserved_minus_allocated_bytes", "reserved − allocated"),
             ("inactive_split_bytes", "inactive split"), ("internal_waste_bytes", "internal waste"),
@@ -29,7 +30,8 @@ def render(metrics: dict, summary: dict) -> str:
                  "inactive_split_bytes": b, "internal_waste_bytes": b, "score": kit.fmt_pct}))
     snaps = metrics.get("snapshots") or []
     if snaps:
-        parts.append(kit.table(snaps, columns=[
+        parts.append(rk.rank_table(snaps, what="snapshots", worst=lambda r: r.get("score"),
+                                   worst_label="score", columns=[
             ("file", "snapshot"), ("rank", "rank"), ("segments", "segments"), ("reserved_bytes", "reserved"),
             ("allocated_bytes", "allocated"), ("inactive_split_bytes", "inactive split"),
             ("external_waste_bytes", "external waste"), ("external_fragmentation", "1 − largest/free"),
@@ -38,18 +40,23 @@ def render(metrics: dict, summary: dict) -> str:
                  "external_waste_bytes": b, "internal_waste_bytes": b,
                  "external_fragmentation": kit.fmt_pct, "score": kit.fmt_pct}))
         pools = [dict(p, file=s["file"]) for s in snaps for p in s.get("pools", [])]
+        if len(pools) > 50:  # capped: the most fragmented pools first
+            pools.sort(key=lambda p: -(p.get("external_fragmentation") or 0))
         parts.append(kit.table(pools, columns=[
             ("file", "snapshot"), ("pool", "pool"), ("segments", "segments"), ("reserved_bytes", "reserved"),
             ("free_bytes", "free"), ("largest_free_bytes", "largest free block"),
             ("free_blocks", "free blocks"), ("external_fragmentation", "1 − largest/free")],
             fmt={"reserved_bytes": b, "free_bytes": b, "largest_free_bytes": b,
                  "external_fragmentation": kit.fmt_pct}, max_rows=50))
-        for s in snaps:
-            for o in s.get("ooms", []):
-                parts.append(kit.para(f"OOM in {s['file']}: {o['explanation']}"))
-                if o.get("top_sites"):
-                    parts.append(kit.table(o["top_sites"], columns=[("site", "allocation site"), ("bytes", "held")],
-                                           fmt={"bytes": b}))
+        ooms = [(s, o) for s in snaps for o in s.get("ooms", [])]
+        for s, o in ooms[:rk.OUTLIERS]:
+            parts.append(kit.para(f"OOM in {s['file']}: {o['explanation']}"))
+            if o.get("top_sites"):
+                parts.append(kit.table(o["top_sites"], columns=[("site", "allocation site"), ("bytes", "held")],
+                                       fmt={"bytes": b}))
+        if len(ooms) > rk.OUTLIERS:
+            parts.append(kit.para(f"… {len(ooms) - rk.OUTLIERS:,} more OOM explanations not shown "
+                                  f"(of {len(ooms):,}); full data in summary.json.", "note"))
     advice = next((r.get("advice") for r in sorted(rows + snaps, key=lambda r: -r.get("score", 0))
                    if r.get("advice")), None)
     if advice:

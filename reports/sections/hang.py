@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from trainprof.reports import kit
+from collections import Counter
+
+from trainprof.reports import kit, ranks as rk
 
 TITLE = "Hangs"
 
@@ -19,7 +21,7 @@ def render(metrics: dict, summary: dict) -> str:
         return kit.para(f"No hang: {metrics.get('ranks_with_heartbeat', 0)} rank(s) sent "
                         f"heartbeats" + (f"; last progress {stalled:.1f} s before the job ended"
                                          if isinstance(stalled, (int, float)) else "") + ".")
-    out = [kit.para(metrics.get("message", ""))]
+    out = [kit.para(rk.cap_numbers(metrics.get("message", "")))]
     out.append(kit.kv({"detected by": "; ".join(metrics.get("detected_by") or []) or "desync only",
                        "job status": (metrics.get("job") or {}).get("status"),
                        "no progress for": f"{metrics['stalled_s']:.1f} s"
@@ -29,21 +31,30 @@ def render(metrics: dict, summary: dict) -> str:
              "frame": r.get("user_frame") or r.get("frame"),
              "code": r.get("code"), "stalled s": r.get("stalled_s")}
             for r in metrics.get("ranks") or []]
-    out.append(kit.table(rows))
+    if len(rows) > rk.MAX_RANKS:  # capped: the ranks unlike the rest first
+        states = Counter(r["state"] for r in rows)
+        culprits = set(rk.named(summary))
+        rows.sort(key=lambda r: (r["rank"] not in culprits, states[r["state"]],
+                                 -(r["stalled s"] if isinstance(r["stalled s"], (int, float)) else 0)))
+    out.append(rk.rank_table(rows, [(k, k) for k in ("rank", "state", "step", "waiting in", "frame",
+                                                     "code", "stalled s")],
+                             worst_label="rarest state, then longest stalled"))
     desync = [{"source": d["source"], "group": d["pg"], "seq": d["seq"],
-               "variants": "; ".join(f"{v['op']} on ranks {v['ranks']}" for v in d["variants"])}
+               "variants": "; ".join(f"{v['op']} on ranks {rk.rank_list(v['ranks'])}"
+                                     for v in d["variants"])}
               for d in metrics.get("desync") or []]
     if desync:
         out.append(kit.para("Desynchronized collectives (first differing sequence number "
                             "per group)"))
         out.append(kit.table(desync))
     missing = [{"source": m["source"], "group": m["pg"], "seq": m["seq"], "op": m.get("op"),
-                "waiting ranks": m["waiting_ranks"], "never arrived": m["missing_ranks"]}
+                "waiting ranks": rk.rank_list(m["waiting_ranks"]),
+                "never arrived": rk.rank_list(m["missing_ranks"])}
                for m in metrics.get("never_arrived") or []]
     if missing:
         out.append(kit.para("Ranks that never arrived at a collective the others wait in"))
         out.append(kit.table(missing))
-    groups = [{"ranks": g["ranks"], "majority": "yes" if g["majority"] else "no",
+    groups = [{"ranks": rk.rank_list(g["ranks"]), "majority": "yes" if g["majority"] else "no",
                "in collective": "yes" if g["in_collective"] else "no",
                "frame": g.get("user_frame") or g.get("frame"), "code": g.get("code"),
                "innermost frames": " ← ".join(f"{f['function']}:{f['line']}"

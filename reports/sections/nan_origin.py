@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainprof.reports import kit
+from trainprof.reports import kit, ranks as rk
 
 TITLE = "NaN/Inf origin and loss"
 
@@ -37,7 +37,7 @@ def render(metrics: dict, summary: dict) -> str:
             "module": o.get("module"), "op": o.get("op") or "— (no replay reproduced it)",
             "value": o.get("value"), "created here": o.get("created"),
             "hidden by": ev.get("hidden_by"), "overflow": ev.get("overflow"),
-            "received by ranks": ", ".join(map(str, o.get("received_by") or [])) or "—",
+            "received by ranks": rk.rank_list(o.get("received_by") or []) or "—",
             "recovered later": o.get("recovered"),
         }))
         ins = ev.get("op_inputs") or ev.get("inputs") or []
@@ -53,15 +53,15 @@ def render(metrics: dict, summary: dict) -> str:
                                                   ("note", "note")]))
         if o.get("other_ranks"):
             parts.append(kit.para("Where the other ranks first saw a non-finite value"))
-            parts.append(kit.table(o["other_ranks"], [("rank", "rank"), ("step", "step"), ("phase", "phase"),
-                                                      ("module", "module"), ("role", "where"),
-                                                      ("created", "created")]))
+            parts.append(rk.rank_table(o["other_ranks"], [("rank", "rank"), ("step", "step"), ("phase", "phase"),
+                                                          ("module", "module"), ("role", "where"),
+                                                          ("created", "created")]))
     else:
         parts.append(kit.para("No non-finite loss, gradient, parameter or module value was seen."))
     spikes = metrics.get("spikes") or []
     parts.append(_loss_plot(metrics.get("loss") or {}, spikes))
     if spikes:
-        rows = [{**x, "ranks": ", ".join(map(str, x.get("ranks") or [x.get("rank")]))}
+        rows = [{**x, "ranks": rk.rank_list(x.get("ranks") or [x.get("rank")])}
                 for x in spikes if isinstance(x, dict)]
         parts.append(kit.table(rows, [("step", "step"), ("ranks", "ranks with a spike"),
                                       ("loss", "loss (mean over ranks)"),

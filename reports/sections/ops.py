@@ -9,6 +9,13 @@ KERNEL_ROWS = 10      # per kernel group
 CPU_ROWS = 20         # per CPU-op ranking
 RANK_ROWS = 64
 NAME_CHARS = 120
+ROLE_TEXT = {
+    "compute": "ops on the step's threads (the ProfilerStep thread, autograd threads)",
+    "wait": "waits on those threads: collectives, device synchronization (grow when a peer or the device is slow)",
+    "communication": "gloo's communication threads (wait for the other ranks)",
+    "other": "other threads (data loader workers, ...)",
+    "outside": "the step's threads in no op: Python, untraced waits (e.g. DDP's gradient sync)",
+}
 
 
 def _name(x) -> str:
@@ -59,12 +66,20 @@ def _cpu(metrics: dict) -> str:
     rows = [dict(r, name=_name(r["name"])) for r in metrics.get("cpu_ops") or []]
     if not rows:
         return ""
-    cols = [("name", "op"), ("cat", "category"), ("calls_per_step", "calls / step"),
+    cols = [("name", "op"), ("role", "role"), ("cat", "category"), ("calls_per_step", "calls / step"),
             ("self_ms_per_step", "self / step"), ("total_ms_per_step", "total / step"),
             ("self_share", "self, share of step"), ("ranks", "ranks"), ("max_rank", "slowest rank")]
     fmt = {"self_ms_per_step": kit.fmt_ms, "total_ms_per_step": kit.fmt_ms, "self_share": kit.fmt_pct}
     by_total = sorted(rows, key=lambda r: (-(r.get("total_ms") or 0), r["name"]))
+    job = metrics.get("job") or {}
+    roles = job.get("cpu_self_ms_per_step_by_role") or {}
+    split = [{"role": r, "what": ROLE_TEXT[r], "ms": roles[r]} for r in ROLE_TEXT if r in roles]
+    if split and job.get("outside_ops_ms_per_step") is not None:
+        split.append({"role": "outside ops", "what": ROLE_TEXT["outside"], "ms": job["outside_ops_ms_per_step"]})
     return "".join([
+        kit.para("CPU time per step by role (mean over ranks):") if split else "",
+        kit.table(split, columns=[("role", "role"), ("ms", "self time / step"), ("what", "")],
+                  fmt={"ms": kit.fmt_ms}) if split else "",
         kit.para("Top CPU ops by self time per step (duration minus nested ops; mean over ranks):"),
         kit.table(rows, columns=cols, fmt=fmt, max_rows=CPU_ROWS),
         kit.para("Top CPU ops by total time per step (nested ops included):"),
@@ -92,11 +107,12 @@ def render(metrics: dict, summary: dict) -> str:
         if gpu:
             cols += [("kernel_ms_per_step", "kernels / step"), ("compute_ms_per_step", "compute"),
                      ("communication_ms_per_step", "communication"), ("memory_ms_per_step", "memory")]
-        cols += [("cpu_self_ms_per_step", "CPU self / step")]
-        rows = [dict(r, top=_name((r.get("top_kernels") or r.get("top_cpu_ops_self") or [{}])[0].get("name")))
+        cols += [("compute_self_ms_per_step", "CPU compute / step"), ("wait_self_ms_per_step", "CPU waits / step"),
+                 ("outside_ops_ms_per_step", "outside ops / step")]
+        rows = [dict(r, top=_name((r.get("top_kernels") or r.get("top_compute_ops_self") or [{}])[0].get("name")))
                 for r in per_rank]
         parts.append(kit.para("Per rank (times per profiled step):"))
-        parts.append(kit.table(rows, columns=cols + [("top", "top kernel" if gpu else "top CPU op (self)")],
+        parts.append(kit.table(rows, columns=cols + [("top", "top kernel" if gpu else "top compute op (self)")],
                                fmt={k: kit.fmt_ms for k, _ in cols if k.endswith("_ms") or k.endswith("_step")},
                                max_rows=RANK_ROWS))
     parts.append(kit.para("Definitions: docs/ops.md."))

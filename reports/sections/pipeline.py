@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainprof.reports import kit
+from trainprof.reports import kit, ranks as rk
 
 TITLE = "Pipeline"
 COLORS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
@@ -82,14 +82,14 @@ def render(metrics: dict, summary: dict) -> str:
                         ("bubble_ratio", "idle ÷ busy"), ("busy_ms", "busy"),
                         ("p2p_wait_ms", "blocked in p2p"), ("window_ms", "pipeline window")],
             fmt={"bubble_share": kit.fmt_pct, "theory": kit.fmt_pct, "busy_ms": kit.fmt_ms,
-                 "p2p_wait_ms": kit.fmt_ms, "window_ms": kit.fmt_ms}))
+                 "p2p_wait_ms": kit.fmt_ms, "window_ms": kit.fmt_ms, "ranks": rk.rank_list}))
     stages = [s for s in metrics.get("stages") or [] if isinstance(s, dict)]
     if stages:
         parts.append("<h3>Compute per micro-batch and stage</h3>" + kit.table(
             stages, [("stage", "stage"), ("ranks", "ranks"), ("compute_ms_per_mb", "compute"),
                      ("span_ms_per_mb", "span (incl. blocked in collectives)"),
                      ("ratio_to_others", "÷ median of other stages")],
-            fmt={"compute_ms_per_mb": kit.fmt_ms, "span_ms_per_mb": kit.fmt_ms}))
+            fmt={"compute_ms_per_mb": kit.fmt_ms, "span_ms_per_mb": kit.fmt_ms, "ranks": rk.rank_list}))
     parts.append(kit.para(
         "Bubble = share of the pipeline window (first span start to last span end of the step, "
         "clocks aligned) in which a rank ran no forward/backward/weight-grad span. Theory: "

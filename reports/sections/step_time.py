@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import math
-
-from trainprof.reports import kit
+from trainprof.reports import kit, ranks as rk
 
 TITLE = "Step time"
 
@@ -25,17 +23,16 @@ def _job(job: dict) -> str:
     return kit.kv({k: v for k, v in shown.items() if v is not None})
 
 
-def _plot(by_rank: dict, first_step: int, excluded: set[int]) -> str:
+def _plot(by_rank: dict, first_step: int, excluded: set[int], summary: dict) -> str:
     rows = sorted(((int(r), v) for r, v in by_rank.items() if isinstance(v, list)), key=lambda x: x[0])
     if not rows:
         return ""
     n_steps = max(len(v) for _, v in rows)
     steps = list(range(first_step, first_step + n_steps))
     if len(rows) > 16:  # a line per rank is unreadable past a few dozen: rank × step heatmap
-        matrix = [[(x if isinstance(x, (int, float)) else math.nan) for x in v]
-                  + [math.nan] * (n_steps - len(v)) for _, v in rows]
-        return kit.heatmap(matrix, [r for r, _ in rows], steps, "Step time per rank (ms)",
-                           "ms", alt="Heatmap of step time by rank and step")
+        return rk.rank_heatmap(dict(rows), steps, "Step time per rank (ms)", "ms", summary,
+                               alt="Heatmap of step time by rank and step", named=rk.named(summary),
+                               scale_cols=[i for i, s in enumerate(steps) if s not in excluded])
     plt = kit.plt()
     fig, ax = plt.subplots(figsize=(8, 3.4))
     for r, v in rows:
@@ -69,7 +66,7 @@ def render(metrics: dict, summary: dict) -> str:
                 if isinstance(s, (int, float))}
     by_rank = metrics.get("step_ms_by_rank") or {}
     if by_rank:
-        parts.append(_plot(by_rank, int(metrics.get("first_step") or 0), excluded))
+        parts.append(_plot(by_rank, int(metrics.get("first_step") or 0), excluded, summary))
     per_rank = metrics.get("per_rank") or []
     if per_rank:
         coords = {r.get("rank"): r.get("coords") for r in (summary.get("run") or {}).get("ranks", [])
@@ -77,12 +74,14 @@ def render(metrics: dict, summary: dict) -> str:
         rows = [{**p, "coords": " ".join(f"{k}{v}" for k, v in (coords.get(p.get("rank")) or {}).items())}
                 for p in per_rank if isinstance(p, dict)]
         cols = [("rank", "rank")] + ([("coords", "mesh")] if any(r["coords"] for r in rows) else [])
-        parts.append("<h3>Per rank</h3>" + kit.table(
+        parts.append("<h3>Per rank</h3>" + rk.rank_table(
             rows,
             cols + [("steps", "steps"), ("median_ms", "median"),
              ("p90_ms", "p90"), ("min_ms", "min"), ("max_ms", "max"), ("spread_pct", "spread (p90/median)")],
             fmt={"median_ms": kit.fmt_ms, "p90_ms": kit.fmt_ms, "min_ms": kit.fmt_ms,
-                 "max_ms": kit.fmt_ms, "spread_pct": lambda x: kit.fmt_pct(x / 100)}))
+                 "max_ms": kit.fmt_ms, "spread_pct": lambda x: kit.fmt_pct(x / 100)},
+            worst=lambda r: r.get("median_ms"), worst_label="median step time",
+            pinned=rk.named(summary)))
     parts.append(kit.para(
         "Excluded from statistics: "
         + "; ".join(f"{k}: {', '.join(str(s) for s in v) or 'none'}" for k, v in excluded_map.items())
