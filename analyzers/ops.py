@@ -8,16 +8,25 @@ time (union of the group's intervals) and HTA's partition of kernel time into th
 running at each instant ("compute overlapping communication", ...).
 
 CPU ops (host events of the cpu_op, user_annotation, cuda_runtime and cuda_driver categories
-starting in a profiled step, ProfilerStep itself left out): per name, calls, total time and self
-time — the op's duration minus the time of the ops nested directly inside it on the same thread
-(a child's part outside its parent is not subtracted) — so self times add up to the thread's
-busy time without counting nested work twice.
+starting in a profiled step, ProfilerStep itself left out; each cut at the end of its step): per
+(name, role), calls, total time and self time — the op's duration minus the time of the ops
+nested directly inside it on the same thread (a child's part outside its parent is not
+subtracted) — so self times add up to the thread's busy time without counting nested work twice.
 
-Per rank (``trace_digest``): the top TOP_DIGEST names by total (and, for CPU ops, by self) time
-plus an ``other`` remainder, and checksums of every name (so a comparison can tell an op that
-is absent from one that is below the top). Across ranks (``analyze``): sums, means per profiled
-step over the ranks (a rank without the op counts 0), the rank where the op takes longest, and
-in how many ranks' top tables each op is. Definitions: docs/ops.md.
+Each op has a role, from its thread and its name (``thread_roles``, ``op_roles``): ``compute``
+(on the step's threads: the thread holding the ProfilerStep spans, and autograd engine threads
+running backward), ``wait`` (on those threads, an op that waits for others: c10d / functional
+collectives, record_param_comms, nccl:/gloo: ops, ``wait`` ops, device synchronization),
+``communication`` (gloo's worker threads) and ``other`` (every other thread: data loader
+workers, ...). Waits and communication grow when a peer or the device is slow, not when the op
+itself does more work.
+
+Per rank (``trace_digest``): the top TOP_DIGEST rows by total (and, for CPU ops, by self) time
+plus an ``other`` remainder, checksums of every row key (so a comparison can tell an op that is
+absent from one that is below the top), self time per role, and the step's threads' time
+outside any op. Across ranks (``analyze``): sums, means per profiled step over the ranks (a rank
+without the op counts 0), the rank where the op takes longest, and in how many ranks' top
+tables each op is. Definitions: docs/ops.md.
 """
 
 from __future__ import annotations
@@ -40,6 +49,18 @@ MAX_NAME_SUMS = 20000     # name checksums kept per table (more: added/removed n
 KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_OP_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
 GROUPS = ("compute", "communication", "memory")  # HTA: COMPUTATION, COMMUNICATION, MEMORY
+ROLES = ("compute", "wait", "communication", "other")  # CPU ops, by thread and name
+CRITICAL = ("compute",)                     # what the step's time is made of (the diff ranks these)
+WAITING = ("wait", "communication")         # grows when a peer or the device is slow
+# ops that wait for other ranks or the device: prefixes, exact names, and names containing "wait"
+WAIT_PREFIXES = ("c10d::", "c10d_functional::", "_c10d_functional::", "record_param_comms",
+                 "nccl:", "gloo:", "ProcessGroup")
+SYNC_CALLS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
+                        "cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize",
+                        "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventSynchronize"})
+NOT_WAITS = frozenset({"cudaStreamWaitEvent", "cuStreamWaitEvent", "hipStreamWaitEvent"})  # enqueue only
+BACKWARD_PREFIX = "autograd::engine::evaluate_function"
+COMM_THREAD_PREFIX = "gloo:"
 
 
 def kernel_group(name: str, cat: str = "kernel") -> str:
@@ -54,6 +75,45 @@ def kernel_group(name: str, cat: str = "kernel") -> str:
 def name_sum(name: str) -> int:
     """The checksum that stands for an op name in the digests' name lists."""
     return zlib.crc32(name.encode("utf-8", "surrogatepass"))
+
+
+def key_sum(name: str, role: str | None = None) -> int:
+    """The checksum of a row key: the name (kernels), or role and name (CPU ops)."""
+    return name_sum(name if role is None else f"{role}\t{name}")
+
+
+def is_wait(name: str) -> bool:
+    """An op that waits for other ranks or for the device (its time grows when they are slow)."""
+    if name in NOT_WAITS:
+        return False
+    return name.startswith(WAIT_PREFIXES) or name in SYNC_CALLS or "wait" in name.lower()
+
+
+def thread_roles(thread: np.ndarray, names: pd.Series, step_threads: np.ndarray) -> dict[int, str]:
+    """{thread key: main | backward | communication | other}. main: the threads holding the
+    ProfilerStep spans; communication: other threads running gloo: ops; backward: other threads
+    running autograd engine functions; other: the rest."""
+    gloo = name_mask(names, lambda n: n.startswith(COMM_THREAD_PREFIX))
+    bwd = name_mask(names, lambda n: n.startswith(BACKWARD_PREFIX))
+    out = {int(t): "other" for t in np.unique(thread)}
+    for t in np.unique(thread[bwd]):
+        out[int(t)] = "backward"
+    for t in np.unique(thread[gloo]):
+        out[int(t)] = "communication"
+    for t in step_threads:
+        out[int(t)] = "main"
+    return out
+
+
+def op_roles(thread: np.ndarray, names: pd.Series, roles: dict[int, str]) -> np.ndarray:
+    """Each event's role as an index into ROLES: compute or wait on the step's threads (main,
+    backward), else the thread's role (communication, other)."""
+    uniq, inv = np.unique(thread, return_inverse=True)
+    code = {"main": -1, "backward": -1, "communication": ROLES.index("communication"),
+            "other": ROLES.index("other")}
+    th = np.array([code[roles[int(t)]] for t in uniq], dtype=np.int8)[inv.reshape(-1)]
+    wait = name_mask(names, is_wait)
+    return np.where(th < 0, np.where(wait, ROLES.index("wait"), ROLES.index("compute")), th).astype(np.int8)
 
 
 # --------------------------------------------------------------------------- per rank
@@ -91,13 +151,14 @@ def self_times(ts: np.ndarray, end: np.ndarray, thread: np.ndarray) -> np.ndarra
     return out
 
 
-def _table(frame: pd.DataFrame, keys: list[str], sums: dict[str, str], top_by: list[str]) -> dict:
+def _table(frame: pd.DataFrame, keys: list[str], sums: dict[str, str], top_by: list[str],
+           by: tuple[str, ...] = ("name",)) -> dict:
     """rows (the top TOP_DIGEST by each of top_by, largest first by the first), the remainder
-    and the totals of a per-event frame grouped by name."""
+    and the totals of a per-event frame grouped by ``by`` (the name, or name and role)."""
     if frame.empty:
         return {"rows": [], "other": {"names": 0, "count": 0, **{c: 0 for c in sums}},
                 "total": {"names": 0, "count": 0, **{c: 0 for c in sums}}, "name_sums": []}
-    g = frame.groupby("name", observed=True, sort=False)
+    g = frame.groupby(list(by), observed=True, sort=False)
     agg = g.agg(count=("dur_ns", "size"), **{c: (src, "sum") for c, src in sums.items()},
                 min_ns=("dur_ns", "min"), max_ns=("dur_ns", "max"))
     for k in keys:
@@ -106,19 +167,20 @@ def _table(frame: pd.DataFrame, keys: list[str], sums: dict[str, str], top_by: l
     agg["name"] = agg["name"].astype(str)
     keep = set()
     for col in top_by:
-        keep.update(agg.sort_values([col, "name"], ascending=[False, True]).head(TOP_DIGEST).index)
-    top = agg.loc[sorted(keep)].sort_values([top_by[0], "name"], ascending=[False, True])
+        keep.update(agg.sort_values([col, *by], ascending=[False] + [True] * len(by)).head(TOP_DIGEST).index)
+    top = agg.loc[sorted(keep)].sort_values([top_by[0], *by], ascending=[False] + [True] * len(by))
     rest = agg.drop(index=list(keep))
-    cols = ["name", *keys, "count", *sums, "min_ns", "max_ns"]
+    cols = list(dict.fromkeys(["name", *by, *keys, "count", *sums, "min_ns", "max_ns"]))
     rows = [{c: (int(v) if isinstance(v, (np.integer, int)) else str(v)) for c, v in zip(cols, r)}
             for r in top[cols].itertuples(index=False, name=None)]
-    names = agg["name"].tolist()
+    role = agg["role"].astype(str).tolist() if "role" in by else [None] * len(agg)
     return {"rows": rows,
             "other": {"names": len(rest), "count": int(rest["count"].sum()),
                       **{c: int(rest[c].sum()) for c in sums}},
             "total": {"names": len(agg), "count": int(agg["count"].sum()),
                       **{c: int(agg[c].sum()) for c in sums}},
-            "name_sums": sorted({name_sum(x) for x in names}) if len(names) <= MAX_NAME_SUMS else None}
+            "name_sums": (sorted({key_sum(x, r) for x, r in zip(agg["name"], role)})
+                          if len(agg) <= MAX_NAME_SUMS else None)}
 
 
 def _kernel_overlap(k: pd.DataFrame, groups: np.ndarray) -> dict[str, int]:
@@ -169,20 +231,54 @@ def trace_digest(run, rank, trace) -> dict:
     out["kernel_overlap"] = _kernel_overlap(k, groups) if len(k) else {}
     out["kind"] = "gpu" if len(k) else "cpu"
 
-    hmask = ev["cat"].isin(HOST_OP_CATS).to_numpy() & ~ev["is_gpu"].to_numpy()
-    hmask &= ~name_mask(ev["name"], lambda n: n.startswith("ProfilerStep#"))
-    h = ev.loc[hmask, ["name", "cat", "ts_ns", "end_ns", "dur_ns", "pid", "tid", "step"]]
-    # one key per (pid, tid): nesting is per thread
-    thread = h["pid"].to_numpy() * np.int64(1 << 32) + (h["tid"].to_numpy() & 0xFFFFFFFF)
-    h = h.assign(self_ns=self_times(h["ts_ns"].to_numpy(), h["end_ns"].to_numpy(), thread),
-                 total_ns=h["dur_ns"])
-    stepped = h["step"].to_numpy() >= 0
-    h = h[stepped]
-    h = h.assign(cat=h["cat"].astype(str))
-    out["cpu_ops"] = _table(h, ["cat"], {"total_ns": "total_ns", "self_ns": "self_ns"},
-                            ["self_ns", "total_ns"])
-    out["threads"] = int(len(np.unique(thread[stepped])))
+    out.update(_cpu_digest(ev, steps, window))
     return out
+
+
+def _step_ends(step: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
+    """The end of each event's profiled step (int64 max outside every step)."""
+    ends = steps["end_ns"].to_numpy(np.int64)
+    if not len(ends):
+        return np.full(len(step), np.iinfo(np.int64).max, np.int64)
+    idx = pd.Index(steps["step"].to_numpy(np.int64)).get_indexer(step)
+    return np.where(idx >= 0, ends[np.clip(idx, 0, None)], np.iinfo(np.int64).max)
+
+
+def _cpu_digest(ev: pd.DataFrame, steps: pd.DataFrame, window: int) -> dict:
+    """CPU ops of the profiled steps by (name, role), self time per role, the step's threads."""
+    host = ~ev["is_gpu"].to_numpy()
+    is_step = name_mask(ev["name"], lambda n: n.startswith("ProfilerStep#")) & host
+    hmask = ev["cat"].isin(HOST_OP_CATS).to_numpy() & host & ~is_step
+    h = ev.loc[hmask, ["name", "cat", "ts_ns", "end_ns", "pid", "tid", "step"]]
+    key = lambda f: f["pid"].to_numpy() * np.int64(1 << 32) + (f["tid"].to_numpy() & 0xFFFFFFFF)  # noqa: E731
+    thread = key(h)  # nesting is per (pid, tid)
+    ts = h["ts_ns"].to_numpy()
+    end = np.minimum(h["end_ns"].to_numpy(), _step_ends(h["step"].to_numpy(), steps))  # cut at the step's end
+    self_ns = self_times(ts, end, thread)
+    stepped = h["step"].to_numpy() >= 0
+    h, thread, ts, end, self_ns = h[stepped], thread[stepped], ts[stepped], end[stepped], self_ns[stepped]
+    step_threads = np.unique(key(ev.loc[is_step, ["pid", "tid"]]))
+    roles = thread_roles(thread, h["name"], step_threads)
+    if not len(step_threads) and len(h):  # no ProfilerStep: the busiest thread that is not gloo's
+        busy = pd.Series(self_ns).groupby(thread).sum()
+        busy = busy[[roles[int(t)] != "communication" for t in busy.index]]
+        if len(busy):
+            roles[int(busy.idxmax())] = "main"
+    role = op_roles(thread, h["name"], roles)
+    h = h.assign(cat=h["cat"].astype(str), role=pd.Categorical.from_codes(role, ROLES),
+                 dur_ns=end - ts, total_ns=end - ts, self_ns=self_ns)
+    on_step = role <= ROLES.index("wait")  # compute and wait: the step's threads
+    busy = iv.length(iv.union(ts[on_step], end[on_step]))
+    by_role = {r: {"count": int((role == i).sum()), "self_ns": int(self_ns[role == i].sum())}
+               for i, r in enumerate(ROLES) if (role == i).any()}
+    kinds = list(roles.values())
+    return {"cpu_ops": _table(h, ["cat"], {"total_ns": "total_ns", "self_ns": "self_ns"},
+                              ["self_ns", "total_ns"], by=("name", "role")),
+            "cpu_roles": by_role,
+            "step_threads_busy_ns": busy, "outside_ops_ns": max(window - busy, 0),
+            "threads": len(roles),
+            "thread_roles": {k: kinds.count(k) for k in ("main", "backward", "communication", "other")
+                             if k in kinds}}
 
 
 # --------------------------------------------------------------------------- job
@@ -190,15 +286,20 @@ def _ms(ns) -> float:
     return round(float(ns) / 1e6, 6)
 
 
+def _row_key(row: dict) -> tuple:
+    return row["name"], row.get("role")
+
+
 def _job_table(digests: dict, key: str, extra: str, sums: list[str], sort: str) -> tuple[list[dict], dict]:
-    """Rows across ranks by name: sums, means per profiled step over all ranks, spread."""
-    acc: dict[str, dict] = {}
+    """Rows across ranks by name (and role): sums, means per profiled step over all ranks, spread."""
+    acc: dict[tuple, dict] = {}
     ranks = sorted(digests)
     for r in ranks:
         d = digests[r]
         n = max(d.get("n_steps") or 0, 1)
         for row in d[key]["rows"]:
-            a = acc.setdefault(row["name"], {"name": row["name"], extra: row.get(extra), "ranks": 0,
+            a = acc.setdefault(_row_key(row), {"name": row["name"], "role": row.get("role"),
+                                               extra: row.get(extra), "ranks": 0,
                                              "count": 0, "min_ns": row["min_ns"], "max_ns": 0,
                                              **{c: 0 for c in sums},
                                              "per_rank": {}})
@@ -214,7 +315,8 @@ def _job_table(digests: dict, key: str, extra: str, sums: list[str], sort: str) 
     rows = []
     for a in acc.values():
         per = a.pop("per_rank")
-        out = {"name": a["name"], extra: a[extra], "ranks": a["ranks"], "count": a["count"],
+        out = {"name": a["name"], **({"role": a["role"]} if a["role"] else {}),
+               extra: a[extra], "ranks": a["ranks"], "count": a["count"],
                "calls_per_step": round(sum(p["count"] for p in per.values()) / nr, 3)}
         for c in sums:
             base = c[:-3]  # total / self
@@ -231,18 +333,22 @@ def _job_table(digests: dict, key: str, extra: str, sums: list[str], sort: str) 
         out["per_call_us"] = round(a[sums[0]] / a["count"] / 1e3, 3) if a["count"] else None
         out["min_us"], out["max_us"] = round(a["min_ns"] / 1e3, 3), round(a["max_ns"] / 1e3, 3)
         rows.append(out)
-    keep: set[str] = set()
+    keep: set[tuple] = set()
     for c in sums:  # the top by each measure (CPU ops: self and total time)
-        keep.update(x["name"] for x in sorted(rows, key=lambda x: (-x[f"{c[:-3]}_ms"], x["name"]))[:TOP_JOB])
-    kept = sorted((x for x in rows if x["name"] in keep), key=lambda x: (-x[f"{sort[:-3]}_ms"], x["name"]))
+        keep.update(_row_key(x) for x in sorted(rows, key=lambda x: (-x[f"{c[:-3]}_ms"], *_sort_key(x)))[:TOP_JOB])
+    kept = sorted((x for x in rows if _row_key(x) in keep), key=lambda x: (-x[f"{sort[:-3]}_ms"], *_sort_key(x)))
     tot = {c: sum(d[key]["total"][c] for d in digests.values()) for c in ["count", *sums]}
     other = {"names_not_shown": len(rows) - len(kept) + sum(d[key]["other"]["names"] for d in digests.values()),
              "count": tot["count"] - sum(x["count"] for x in kept),
-             **{f"{c[:-3]}_ms": _ms(tot[c] - sum(acc[x["name"]][c] for x in kept)) for c in sums}}
+             **{f"{c[:-3]}_ms": _ms(tot[c] - sum(acc[_row_key(x)][c] for x in kept)) for c in sums}}
     totals = {"count": tot["count"], **{f"{c[:-3]}_ms": _ms(tot[c]) for c in sums},
               **{f"{c[:-3]}_ms_per_step": _ms(sum(d[key]["total"][c] / max(d.get("n_steps") or 0, 1)
                                                   for d in digests.values()) / nr) for c in sums}}
     return kept, {"other": other, "total": totals}
+
+
+def _sort_key(row: dict) -> tuple:
+    return row["name"], row.get("role") or ""
 
 
 def _name_sums(digests: dict, key: str) -> list[int] | None:
@@ -298,14 +404,18 @@ def _per_rank(digests: dict) -> list[dict]:
                **{f"{g}_ms_per_step": _ms(d["kernel_groups"][g]["total_ns"] / n)
                   for g in GROUPS if g in d["kernel_groups"]},
                "cpu_ops_per_step": round(c["total"]["count"] / n, 2),
-               "cpu_self_ms_per_step": _ms(c["total"]["self_ns"] / n)}
+               "cpu_self_ms_per_step": _ms(c["total"]["self_ns"] / n),
+               **{f"{role}_self_ms_per_step": _ms(x["self_ns"] / n)
+                  for role, x in (d.get("cpu_roles") or {}).items()},
+               "outside_ops_ms_per_step": _ms((d.get("outside_ops_ns") or 0) / n)}
         if lists:
             kr = k["rows"][:TOP_PER_RANK]
-            cr = sorted(c["rows"], key=lambda x: (-x["self_ns"], x["name"]))[:TOP_PER_RANK]
+            cr = sorted((x for x in c["rows"] if x.get("role") in CRITICAL),
+                        key=lambda x: (-x["self_ns"], x["name"]))[:TOP_PER_RANK]
             row["top_kernels"] = [{"name": x["name"][:200], "group": x["group"],
                                    "ms_per_step": _ms(x["total_ns"] / n)} for x in kr]
-            row["top_cpu_ops_self"] = [{"name": x["name"][:200], "self_ms_per_step": _ms(x["self_ns"] / n)}
-                                       for x in cr]
+            row["top_compute_ops_self"] = [{"name": x["name"][:200], "self_ms_per_step": _ms(x["self_ns"] / n)}
+                                           for x in cr]
         out.append(row)
     return out
 
@@ -328,6 +438,14 @@ def combine(digests: dict) -> dict:
            "kernels_per_step": round(sum(d["kernels"]["total"]["count"] / d["n_steps"]
                                          for d in digests.values()) / nr, 2),
            "cpu_self_ms_per_step": csum["total"]["self_ms_per_step"],
+           "cpu_self_ms_per_step_by_role": {
+               role: _ms(sum((d.get("cpu_roles") or {}).get(role, {}).get("self_ns", 0) / d["n_steps"]
+                             for d in digests.values()) / nr)
+               for role in ROLES if any(role in (d.get("cpu_roles") or {}) for d in digests.values())},
+           "outside_ops_ms_per_step": _ms(sum((d.get("outside_ops_ns") or 0) / d["n_steps"]
+                                              for d in digests.values()) / nr),
+           "thread_roles": {k: max((d.get("thread_roles") or {}).get(k, 0) for d in digests.values())
+                            for k in ("main", "backward", "communication", "other")},
            "cpu_ops_per_step": round(sum(d["cpu_ops"]["total"]["count"] / d["n_steps"]
                                          for d in digests.values()) / nr, 2)}
     whole = [r for r, d in sorted(digests.items()) if d.get("whole_trace_window")]

@@ -258,6 +258,7 @@ def render_junit(result: Mapping) -> str:
 
 OP_ROWS = 10
 OP_NAME_CHARS = 90
+_OP_CRITICAL = {"kernels": "compute and memory kernels", "cpu_ops": "compute on the step's threads"}
 
 
 def _op_name(name) -> str:
@@ -282,6 +283,28 @@ def _op_row(r: Mapping) -> tuple[str, str, str, str, str]:
             "" if status == "changed" else status)
 
 
+def _op_apart(t: Mapping, diff: Mapping, table: str) -> list[str]:
+    """The ops listed apart from the top contributors: waits and communication (a symptom:
+    they grow when a peer or the device is slow), other threads, time outside any op."""
+    def moved(rows):
+        return [r for r in rows or [] if r.get("delta_ms")][:3]
+
+    def ms(x):
+        return f"{'+' if x >= 0 else '-'}{kit.fmt_ms(abs(x))}/step"
+
+    out = []
+    waits = [f"{_op_name(r.get('name'))} {ms(r['delta_ms'])}" for r in moved(t.get("waiting"))]
+    outside = diff.get("outside_ops_ms") or {}
+    if table == "cpu_ops" and isinstance(outside.get("delta"), (int, float)) and outside["delta"]:
+        waits.append(f"outside any op on the step's threads {ms(outside['delta'])}")
+    if waits:
+        out.append("waiting moved: " + ", ".join(waits) + " — a symptom; see the top contributors")
+    other = [f"{_op_name(r.get('name'))} {ms(r['delta_ms'])}" for r in moved(t.get("other_threads"))]
+    if other:
+        out.append("other threads: " + ", ".join(other))
+    return out
+
+
 def op_diff_lines(diff) -> list[str]:
     """Plain-text lines of the op diff for the terminal (names are printed as text, not markup)."""
     if not isinstance(diff, Mapping):
@@ -293,10 +316,12 @@ def op_diff_lines(diff) -> list[str]:
                  f"{kit.fmt_ms(sw.get('baseline'))} -> {kit.fmt_ms(sw.get('candidate'))}:"]
     for table, t in _op_tables(diff):
         lines.append(f"  {'GPU kernels' if table == 'kernels' else 'CPU ops'}, {t.get('measure')}: "
-                     f"{kit.fmt_ms(t.get('baseline_ms'))} -> {kit.fmt_ms(t.get('candidate_ms'))}")
+                     f"{kit.fmt_ms(t.get('baseline_ms'))} -> {kit.fmt_ms(t.get('candidate_ms'))}; "
+                     f"top contributors ({_OP_CRITICAL[table]}):")
         for r in [r for r in t.get("top") or [] if r.get("delta_ms")][:OP_ROWS]:
             name, b, c, d, status = _op_row(r)
             lines.append(f"    {d:>18}  {b:>9} -> {c:<9} {name}" + (f"  [{status}]" if status else ""))
+        lines += [f"    {x}" for x in _op_apart(t, diff, table)]
         for what in ("added", "removed"):
             ops = t.get(what) or []
             if ops:
@@ -317,14 +342,18 @@ def op_diff_markdown(diff) -> list[str]:
              f"{kit.fmt_ms(sw.get('baseline'))} → {kit.fmt_ms(sw.get('candidate'))}.", ""]
     for table, t in _op_tables(diff):
         rows = [r for r in t.get("top") or [] if r.get("delta_ms")][:OP_ROWS]
+        apart = [f"{_md_cell(x)}" for x in _op_apart(t, diff, table)]
         lines += [f"{'GPU kernels' if table == 'kernels' else 'CPU ops'} ({_md_cell(t.get('measure'))}): "
-                  f"{kit.fmt_ms(t.get('baseline_ms'))} → {kit.fmt_ms(t.get('candidate_ms'))}", ""]
+                  f"{kit.fmt_ms(t.get('baseline_ms'))} → {kit.fmt_ms(t.get('candidate_ms'))}; "
+                  f"top contributors ({_OP_CRITICAL[table]}):", ""]
         if not rows:
             lines += ["No op moved.", ""]
-            continue
-        lines += ["| Change | Before | After | Op | |", "|-------:|-------:|------:|:---|:--|"]
-        for r in rows:
-            name, b, c, d, status = _op_row(r)
-            lines.append(f"| {_md_cell(d)} | {b} | {c} | `{_md_cell(name).replace('`', '')}` | {status} |")
-        lines.append("")
+        else:
+            lines += ["| Change | Before | After | Op | |", "|-------:|-------:|------:|:---|:--|"]
+            for r in rows:
+                name, b, c, d, status = _op_row(r)
+                lines.append(f"| {_md_cell(d)} | {b} | {c} | `{_md_cell(name).replace('`', '')}` | {status} |")
+            lines.append("")
+        if apart:
+            lines += [f"- {x}" for x in apart] + [""]
     return lines

@@ -123,6 +123,76 @@ def test_bare_cpu_traces_through_the_cli(tmp_path):
     assert outer["ranks"] == 2 and outer["self_ms"] == pytest.approx(0.6)
     html = (out / "report.html").read_text()
     assert "Ops and kernels" in html and "Top CPU ops by self time" in html and "no GPU kernels" in html
+    assert "CPU time per step by role" in html
+
+
+def roles_trace(path: Path, steps: bool = True) -> Path:
+    """Two profiled steps of 1000 µs on thread 1 (the step's thread), backward on an autograd
+    thread 3, gloo on thread 2, a data loader thread 4; an op crossing a step's end."""
+    ev = [
+        *([_x("ProfilerStep#1", 0, 1000, cat="user_annotation"),
+           _x("ProfilerStep#2", 1000, 1000, cat="user_annotation")] if steps else []),
+        _x("aten::mm", 100, 200),                       # compute
+        _x("c10d::allreduce_", 300, 50),                # wait
+        _x("outer", 800, 400),                          # crosses step 1's end: cut at 1000
+        _x("aten::relu", 1100, 50),                     # in step 2: outer (cut) is not its parent
+        _x("cudaStreamSynchronize", 1300, 100, cat="cuda_runtime"),  # wait
+        _x("aten::copy_", 1500, 20),                    # compute
+        _x("Optimizer.step#SGD.step", 1900, 400, cat="user_annotation"),  # cut at 2000
+        _x("aten::add_", 1950, 30),
+        _x("aten::zero_", 2100, 10),                    # after the last step
+        _x("gloo:all_reduce", 350, 550, tid=2, cat="user_annotation"),   # communication
+        _x("autograd::engine::evaluate_function: MmBackward0", 400, 100, tid=3),  # backward thread
+        _x("aten::mm", 410, 70, tid=3),
+        _x("aten::copy_", 100, 500, tid=4),             # other (a data loader worker)
+    ]
+    path.write_text(json.dumps({"distributedInfo": {"rank": 0, "world_size": 2}, "traceEvents": ev}))
+    return path
+
+
+def test_roles_by_thread_and_name_by_hand(tmp_path):
+    d = ops.trace_digest(None, 0, load_trace(roles_trace(tmp_path / "r.json")))
+    assert d["thread_roles"] == {"main": 1, "backward": 1, "communication": 1, "other": 1}
+    rows = {(r["name"], r["role"]): (r["self_ns"] // 1000, r["total_ns"] // 1000, r["count"])
+            for r in d["cpu_ops"]["rows"]}
+    assert rows == {
+        ("aten::mm", "compute"): (200 + 70, 270, 2),          # the step's thread and backward
+        ("autograd::engine::evaluate_function: MmBackward0", "compute"): (30, 100, 1),
+        ("c10d::allreduce_", "wait"): (50, 50, 1), ("cudaStreamSynchronize", "wait"): (100, 100, 1),
+        ("outer", "compute"): (200, 200, 1),                  # [800, 1000): cut at the step's end
+        ("aten::relu", "compute"): (50, 50, 1),
+        ("aten::copy_", "compute"): (20, 20, 1), ("aten::copy_", "other"): (500, 500, 1),
+        ("Optimizer.step#SGD.step", "compute"): (100 - 30, 100, 1), ("aten::add_", "compute"): (30, 30, 1),
+        ("gloo:all_reduce", "communication"): (550, 550, 1)}
+    assert {k: v["self_ns"] // 1000 for k, v in d["cpu_roles"].items()} == \
+        {"compute": 670, "wait": 150, "communication": 550, "other": 500}
+    # the step's threads (main, backward) run ops for 820 µs of the 2000 µs window
+    assert (d["step_threads_busy_ns"], d["outside_ops_ns"]) == (820_000, 1_180_000)
+    assert len(d["cpu_ops"]["name_sums"]) == 11  # one per (name, role)
+    m = ops.combine({0: d})
+    j = m["job"]
+    assert j["cpu_self_ms_per_step_by_role"] == {"compute": pytest.approx(0.335), "wait": pytest.approx(0.075),
+                                                 "communication": pytest.approx(0.275), "other": pytest.approx(0.25)}
+    assert j["outside_ops_ms_per_step"] == pytest.approx(0.59)
+    copies = sorted((r["role"], r["self_ms_per_step"]) for r in m["cpu_ops"] if r["name"] == "aten::copy_")
+    assert copies == [("compute", pytest.approx(0.01)), ("other", pytest.approx(0.25))]
+    assert [x["name"] for x in m["per_rank"][0]["top_compute_ops_self"]] == ["aten::mm", "outer", "Optimizer.step#SGD.step"]
+
+
+def test_without_profiler_steps_the_busiest_thread_is_the_steps(tmp_path):
+    d = ops.trace_digest(None, 0, load_trace(roles_trace(tmp_path / "r.json", steps=False)))
+    assert d["thread_roles"] == {"main": 1, "backward": 1, "communication": 1, "other": 1}
+    roles = {(r["name"], r["role"]) for r in d["cpu_ops"]["rows"]}
+    assert {("aten::copy_", "other"), ("aten::mm", "compute"), ("c10d::allreduce_", "wait"),
+            ("gloo:all_reduce", "communication"), ("aten::zero_", "compute")} <= roles
+
+
+def test_wait_names():
+    waits = ["c10d::allreduce_", "_c10d_functional::wait_tensor", "record_param_comms", "nccl:all_reduce",
+             "gloo:barrier", "cudaStreamSynchronize", "## KJTListAwaitable wait() ##", "All2All_Pooled_Wait"]
+    not_waits = ["aten::mm", "cudaStreamWaitEvent", "cudaLaunchKernel", "torch.distributed.ddp.reducer::copy_bucket_to_grad",
+                 "Optimizer.step#SGD.step"]
+    assert [n for n in waits if not ops.is_wait(n)] == [] and [n for n in not_waits if ops.is_wait(n)] == []
 
 
 # --------------------------------------------------------------------------- independent pandas
