@@ -30,11 +30,14 @@ compare`, in process, at the default settings or with --fail-on) on each:
     A/A  k vs k     disjoint k-run groups of base runs (random splits, fixed seed; --k)
     A/A  history    K base runs as a --baseline-dir history vs 1 and vs m other base runs
     A/B  the same shapes with the candidate side drawn from a slowD pool
+    A/B  scaled: with --scale F, the k-vs-k and history shapes of disjoint base runs with the
+         candidate side's step times and CPU times multiplied by F (MFU divided by it): a
+         uniform slowdown of exactly F on top of the machine's real run-to-run noise
 
 and prints, per shape, the false-alarm rate (A/A comparisons that exit 1), the detection rate
-(A/B comparisons that exit 1 naming step_time; any metric with --fail-on) and how many were
-inconclusive (exit 3), with the actual step-time cost of each effect (median over runs of each
-run's median step, slow pool vs base pool). The k-vs-k shapes reuse runs, so their comparisons
+(A/B comparisons that exit 1; the metrics that failed are listed) and how many were
+inconclusive (exit 3), with the actual cost of each effect (median over runs of each run's
+median step, and of the busiest rank's CPU time per step, slow pool vs base pool). The k-vs-k shapes reuse runs, so their comparisons
 are not independent; the 1-vs-1 pairs are each pair once.
 
 `fixtures` writes trimmed copies of pool runs' summary.json (only what compare reads) for
@@ -130,6 +133,31 @@ def _median_step(runs) -> float:
     return statistics.median(statistics.median(step_samples(s)) for _, s in runs)
 
 
+def _median_cpu(runs) -> float | None:
+    from trainprof.regression import cpu_time_value
+
+    vals = [cpu_time_value(s) for _, s in runs]
+    return statistics.median(vals) if vals and None not in vals else None
+
+
+def scaled(summary: dict, f: float) -> dict:
+    """A copy of a summary whose every step (and the busiest rank's CPU time) took f times as
+    long: what the gate reads of a uniform slowdown by f."""
+    s = json.loads(json.dumps(summary))
+    st = s.get("metrics", {}).get("step_time", {})
+    for p in st.get("per_step") or []:
+        p["max_ms"] *= f
+    for r, v in (st.get("step_ms_by_rank") or {}).items():
+        st["step_ms_by_rank"][r] = [x * f if x is not None else None for x in v]
+    for p in (s.get("metrics", {}).get("roofline", {}).get("job", {}).get("per_step") or []):
+        if p.get("mfu") is not None:
+            p["mfu"] /= f
+    for p in (s.get("metrics", {}).get("stragglers", {}).get("per_rank") or []):
+        if p.get("cpu_ms") is not None:
+            p["cpu_ms"] *= f
+    return s
+
+
 def _groups(runs, k, n_splits, rng):
     """n_splits random pairs of disjoint k-run groups (as sorted name tuples, deduplicated)."""
     seen, out = set(), []
@@ -201,14 +229,22 @@ def evaluate(a) -> int:
     if loads:
         print(f"1-minute load average before each run: median {statistics.median(loads):.1f}, "
               f"max {max(loads):.1f} (2 cores)")
-    print(f"pool {pool}: {len(bases)} base runs (median step {base_ms:.1f} ms), "
-          + ", ".join(f"{len(v)} {k} runs (median step {_median_step(v):.1f} ms, "
-                      f"{(_median_step(v) / base_ms - 1) * 100:+.0f} %)" for k, v in slows.items() if v)
+    base_cpu = _median_cpu(bases)
+
+    def cost(runs):
+        text = f"{(_median_step(runs) / base_ms - 1) * 100:+.0f} %"
+        cpu = _median_cpu(runs)
+        return text + (f", CPU {(cpu / base_cpu - 1) * 100:+.0f} %" if cpu and base_cpu else "")
+
+    print(f"pool {pool}: {len(bases)} base runs (median step {base_ms:.1f} ms"
+          + (f", busiest rank's CPU {base_cpu:.1f} ms per step" if base_cpu else "") + "), "
+          + ", ".join(f"{len(v)} {k} runs (median step {_median_step(v):.1f} ms, {cost(v)})"
+                      for k, v in slows.items() if v)
           + (f", {len(profs)} prof runs" if profs else ""))
     rows = []
 
     def tally(kind, shape, effect, comparisons, want=None):
-        if not comparisons:
+        if not comparisons or (a.only and a.only != kind):
             return
         codes = {0: 0, 1: 0, 3: 0}
         names = {}
@@ -235,17 +271,26 @@ def evaluate(a) -> int:
               _history(bases, bases, a.history, m, a.splits, rng, same_pool=True))
     if len(profs) >= 2:
         tally("A/A", "1 vs 1 (profiled)", "none", [([x], [y]) for x, y in itertools.combinations(profs, 2)])
-    want = None if a.fail_on else "step_time"  # detected: exit 1 naming step time (any metric with --fail-on)
     for name, runs in slows.items():
         if not runs:
             continue
-        cost = f"{(_median_step(runs) / base_ms - 1) * 100:+.0f} % ({name})"
-        tally("A/B", "1 vs 1", cost, [([x], [y]) for x in bases for y in runs], want=want)
+        effect = f"{cost(runs)} ({name})"
+        tally("A/B", "1 vs 1", effect, [([x], [y]) for x in bases for y in runs])
         for k in a.k:
-            tally("A/B", f"{k} vs {k}", cost, _cross(bases, runs, k, a.splits, rng), want=want)
+            tally("A/B", f"{k} vs {k}", effect, _cross(bases, runs, k, a.splits, rng))
         for m in (1, a.history_cands):
-            tally("A/B", f"history {a.history} vs {m}", cost,
-                  _history(bases, runs, a.history, m, a.splits, rng, same_pool=False), want=want)
+            tally("A/B", f"history {a.history} vs {m}", effect,
+                  _history(bases, runs, a.history, m, a.splits, rng, same_pool=False))
+    for f in a.scale:
+        effect = f"x{f:g} (scaled base runs)"
+
+        def scale(comparisons):
+            return [(b, [(n, scaled(s, f)) for n, s in c]) for b, c in comparisons]
+        for k in a.k:
+            tally("A/B", f"{k} vs {k}", effect, scale(_groups(bases, k, a.splits, rng)))
+        for m in (1, a.history_cands):
+            tally("A/B", f"history {a.history} vs {m}", effect,
+                  scale(_history(bases, bases, a.history, m, a.splits, rng, same_pool=True)))
 
     print(f"\nsettings: alpha={settings.alpha}, min effect {settings.min_effect * 100:g} %"
           + (f", fail on {', '.join(a.fail_on)}" if a.fail_on else " (the defaults)") + "\n")
@@ -277,6 +322,7 @@ KEEP = {
         "pipeline": {"bubble_fraction": True, "bubble_fraction_by_step": True},
         "comm_compute": {"exposed_comm_fraction": True, "job": {"exposed_comm_fraction": True}},
         "memory": {"per_rank": [{"rank": True, "peak_rss_bytes": True, "peak_allocated_bytes": True}]},
+        "stragglers": {"per_rank": [{"rank": True, "cpu_ms": True}]},
     },
 }
 
@@ -329,6 +375,9 @@ def main() -> int:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--fail-on", action="append", default=[], metavar="METRIC:THRESHOLD",
                    help="gate this metric too, as `trainprof compare --fail-on` (e.g. bubble:+5pp)")
+    e.add_argument("--scale", type=float, action="append", default=[], metavar="F",
+                   help="also A/B with base runs slowed by exactly F (e.g. 1.3), see above")
+    e.add_argument("--only", choices=["A/A", "A/B"], help="only these comparisons")
     e.add_argument("--json", help="also write the rows as JSON")
     f = sub.add_parser("fixtures", help="trimmed summary.json copies of pool runs (test fixtures)")
     f.add_argument("--pool", default=str(DEFAULT_POOL))

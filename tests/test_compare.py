@@ -414,8 +414,9 @@ def test_recorded_slowdown_is_a_regression_naming_step_time():
     assert by["step_time"]["verdict"] == "regression" and by["step_time"]["test"] == "t over runs"
     assert 1.3 < by["step_time"]["ratio"] < 1.6 and by["step_time"]["ci"][0] > 1.1
     assert by["throughput"]["verdict"] == "regression" and by["throughput"]["change"] < -0.25
+    assert by["cpu_time"]["verdict"] == "regression" and by["cpu_time"]["ratio"] > 1.5
     text = compare(*base, "--", *slow)
-    assert "REGRESSION in step_time, throughput, mfu" in text.stdout
+    assert "REGRESSION in step_time, throughput, mfu, cpu_time" in text.stdout
     assert "baseline: 8 runs (13 analysed steps each) · candidate: 8 runs (13 analysed steps each)" in text.stdout
     # one run per side: the same slowdown only says that the two runs differ
     one = compare(base[0], slow[0])
@@ -440,3 +441,29 @@ def test_recorded_profiled_window_missing_on_one_side():
     assert proc.returncode in (0, 3)
     proc = compare(prof[0], base[0], "--fail-on", "exposed_comm:+5pp")
     assert proc.returncode == 3 and "not in candidate" in proc.stdout
+
+
+def test_recorded_slowdown_three_runs_per_side_is_found_by_cpu_time():
+    """The straggler's extra work per step shows in the busiest rank's CPU time, which the
+    machine's run-to-run noise barely moves: 3 runs per side suffice where step time does not."""
+    from trainprof.regression import Settings, compare_runs, overall_verdict
+
+    base = [json.loads(p.read_text()) for p in fixtures("base")]
+    slow = [json.loads(p.read_text()) for p in fixtures("slow50")]
+    for i in range(len(base) - 2):
+        results, _ = compare_runs(base[i:i + 3], slow[i:i + 3], Settings())
+        by = {r.metric: r for r in results}
+        assert overall_verdict(results)[0] == 1 and by["cpu_time"].verdict == "regression", i
+        assert by["cpu_time"].ci[0] > 1.3 and by["cpu_time"].runs == [3, 3]
+
+
+def test_recorded_a_a_every_four_against_four_passes():
+    from itertools import combinations
+
+    from trainprof.regression import Settings, compare_runs, overall_verdict
+
+    base = [json.loads(p.read_text()) for p in fixtures("base")]
+    for pick in combinations(range(1, 8), 3):  # every split of the 8 runs into two halves once
+        a = [0, *pick]
+        results, _ = compare_runs([base[i] for i in a], [base[i] for i in range(8) if i not in a], Settings())
+        assert overall_verdict(results) == (0, "pass"), (a, [r.to_dict() for r in results])

@@ -412,3 +412,103 @@ def test_fingerprint_mismatch_names_the_field():
     a, b = summary([1] * 6), summary([1] * 6, run={"world_size": 4})
     diff = fingerprint_mismatches(a, b)
     assert len(diff) == 1 and diff[0].startswith("world_size") and "2" in diff[0] and "4" in diff[0]
+
+
+# --- CPU time per step: the measure of work that a neighbour's load barely moves -----------------
+
+def contended(level_ms, cpu_ms, k, seed, burst_p=0.3):
+    """k runs of 13 steps as on a shared 2-core machine: a neighbour's load slows whole runs
+    (one-sided: ×1.3–1.7 with probability burst_p, besides a 10 % run-to-run level noise and
+    8 % step noise) while the busiest rank's CPU time per step moves by a few percent (with its
+    own rarer, smaller one-sided inflation: caches and cores shared with the neighbour)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(k):
+        burst = rng.uniform(1.3, 1.7) if rng.random() < burst_p else 1.0
+        level = level_ms * burst * np.exp(0.10 * rng.standard_normal())
+        steps = list(level * np.exp(0.08 * rng.standard_normal(13)))
+        cpu = cpu_ms * np.exp(0.04 * rng.standard_normal()) * (1.15 if rng.random() < burst_p / 3 else 1.0)
+        ranks = [{"rank": r, "cpu_ms": cpu * (1.0 if r == 1 else 0.9)} for r in range(2)]
+        out.append(summary(steps, extra={"stragglers": {"per_rank": ranks}}))
+    return out
+
+
+def test_cpu_time_value_is_the_busiest_ranks_and_absent_safe():
+    from trainprof.regression import cpu_time_value
+
+    s = summary(samples(100), extra={"stragglers": {"per_rank": [{"rank": 0, "cpu_ms": 30.0},
+                                                                 {"rank": 1, "cpu_ms": 42.5}]}})
+    assert cpu_time_value(s) == 42.5
+    assert cpu_time_value(summary(samples(100))) is None  # no scheduler statistics recorded
+    partial = summary(samples(100), extra={"stragglers": {"per_rank": [{"rank": 0, "cpu_ms": 30.0},
+                                                                       {"rank": 1, "cpu_ms": None}]}})
+    assert cpu_time_value(partial) is None  # a rank without it: the busiest may be the one missing
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cpu_time_finds_a_thirty_percent_slowdown_that_contention_hides_from_step_time(seed):
+    bases = contended(150, 36, 4, seed)
+    cands = contended(150 * 1.3, 36 * 1.3, 4, seed + 100)  # 30 % more work per step
+    results, _ = compare_runs(bases, cands, Settings())
+    by = {r.metric: r for r in results}
+    assert by["cpu_time"].verdict == REGRESSION and by["cpu_time"].test == TEST_RUNS
+    assert by["cpu_time"].ratio == pytest.approx(1.3, abs=0.1)
+    assert by["cpu_time"].p_value < by["step_time"].p_value  # the same change, less noise
+    assert overall_verdict(results) == (1, "regression")
+
+
+def test_cpu_time_under_contention_gives_no_more_false_alarms_than_alpha():
+    """A/A with one-sided contention bursts on both sides, the whole gate (four gated metrics,
+    Benjamini–Hochberg): the false-alarm rate stays within the binomial range of alpha."""
+    alpha, n = 0.05, 300
+    alarms = sum(overall_verdict(compare_runs(contended(150, 36, 3, 2 * i), contended(150, 36, 3, 2 * i + 1),
+                                              Settings(alpha=alpha, min_effect=0.0))[0])[0] == 1
+                 for i in range(n))
+    assert alarms <= stats.binom.ppf(0.999, n, alpha), alarms
+
+
+def test_cpu_time_one_run_each_is_shown_never_gated_and_one_candidate_only_differs():
+    bases, cands = contended(150, 36, 8, 0, burst_p=0), contended(150, 72, 1, 1, burst_p=0)
+    results, _ = compare_runs(bases[:1], cands, Settings())
+    by = {r.metric: r for r in results}
+    assert by["cpu_time"].gate is False and by["cpu_time"].verdict == REGRESSION  # shown as worse
+    assert by["cpu_time"].p_value is None and by["cpu_time"].change == pytest.approx(72 / 36 - 1, rel=0.2)
+    results, _ = compare_runs(bases, cands, Settings())  # a history of 8 against one candidate run
+    by = {r.metric: r for r in results}
+    assert by["cpu_time"].verdict == DIFFERS and by["cpu_time"].gate
+    assert overall_verdict(results)[0] == 3
+
+
+def test_runs_without_cpu_time_still_compare():
+    with_cpu = contended(150, 36, 3, 0, burst_p=0)
+    without = [summary(samples(150, n=13, seed=i)) for i in range(3)]
+    results, _ = compare_runs(without, without[::-1], Settings())
+    assert "cpu_time" not in {r.metric for r in results}  # absent from every run: left out
+    results, _ = compare_runs(without, with_cpu, Settings())  # e.g. a history of older runs
+    by = {r.metric: r for r in results}
+    assert by["cpu_time"].verdict == MISSING and by["cpu_time"].gate is False
+    assert overall_verdict(results)[0] == 0
+    assert "not in baseline run 1, baseline run 2, baseline run 3" in by["cpu_time"].detail
+    results, _ = compare_runs(without, with_cpu, Settings(thresholds={"cpu_time": "+5%"}))
+    assert overall_verdict(results)[0] == 3  # asked for: missing data is inconclusive
+
+
+def test_throughput_and_mfu_are_one_hypothesis_with_step_time():
+    """They are step time in other units: Benjamini–Hochberg counts the three once, so a fourth
+    metric is adjusted over 2 hypotheses, not 4 (0.003 × 2 / 1 = 0.006 < 0.01; × 4 would fail)."""
+    from trainprof.regression import adjust
+
+    def made(metric, p, kind="sampled"):
+        return Comparison(metric, metric, "", kind, UNCHANGED, p_value=p, moved=REGRESSION, runs=[3, 3],
+                          test=TEST_RUNS, change=0.3)
+
+    family = [made("step_time", 0.5), made("throughput", 0.5), made("mfu", 0.6), made("cpu_time", 0.003, "value")]
+    adjust(family, 0.01)
+    q = {r.metric: r.p_adjusted for r in family}
+    assert q["cpu_time"] == pytest.approx(0.006) and family[3].verdict == REGRESSION
+    assert q["step_time"] == q["throughput"] == pytest.approx(0.5)  # BH over (0.003, 0.5): 0.5
+    assert q["mfu"] == pytest.approx(0.6)  # scaled as its hypothesis's smallest p-value was
+    assert family[0].verdict == UNCHANGED and "not significant" in family[0].reason
+    lone = [made("step_time", 0.5), made("cpu_time", 0.003, "value"), made("metrics.x", 0.5), made("metrics.y", 0.5)]
+    adjust(lone, 0.01)  # four distinct hypotheses: 0.003 × 4 = 0.012
+    assert lone[1].p_adjusted == pytest.approx(0.012) and lone[1].verdict == UNCHANGED

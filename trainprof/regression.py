@@ -3,7 +3,7 @@
 Each side is one or more runs (summary.json dicts). A metric is *sampled* (one sample per analysed
 step: step time, throughput, MFU, pipeline bubble) or a *value* (one number per run: exposed
 communication over the profiled window, MFU of a run without per-step data, peak memory per rank,
-any dotted number).
+the busiest rank's CPU time per step, any dotted number).
 
 The test depends on how many runs there are:
 - one run per side: sampled metrics go through a two-sided Mann–Whitney U test over the steps,
@@ -18,8 +18,9 @@ each, or one candidate run against a history) a significant slowdown says only t
 differ — inconclusive (DIFFERS). One run can be hit by a neighbour's load burst as a whole.
 
 A metric regresses only when its change is significant AND beyond its threshold in the bad
-direction (sampled metrics: the minimum effect unless set explicitly). Step time, throughput and
-MFU gate by default; bubble, exposed communication and peak memory are informational unless the
+direction (sampled metrics: the minimum effect unless set explicitly). Step time, throughput,
+MFU and CPU time per step gate by default (CPU time only when every run has it, and with ≥3 runs in
+all: it is one measured number per run, so a single run per side has no noise estimate); bubble, exposed communication and peak memory are informational unless the
 user sets a threshold for them. The p-values of the gated metrics are adjusted together with
 Benjamini–Hochberg: when nothing changed (A/A) the false-discovery rate is the chance of any false
 alarm, so identical code fails with probability ≤ alpha however many metrics are gated (for
@@ -364,6 +365,28 @@ def compare_values(metric: str, base, cand, threshold: Threshold | None, label: 
     return out
 
 
+def compare_run_values(metric: str, base: Sequence[float], cand: Sequence[float], threshold: Threshold,
+                       alpha: float = DEFAULT_ALPHA, label: str | None = None, unit: str = "",
+                       gate: bool = True) -> Comparison:
+    """One measured number per run (not per step), gated like a sampled metric over runs: the
+    t-test over the runs (log scale for relative thresholds); a single run on a side can only
+    say that the runs differ. One run each: no spread to test against, so shown, never gated."""
+    vb, vc = [float(v) for v in base], [float(v) for v in cand]
+    out = Comparison(metric, label or metric, unit, "value", UNCHANGED, runs=[len(vb), len(vc)],
+                     threshold=threshold.describe(unit),
+                     direction=threshold.direction, gate=gate)
+    if len(vb) + len(vc) < 3:
+        out.baseline, out.candidate = float(np.mean(vb)), float(np.mean(vc))
+        out.ratio, out.change = _ratio(out.baseline, out.candidate)
+        out.test, out.gate = TEST_THRESHOLD, False
+        out.verdict = _decide(threshold, out.baseline, out.candidate)
+        out.detail = "one number per run: gated with ≥3 runs in all (a t-test over the runs)"
+        return out
+    _runs_test(out, vb, vc, threshold)
+    out.moved = _decide(threshold, out.baseline, out.candidate)
+    return settle(out, alpha)
+
+
 def compare_per_rank(metric: str, base, cand, threshold: Threshold, label: str | None = None,
                      unit: str = "", gate: bool | None = None, alpha: float = DEFAULT_ALPHA) -> Comparison:
     """{rank: value} per run (one mapping, or a list with one per run) on both sides: the rank
@@ -403,12 +426,27 @@ def compare_per_rank(metric: str, base, cand, threshold: Threshold, label: str |
     return out
 
 
+# sampled metrics that are step time in other units (tokens ÷ step time; model FLOPs ÷ (step time
+# × a common peak)): the same samples, so the same test — one hypothesis in the family
+SAME_TEST = {"throughput": "step_time", "mfu": "step_time"}
+
+
 def adjust(results: list[Comparison], alpha: float) -> None:
-    """Benjamini–Hochberg over the gated metrics that have a p-value; verdicts re-settled."""
+    """Benjamini–Hochberg over the gated metrics that have a p-value; verdicts re-settled.
+    Throughput and MFU per step count as one hypothesis with step time (SAME_TEST): counting
+    one test three times would only make the other metrics harder to find. Each member's
+    adjusted p-value is its own p-value scaled as its hypothesis's smallest one was."""
     family = [r for r in results if r.gate and r.p_value is not None and r.verdict not in (INSUFFICIENT, MISSING)]
-    for r, q in zip(family, benjamini_hochberg([r.p_value for r in family])):
-        r.p_adjusted = q
-        settle(r, alpha)
+    groups: dict[str, list[Comparison]] = {}
+    for r in family:
+        key = SAME_TEST.get(r.metric, r.metric) if r.kind == "sampled" else r.metric
+        groups.setdefault(key, []).append(r)
+    lowest = [min(r.p_value for r in members) for members in groups.values()]
+    for members, p, q in zip(groups.values(), lowest, benjamini_hochberg(lowest)):
+        for r in members:
+            r.p_adjusted = min(1.0, r.p_value * q / p) if p > 0 else (q if r.p_value == 0 else
+                                                                      min(1.0, r.p_value * len(groups)))
+            settle(r, alpha)
 
 
 def overall_verdict(results: list[Comparison]) -> tuple[int, str]:
@@ -504,6 +542,19 @@ def bubble_samples(summary: Mapping) -> list[float]:
     return [float(v) for _, v in items if _finite(v)]
 
 
+def cpu_time_value(summary: Mapping) -> float | None:
+    """CPU time per step of the busiest rank's training thread: the largest of
+    metrics.stragglers.per_rank[].cpu_ms (each rank's median over the analysed steps of the
+    steps stream's `cpu_ms`). None when a rank lacks it (probes without scheduler statistics)."""
+    rows = get_path(summary, "metrics.stragglers.per_rank")
+    if not isinstance(rows, list) or not rows:
+        return None
+    vals = [r.get("cpu_ms") if isinstance(r, Mapping) else None for r in rows]
+    if not all(_finite(v) and v > 0 for v in vals):
+        return None
+    return float(max(vals))
+
+
 MEMORY_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_bytes", "peak_rss_bytes")
 
 
@@ -548,7 +599,7 @@ def malformed(summary: Mapping) -> list[str]:
                 errors.append(f"{path}[{i}].{key}: expected a number, got {type(row.get(key)).__name__}")
 
     for path in ("metrics.step_time", "metrics.step_time.job", "metrics.roofline", "metrics.pipeline",
-                 "metrics.comm_compute", "metrics.memory", "run.run_info"):
+                 "metrics.comm_compute", "metrics.memory", "metrics.stragglers", "run.run_info"):
         expect(path, lambda x: isinstance(x, Mapping), "an object")
     for path in ("run.world_size", "metrics.step_time.job.tokens_per_step",
                  "metrics.step_time.job.ranks_reporting", "metrics.step_time.first_step",
@@ -565,6 +616,8 @@ def malformed(summary: Mapping) -> list[str]:
     by_step = expect("metrics.pipeline.bubble_fraction_by_step", lambda x: isinstance(x, Mapping), "an object")
     if by_step and not all(_number_or_null(v) for v in by_step.values()):
         errors.append("metrics.pipeline.bubble_fraction_by_step: expected numbers")
+    if isinstance(get_path(summary, "metrics.stragglers"), Mapping):
+        rows("metrics.stragglers.per_rank", "cpu_ms")
     per_rank = get_path(summary, "metrics.memory.per_rank")
     if isinstance(per_rank, list):
         rows("metrics.memory.per_rank", None)
@@ -602,13 +655,15 @@ BUILTIN = {
     "step_time": ("step time", "ms", +1, "sampled", None, True),  # None: --min-effect
     "throughput": ("throughput", "tokens/s", -1, "sampled", None, True),
     "mfu": ("MFU", "fraction", -1, "sampled", None, True),
+    "cpu_time": ("CPU time per step (busiest rank)", "ms", +1, "run_value", None, True),
     "exposed_comm": ("exposed comm fraction", "fraction", +1, "value", "5pp", False),
     "bubble": ("pipeline bubble fraction", "fraction", +1, "sampled", "5pp", False),
     "peak_memory": ("peak memory (worst rank)", "bytes", +1, "per_rank", "5%", False),
 }
 ALIASES = {"step": "step_time", "step_ms": "step_time", "tokens_per_s": "throughput",
            "tokens/s": "throughput", "exposed_comm_fraction": "exposed_comm",
-           "bubble_fraction": "bubble", "memory": "peak_memory", "peak_mem": "peak_memory"}
+           "bubble_fraction": "bubble", "memory": "peak_memory", "peak_mem": "peak_memory",
+           "cpu": "cpu_time", "cpu_ms": "cpu_time"}
 SAMPLES = {"step_time": step_samples, "throughput": throughput_samples, "mfu": mfu_samples,
            "bubble": bubble_samples}
 
@@ -700,6 +755,15 @@ def compare_runs(bases: Sequence[Mapping], cands: Sequence[Mapping],
                                    alpha=settings.alpha)
                 if r.verdict == MISSING and len(everything) > 2:
                     r.detail = _missing_runs(bases, cands, lambda s: first_path(s, *VALUE_PATHS[name]) is not None)
+        if r is None and kind == "run_value":
+            vb, vc = [cpu_time_value(s) for s in bases], [cpu_time_value(s) for s in cands]
+            if all(v is not None for v in vb + vc):
+                r = compare_run_values(name, vb, vc, th, settings.alpha, label, unit, gate=gate)
+            elif any(v is not None for v in vb + vc):  # older runs: shown, gated only on request
+                r = Comparison(name, label, unit, "value", MISSING, threshold=th.describe(unit),
+                               direction=direction, gate=name in settings.thresholds,
+                               runs=[len(vb), len(vc)],
+                               detail=_missing_runs(bases, cands, lambda s: cpu_time_value(s) is not None))
         if r is None and kind == "per_rank":
             key = next((k for k in (peak_memory(s)[1] for s in everything) if k), None)
             mb = [peak_memory(s, key)[0] for s in bases]

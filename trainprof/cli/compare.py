@@ -387,7 +387,8 @@ def load_history(directory: Path, keep: int, cands, allow_mismatch: bool) -> tup
 @click.option("--alpha", type=float, default=None, help="Significance level, after the "
               "Benjamini–Hochberg adjustment over the gated metrics [default: 0.01].")
 @click.option("--min-effect", default=None, metavar="PCT",
-              help="Smallest change that counts for step time, throughput and MFU [default: 5%].")
+              help="Smallest change that counts for step time, throughput, MFU and CPU time "
+                   "[default: 5%].")
 @click.option("--config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="TOML file: alpha, min_effect, metrics = [...], [fail_on] metric = \"+5%\" "
                    "(flags win).")
@@ -412,7 +413,9 @@ def compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min
     time, throughput and MFU per analysed step — a regression only when the change is
     significant (Mann–Whitney U over the steps with one run per side; a t-test over the per-run
     medians with several runs, so run-to-run noise counts) after the Benjamini–Hochberg
-    adjustment over the gated metrics, AND beyond the minimum effect. Pipeline bubble, exposed
+    adjustment over the gated metrics, AND beyond the minimum effect. Also gated: the busiest
+    rank's CPU time per step (t-test over the runs; needs 3 runs or more, and only when every run
+    recorded it), which a neighbour's load on a shared host barely moves. Pipeline bubble, exposed
     communication and peak memory are shown, and gated only with --fail-on.
 
     \b
