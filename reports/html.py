@@ -53,7 +53,8 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 .note{color:var(--muted);font-size:12px}
 .error{color:#b3001b;white-space:pre-wrap;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;background:#fff5f5;border:1px solid #f1c0c0;padding:8px}
 figure.plot{margin:8px 0}
-figure.plot svg{max-width:100%;height:auto}
+figure.plot svg{max-width:100%;height:auto;font-family:inherit}
+.plots{display:flex;flex-wrap:wrap;gap:10px 18px;align-items:flex-start}
 figcaption{color:var(--muted);font-size:12px}
 ul.problems{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px}
 footer{color:var(--muted);font-size:12px;text-align:center;padding:20px}

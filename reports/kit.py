@@ -1,19 +1,15 @@
-"""Building blocks for report sections: escaped HTML fragments, tables, inline SVG figures.
+"""Building blocks for report sections: escaped HTML fragments, tables, number formats.
 
-Sections build their fragments only from these helpers, so every text that came from a run
-(rank hosts, module paths, messages) is escaped exactly once and nothing loads from a network.
+Sections build their fragments only from these helpers and the charts of trainprof.reports.svg,
+so every text that came from a run (rank hosts, module paths, messages) is escaped exactly once
+and nothing loads from a network.
 """
 
 from __future__ import annotations
 
 import html
-import io
-import itertools
 import math
-import re
 from typing import Any, Callable, Iterable, Mapping
-
-_fig_ids = itertools.count()
 
 
 def esc(x: Any) -> str:
@@ -133,72 +129,3 @@ def table(rows: Iterable[Mapping], columns: list[tuple[str, str]] | None = None,
                     "full data in summary.json.", "note")
     return (f'<div class="tablewrap"><table class="data"><thead><tr>{head}</tr></thead>'
             f"<tbody>{''.join(body)}{''.join(extra_rows)}</tbody></table></div>{note}")
-
-
-def plt():
-    """matplotlib.pyplot on the Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    # Text stays <text> in the SVG (the page's own fonts): a fraction of the size and the
-    # rendering time of glyphs drawn as paths.
-    matplotlib.rcParams["svg.fonttype"] = "none"
-    import matplotlib.pyplot as pyplot
-
-    return pyplot
-
-
-_ID_RE = re.compile(r'\bid="([^"]+)"')
-
-
-def figure(fig, alt: str = "") -> str:
-    """Embed a matplotlib figure as inline SVG (ids made unique per figure) and close it."""
-    pyplot = plt()
-    buf = io.StringIO()
-    try:
-        fig.savefig(buf, format="svg", bbox_inches="tight")
-    finally:
-        pyplot.close(fig)
-    svg = buf.getvalue()
-    start = svg.find("<svg")
-    svg = svg[start:] if start >= 0 else svg
-    # matplotlib names clip paths and glyphs with ids local to one file: two SVGs on one page
-    # would reference each other's definitions, so every id (and its references) gets a prefix.
-    prefix = f"f{next(_fig_ids)}-"
-    ids = set(_ID_RE.findall(svg))
-    if ids:
-        pattern = re.compile(r'(id="|#)(' + "|".join(re.escape(i) for i in sorted(ids, key=len, reverse=True)) + r')(?=["\)])')
-        svg = pattern.sub(lambda m: m.group(1) + prefix + m.group(2), svg)
-    svg = svg.replace("<svg ", f'<svg role="img" aria-label="{esc(alt)}" ', 1)
-    return f'<figure class="plot">{svg}<figcaption>{esc(alt)}</figcaption></figure>'
-
-
-def heatmap(matrix, row_labels: list, col_labels: list, title: str, cbar_label: str = "",
-            alt: str | None = None, cmap: str = "viridis", separator: int | None = None,
-            vmin: float | None = None, vmax: float | None = None) -> str:
-    """A rows × columns heatmap (NaN cells blank) as an inline figure; `separator`: a line drawn
-    under that many top rows; vmin/vmax: the colour scale (cells beyond it saturate)."""
-    import numpy as np
-
-    pyplot = plt()
-    m = np.asarray(matrix, dtype=float)
-    h = min(0.28 * max(len(row_labels), 1) + 1.4, 9 if len(row_labels) <= 40 else 12)
-    fig, ax = pyplot.subplots(figsize=(7.5, h))
-    im = ax.imshow(np.ma.masked_invalid(m), aspect="auto", cmap=cmap, interpolation="nearest",
-                   vmin=vmin, vmax=vmax)
-    ax.set_yticks(range(len(row_labels)))
-    ax.set_yticklabels([str(r) for r in row_labels], fontsize=7)
-    step = max(1, len(col_labels) // 20)
-    ax.set_xticks(range(0, len(col_labels), step))
-    ax.set_xticklabels([str(c) for c in col_labels[::step]], fontsize=7)
-    ax.set_title(title, fontsize=9)
-    if separator:
-        ax.axhline(separator - 0.5, color="white", linewidth=2.5)
-        ax.axhline(separator - 0.5, color="black", linewidth=1)
-    finite = m[np.isfinite(m)]
-    over = vmax is not None and finite.size and finite.max() > vmax
-    under = vmin is not None and finite.size and finite.min() < vmin
-    cb = fig.colorbar(im, ax=ax, extend={(True, True): "both", (True, False): "max",
-                                         (False, True): "min"}.get((bool(over), bool(under)), "neither"))
-    cb.set_label(cbar_label, fontsize=8)
-    return figure(fig, alt or title)

@@ -10,12 +10,13 @@ drawn individually. Display only: the numbers are the summary's, sorted, capped 
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import statistics
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from trainprof.reports import kit
+from trainprof.reports import kit, svg
 
 MAX_RANKS = 64  # up to this many ranks, every per-rank view shows every rank
 TOP = 20  # rows of a capped per-rank table
@@ -140,19 +141,26 @@ def rank_table(rows: Iterable[Mapping], columns: list[tuple[str, str]], fmt: Map
 # --- charts -------------------------------------------------------------------------------------
 
 def _as_list(v) -> list[float]:
+    """A number or a series as floats, NaN for anything not a number (bool, None, text)."""
     vals = v if isinstance(v, (list, tuple)) else [v]
-    return [x if (x := _num(y)) is not None else math.nan for y in vals]
+    return [float(y) if (t := type(y)) is float or t is int
+            or (t is not bool and isinstance(y, (int, float))) else math.nan for y in vals]
+
+
+def _column_medians(series: list[list[float]]) -> list[float]:
+    """The median of each position over the series (NaN ignored; NaN where none has a value)."""
+    out = []
+    for col in itertools.zip_longest(*series, fillvalue=math.nan):
+        vals = [x for x in col if x == x]
+        out.append(statistics.median(vals) if vals else math.nan)
+    return out
 
 
 def outliers(values: Mapping[int, Any], n: int = OUTLIERS, named: Iterable = ()) -> list[int]:
     """The ranks whose values (a number or a series per rank) lie farthest from the job's median
     (mean absolute distance over the series' positions); `named` ranks come first."""
     series = {r: _as_list(v) for r, v in values.items()}
-    width = max((len(v) for v in series.values()), default=0)
-    meds = []
-    for i in range(width):
-        col = [v[i] for v in series.values() if i < len(v) and not math.isnan(v[i])]
-        meds.append(statistics.median(col) if col else math.nan)
+    meds = _column_medians(list(series.values()))
 
     def dist(r):
         d = [abs(x - m) for x, m in zip(series[r], meds) if not math.isnan(x) and not math.isnan(m)]
@@ -214,24 +222,18 @@ def aggregate(values: Mapping[int, Any], members: list[int]):
     if len(vals) == 1:
         return vals[0]
     if all(isinstance(v, (list, tuple)) for v in vals):
-        width = max(len(v) for v in vals)
-        out = []
-        for i in range(width):
-            col = [x for v in vals if i < len(v) and (x := _num(v[i])) is not None]
-            out.append(statistics.median(col) if col else math.nan)
-        return out
+        return _column_medians([_as_list(v) for v in vals])
     nums = [x for v in vals if (x := _num(v)) is not None]
     return statistics.median(nums) if nums else math.nan
 
 
 def rank_heatmap(by_rank: Mapping, col_labels: list, title: str, cbar_label: str, summary: Mapping,
-                 alt: str, named: Iterable = (), scale_cols: Iterable[int] | None = None) -> str:
+                 alt: str, named: Iterable = (), scale_cols: Iterable[int] | None = None,
+                 col_name: str = "step") -> str:
     """A rank × column heatmap: a row per rank up to MAX_RANKS ranks, else a row per host
     (median) under the outlier ranks' own rows. scale_cols: the columns (indices) the colour
     scale and the choice of outliers come from (the analysed steps: a warm-up or profiled step
     many times longer would wash out every other cell); the others are marked with a *."""
-    import numpy as np
-
     width = len(col_labels)
     values = {}
     for r, v in (by_rank or {}).items():
@@ -246,18 +248,25 @@ def rank_heatmap(by_rank: Mapping, col_labels: list, title: str, cbar_label: str
         keep = []
     pick = {r: [v[i] if i < len(v) else math.nan for i in keep] for r, v in values.items()} if keep else values
     rows, n_single, note = chart_rows(pick, summary, named)
-    m = np.asarray([list(v) + [math.nan] * (width - len(v))
-                    for v in (aggregate(values, members) for _, members in rows)], dtype=float)
+    m = []
+    for _, members in rows:
+        v = aggregate(values, members)
+        v = _as_list(v)
+        m.append(v + [math.nan] * (width - len(v)))
     vmin = vmax = None
-    labels = list(col_labels)
+    labels = [str(c) for c in col_labels]
     if keep:
-        scaled = m[:, keep]
-        if np.isfinite(scaled).any():
-            vmin, vmax = float(np.nanmin(scaled)), float(np.nanmax(scaled))
+        scaled = [x for row in m for i in keep if not math.isnan(x := row[i])]
+        if scaled:
+            vmin, vmax = min(scaled), max(scaled)
             labels = [f"{c}" if i in keep else f"{c}*" for i, c in enumerate(col_labels)]
             title += "\n(* excluded from the statistics; colour scale from the analysed steps)"
-    fig = kit.heatmap(m, [label for label, _ in rows], labels, title, cbar_label, alt=alt,
-                      separator=n_single or None, vmin=vmin, vmax=vmax)
+    tips = [f"rank {label}" if not note else label if len(members) == 1
+            else f"{label} (median of {len(members):,} ranks)" for label, members in rows]
+    fig = svg.heatmap(m, [label for label, _ in rows], labels, title, cbar_label, alt=alt,
+                      separator=n_single or None, vmin=vmin, vmax=vmax, row_tips=tips,
+                      col_name=col_name, fmt=kit.fmt_ms if cbar_label == "ms" else None,
+                      row_name="rank" if not note else "rank / host")
     return fig + (kit.para(note, "note") if note else "")
 
 

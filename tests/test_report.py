@@ -13,7 +13,7 @@ import types
 import pytest
 
 from helpers import run_cli, write_script
-from trainprof.reports import kit
+from trainprof.reports import kit, svg
 from trainprof.reports.html import render_html, write_html
 from trainprof.reports.terminal import render_terminal
 
@@ -85,14 +85,17 @@ def test_no_network_loads_and_plots_are_inline_svg():
 
 
 def test_two_figures_on_one_page_do_not_share_ids():
-    plt = kit.plt()
     frags = []
-    for _ in range(2):
-        fig, ax = plt.subplots()
-        ax.plot([1, 2, 3], [3, 1, 2])
-        frags.append(kit.figure(fig, "x"))
+    for _ in range(2):  # a heatmap (colour-bar gradient) and a hatched bar chart (pattern) each
+        frags.append(svg.heatmap([[1.0, 2.0], [3.0, 4.0]], ["a", "b"], ["x", "y"], "t", "ms"))
+        p = svg.Plot((-0.5, 0.5), (0, 1))
+        p.rect(-0.4, 0.4, 0, 0.5, "#4c72b0")
+        p.rect(-0.4, 0.4, 0, 0.5, p.hatch())
+        p.key("expected", "#4c72b0", "hatch")
+        frags.append(svg.figure(p.render(), "x"))
     ids = [set(re.findall(r'id="([^"]+)"', f)) for f in frags]
-    assert ids[0] and ids[1] and not ids[0] & ids[1]
+    assert all(ids)
+    assert sum(len(i) for i in ids) == len(set().union(*ids))  # no id in two figures
     for f, own in zip(frags, ids):  # every internal reference resolves inside its own figure
         refs = set(re.findall(r'(?:href="|url\()#([^")]+)', f))
         assert refs and refs <= own

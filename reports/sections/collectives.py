@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainprof.reports import kit, ranks as rk
+from trainprof.reports import kit, ranks as rk, svg
 
 TITLE = "Collectives"
 
@@ -18,20 +18,27 @@ def _lateness_plot(per_rank: list, summary: dict) -> str:
     mean = {p["rank"]: p["mean_ms"] for p in rows}
     p90 = {p["rank"]: p.get("p90_ms") for p in rows}
     bars, n_single, note = rk.chart_rows(mean, summary, rk.named(summary))
-    plt = kit.plt()
-    fig, ax = plt.subplots(figsize=(8, 2.8 if not note else 3.8))
     xs = [label for label, _ in bars]
-    ax.bar(xs, [rk.aggregate(mean, m) for _, m in bars], color="#4c6ef5", label="mean")
-    ax.plot(xs, [rk.aggregate(p90, m) for _, m in bars], "o", color="#e8590c", label="p90")
+    means = [rk.aggregate(mean, m) for _, m in bars]
+    p90s = [rk.aggregate(p90, m) for _, m in bars]
+    p = svg.Plot((-0.5, len(bars) - 0.5), svg.extent(list(means) + list(p90s)),
+                 width=min(1100, max(760, 16 * len(bars) + 200)), height=200 if not note else 240,
+                 title="Arrival lateness at collectives (aligned enqueue − group's first)",
+                 xlabel="rank" if not note else "rank / host", ylabel="lateness (ms)",
+                 xticks=svg.category_ticks(xs), xtick_size=svg.FONT if not note else 9)
+    for j, ((name, members), mv, pv) in enumerate(zip(bars, means, p90s)):
+        who = f"rank {name}" if not note else name if len(members) == 1 else \
+            f"{name} (median of {len(members):,} ranks)"
+        if svg.finite(mv) is not None:
+            p.rect(j - 0.4, j + 0.4, 0, mv, "#4c6ef5",
+                   f"{who}: mean {kit.fmt_ms(mv)}, p90 {kit.fmt_ms(pv)}")
+    p.dots(range(len(bars)), p90s, "#e8590c", 4,
+           [f"{name if note else 'rank ' + name}: p90 {kit.fmt_ms(v)}" for (name, _), v in zip(bars, p90s)])
+    p.key("mean", "#4c6ef5")
+    p.key("p90", "#e8590c", "dot")
     if note:
-        ax.axvline(n_single - 0.5, color="black", linewidth=1)
-        ax.tick_params(axis="x", labelrotation=90, labelsize=6)
-    ax.set_xlabel("rank" if not note else "rank / host")
-    ax.set_ylabel("lateness (ms)")
-    ax.set_title("Arrival lateness at collectives (aligned enqueue − group's first)", fontsize=9)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, axis="y")
-    return kit.figure(fig, "Mean and p90 arrival lateness per rank") + (kit.para(note, "note") if note else "")
+        p.vline(n_single - 0.5, "#000", 1)
+    return svg.figure(p.render(), "Mean and p90 arrival lateness per rank") + (kit.para(note, "note") if note else "")
 
 
 def _bandwidth_classes(bw: list) -> str:

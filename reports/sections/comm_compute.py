@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainprof.reports import kit, ranks as rk
+from trainprof.reports import kit, ranks as rk, svg
 
 TITLE = "Communication vs computation"
 _PARTS = (("compute_fraction", "compute", "#2f9e44"), ("overlapped_fraction", "comm hidden under compute", "#74c0fc"),
@@ -13,25 +13,27 @@ _PARTS = (("compute_fraction", "compute", "#2f9e44"), ("overlapped_fraction", "c
 def _bars(per_rank: list, summary: dict) -> str:
     by_rank = {r["rank"]: [float(r.get(key) or 0) for key, _, _ in _PARTS] for r in per_rank}
     rows, n_single, note = rk.chart_rows(by_rank, summary, rk.named(summary))
-    plt = kit.plt()
-    fig, ax = plt.subplots(figsize=(min(max(4, 0.5 * len(rows) + 2), 11), 3 if not note else 4))
     xs = [label for label, _ in rows]
+    p = svg.Plot((-0.5, len(rows) - 0.5), (0, 1), width=min(1100, max(900, 18 * len(rows) + 440)),
+                 height=230 if not note else 260, xlabel="rank" if not note else "rank / host",
+                 ylabel="share of profiled steps", xticks=svg.category_ticks(xs),
+                 yfmt=lambda v: f"{100 * v:.0f} %", xtick_size=svg.FONT if not note else 9,
+                 legend_at="bottom" if note else "right")
     bottom = [0.0] * len(rows)
     for i, (key, label, color) in enumerate(_PARTS):
         # a group's bar: the mean of its ranks' shares (means of shares still add up to 1)
         vals = [sum(by_rank[r][i] for r in members) / len(members) for _, members in rows]
-        ax.bar(xs, vals, bottom=bottom, label=label, color=color)
+        for j, ((name, members), v) in enumerate(zip(rows, vals)):
+            if v > 0:
+                who = f"rank {name}" if not note else name if len(members) == 1 else \
+                    f"{name} (mean of {len(members):,} ranks)"
+                p.rect(j - 0.4, j + 0.4, bottom[j], bottom[j] + v, color, f"{who} — {label}: {kit.fmt_pct(v)}")
+        p.key(label, color)
         bottom = [b + v for b, v in zip(bottom, vals)]
     if note:
-        ax.axvline(n_single - 0.5, color="black", linewidth=1)
-        ax.tick_params(axis="x", labelrotation=90, labelsize=6)
+        p.vline(n_single - 0.5, "#000", 1)
         note = note.replace("the median of", "the mean of")
-    ax.set_xlabel("rank" if not note else "rank / host")
-    ax.set_ylabel("share of profiled steps")
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    return kit.figure(fig, "Per-rank breakdown of the profiled steps") + (kit.para(note, "note") if note else "")
+    return svg.figure(p.render(), "Per-rank breakdown of the profiled steps") + (kit.para(note, "note") if note else "")
 
 
 def _step_label(per_step: list, step) -> str:

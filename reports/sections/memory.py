@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from trainprof.reports import kit, ranks as rk
+from trainprof.reports import kit, ranks as rk, svg
 
 TITLE = "Memory"
 STATE = (("params_bytes", "parameters"), ("grads_bytes", "gradients"),
@@ -25,7 +25,7 @@ def _int(r) -> int:
         return -1
 
 
-def _median_line(ax, xs_ys: list, label: str) -> None:
+def _median_line(p, xs_ys: list, label: str) -> None:
     """Dashed median over ranks at each x (for a plot that draws only some of the ranks)."""
     by_x: dict = {}
     for xs, ys in xs_ys:
@@ -33,8 +33,12 @@ def _median_line(ax, xs_ys: list, label: str) -> None:
             if isinstance(y, (int, float)):
                 by_x.setdefault(x, []).append(y)
     xs = sorted(by_x)
-    ax.plot(xs, [statistics.median(by_x[x]) / 2**20 for x in xs], "--", color="black", linewidth=1.4,
-            label=label)
+    p.line(xs, [statistics.median(by_x[x]) / 2**20 for x in xs], "#000", 1.6, dash="5 3", tip=label)
+    p.key(label, "#000", "dash")
+
+
+def _mib(y) -> float | None:
+    return y / 2**20 if isinstance(y, (int, float)) else None
 
 
 def _timeline(metrics: dict, named: list) -> str:
@@ -47,44 +51,50 @@ def _timeline(metrics: dict, named: list) -> str:
             series.append((r, t["step"], t[key], key))
     if not series and not win:
         return ""
-    plt = kit.plt()
-    n = 1 + bool(win)
-    fig, axes = plt.subplots(1, n, figsize=(5 * n, 3.2), squeeze=False)
-    ax = axes[0][0]
-    many = len(series) > 16  # past a few dozen lines: the highest ranks and the median of all
-    shown = _top(series, lambda x: max((y for y in x[2] if y is not None), default=0), named) \
-        if many else series
-    for r, steps, ys, key in shown:
-        ax.plot(steps, [y / 2**20 if y is not None else None for y in ys], marker="o", markersize=3,
-                linewidth=1.1, label=f"rank {r}")
-    if many:
-        _median_line(ax, [(steps, ys) for _, steps, ys, _ in series], f"median of {len(series):,} ranks")
+    plots = []
     if series:
-        ax.set_title(f"{series[0][3].replace('_bytes', '')} per step (MiB)"
-                     + (f"\n{len(shown)} highest of {len(series):,} ranks" if many else ""), fontsize=9)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if len(series) <= 8 or many:
-            ax.legend(fontsize=6 if many else 7)
-    if win:
-        ax2 = axes[0][1]
-        wins = [(r, w) for r, w in sorted(win.items(), key=lambda kv: _int(kv[0]))
-                if isinstance(w, dict) and w.get("t_ms") and w.get("allocated_bytes")]
+        many = len(series) > 16  # past a few dozen lines: the highest ranks and the median of all
+        shown = _top(series, lambda x: max((y for y in x[2] if y is not None), default=0), named) \
+            if many else series
+        xs = [x for _, steps, _, _ in series for x in steps]
+        ys = [_mib(y) for _, _, v, _ in series for y in v]
+        p = svg.Plot(svg.extent(xs, zero=False, pad=0.04), svg.extent(ys, zero=False), width=540,
+                     height=200, title=f"{series[0][3].replace('_bytes', '')} per step (MiB)"
+                     + (f"\n{len(shown)} highest of {len(series):,} ranks" if many else ""),
+                     xlabel="step", grid="both")
+        for i, (r, steps, v, key) in enumerate(shown):
+            colour = svg.PALETTE[i % len(svg.PALETTE)]
+            ys = [_mib(y) for y in v]
+            p.line(steps, ys, colour, 1.3, tip=f"rank {r}", markers=2.5 if len(steps) <= 200 else 0,
+                   tips=[f"rank {r}, step {s}: {kit.fmt_bytes(y)}" for s, y in zip(steps, v)])
+            if len(series) <= 8 or many:
+                p.key(f"rank {r}", colour, "line")
+        if many:
+            _median_line(p, [(steps, ys) for _, steps, ys, _ in series], f"median of {len(series):,} ranks")
+        plots.append(p.render())
+    wins = [(r, w) for r, w in sorted(win.items(), key=lambda kv: _int(kv[0]))
+            if isinstance(w, dict) and w.get("t_ms") and w.get("allocated_bytes")]
+    if wins:
         of = ""
         if len(wins) > 16:
             of = f"\n{rk.OUTLIERS} highest of {len(wins):,} ranks"
             wins = _top(wins, lambda x: max(v for v in x[1]["allocated_bytes"] if v is not None), named)
-        for r, w in wins:
-            ax2.plot(w["t_ms"], [y / 2**20 for y in w["allocated_bytes"]], linewidth=1, label=f"rank {r}")
-        absolute = all(w.get("absolute") for w in win.values())
-        ax2.set_title("allocated during the profiled steps (MiB" + ("" if absolute else
-                      ", net of what existed before") + ")" + of, fontsize=9)
-        if of:
-            ax2.legend(fontsize=6)
-        ax2.set_xlabel("ms since the window opened")
-        ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    return kit.figure(fig, alt="Memory per rank over the steps and inside the profiled window")
+        absolute = all(w.get("absolute") for w in win.values() if isinstance(w, dict))
+        xs = [x for _, w in wins for x in w["t_ms"]]
+        ys = [_mib(y) for _, w in wins for y in w["allocated_bytes"]]
+        p = svg.Plot(svg.extent(xs, zero=False, pad=0.03), svg.extent(ys, zero=False), width=540,
+                     height=200, title="allocated during the profiled steps (MiB)" + (
+                         "" if absolute else "\nnet of what existed before the window") + of,
+                     xlabel="ms since the window opened", grid="both")
+        for i, (r, w) in enumerate(wins):
+            colour = svg.PALETTE[i % len(svg.PALETTE)]
+            ys = [_mib(y) for y in w["allocated_bytes"]]
+            peak = max((y for y in w["allocated_bytes"] if isinstance(y, (int, float))), default=None)
+            p.line(w["t_ms"], ys, colour, 1.1, tip=f"rank {r}: peak {kit.fmt_bytes(peak)}")
+            if of:
+                p.key(f"rank {r}", colour, "line")
+        plots.append(p.render())
+    return svg.figure(plots, "Memory per rank over the steps and inside the profiled window")
 
 
 def _coords(c) -> str:
@@ -106,24 +116,30 @@ def _bars(rows: list[dict]) -> str:
                       key=lambda r: _int(r.get("rank")))
     if not rows:
         return ""
-    plt = kit.plt()
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(rows) + 2), 3.2))
-    width = 0.38
     colors = ("#4c72b0", "#dd8452", "#55a868")
-    for j, (side, off, hatch) in enumerate((("measured", -width / 2, ""), ("expected", width / 2, "//"))):
-        bottom = [0.0] * len(rows)
-        for (k, label), c in zip(STATE, colors):
-            vals = [(r[side].get(k) or 0) / 2**20 for r in rows]
-            ax.bar([i + off for i in range(len(rows))], vals, width, bottom=bottom, color=c,
-                   hatch=hatch, edgecolor="white", label=label if j == 0 else None)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(range(len(rows)), [f"rank {r['rank']}" for r in rows], fontsize=8)
-    ax.set_ylabel("MiB")
-    ax.set_title("Model state per rank: measured (plain) vs expected from the layout (hatched)" + of,
-                 fontsize=9)
-    ax.legend(fontsize=7)
-    ax.grid(axis="y", alpha=0.3)
-    return kit.figure(fig, alt="Measured versus expected parameter, gradient and optimizer bytes per rank")
+    totals = [sum((r[side].get(k) or 0) for k, _ in STATE) / 2**20 for r in rows
+              for side in ("measured", "expected")]
+    p = svg.Plot((-0.5, len(rows) - 0.5), svg.extent(totals), width=min(1000, max(520, 90 * len(rows) + 220)),
+                 height=210, title="Model state per rank: measured (plain) vs expected from the layout (hatched)" + of,
+                 ylabel="MiB", xticks=svg.category_ticks([f"rank {r['rank']}" for r in rows]))
+    width = 0.38
+    for side, off in (("measured", -width / 2), ("expected", width / 2)):
+        for i, r in enumerate(rows):
+            bottom = 0.0
+            for (k, label), c in zip(STATE, colors):
+                v = (r[side].get(k) or 0) / 2**20
+                if v <= 0:
+                    continue
+                x0, x1 = i + off - width / 2, i + off + width / 2
+                tip = f"rank {r['rank']}, {label} {side}: {kit.fmt_bytes(v * 2**20)}"
+                p.rect(x0, x1, bottom, bottom + v, c, tip, ' stroke="#fff" stroke-width="0.8"')
+                if side == "expected":
+                    p.rect(x0, x1, bottom, bottom + v, p.hatch(), tip)
+                bottom += v
+    for (k, label), c in zip(STATE, colors):
+        p.key(label, c)
+    p.key("expected (hatched)", "#868e96", "hatch")
+    return svg.figure(p.render(), alt="Measured versus expected parameter, gradient and optimizer bytes per rank")
 
 
 def render(metrics: dict, summary: dict) -> str:

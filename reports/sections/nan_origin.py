@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainprof.reports import kit, ranks as rk
+from trainprof.reports import kit, ranks as rk, svg
 
 TITLE = "NaN/Inf origin and loss"
 
@@ -13,18 +13,23 @@ def _loss_plot(loss: dict, spikes: list) -> str:
     series = {r: p for r, p in series.items() if len(p) >= 2}
     if not series:
         return ""
-    plt = kit.plt()
-    fig, ax = plt.subplots(figsize=(8, 2.8))
-    for r, pts in sorted(series.items(), key=lambda kv: int(kv[0]))[:8]:
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, label=f"rank {r}")
+    shown = sorted(series.items(), key=lambda kv: int(kv[0]))[:8]
     sp = [s for s in spikes or [] if isinstance(s, dict)]
+    xs = [p[0] for _, pts in shown for p in pts] + [s.get("step") for s in sp]
+    ys = [p[1] for _, pts in shown for p in pts] + [s.get("loss") for s in sp]
+    p = svg.Plot(svg.extent(xs, zero=False, pad=0.03), svg.extent(ys, zero=False), width=860, height=200,
+                 xlabel="step", ylabel="loss (mean of backward roots)", grid="both")
+    for i, (r, pts) in enumerate(shown):
+        colour = svg.PALETTE[i % len(svg.PALETTE)]
+        p.line([q[0] for q in pts], [q[1] for q in pts], colour, 1.3, tip=f"rank {r}",
+               markers=2 if len(pts) <= 200 else 0,
+               tips=[f"rank {r}, step {q[0]}: loss {kit.fmt_value(q[1])}" for q in pts])
+        p.key(f"rank {r}", colour, "line")
     if sp:
-        ax.plot([s["step"] for s in sp], [s["loss"] for s in sp], "o", color="#e03131", label="spike")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (mean of backward roots)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return kit.figure(fig, "Per-step loss per rank with detected spikes")
+        p.dots([s.get("step") for s in sp], [s.get("loss") for s in sp], "#e03131", 4.5,
+               [f"spike at step {s.get('step')}: loss {kit.fmt_value(s.get('loss'))}" for s in sp])
+        p.key("spike", "#e03131", "dot")
+    return svg.figure(p.render(), "Per-step loss per rank with detected spikes")
 
 
 def render(metrics: dict, summary: dict) -> str:

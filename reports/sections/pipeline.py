@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainprof.reports import kit, ranks as rk
+from trainprof.reports import kit, ranks as rk, svg
 
 TITLE = "Pipeline"
 COLORS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
@@ -42,32 +42,33 @@ def _gantt(g: dict) -> str:
     spans = [s for s in g.get("spans") or [] if isinstance(s, dict)]
     if not spans:
         return ""
-    plt = kit.plt()
-    rows = sorted({(s.get("pp") if s.get("pp") is not None else 0, s.get("rank")) for s in spans})
+    rows = sorted({(s.get("pp") if s.get("pp") is not None else 0, s.get("rank")) for s in spans},
+                  key=lambda k: (k[0], k[1] if isinstance(k[1], int) else -1))
     ypos = {key: i for i, key in enumerate(rows)}
-    fig, ax = plt.subplots(figsize=(9, 0.6 * len(rows) + 1.4))
     window = float(g.get("window_ms") or max(s["start_ms"] + s["dur_ms"] for s in spans))
-    for s in spans:
-        y = ypos[(s.get("pp") if s.get("pp") is not None else 0, s.get("rank"))]
-        ax.broken_barh([(s["start_ms"], s["dur_ms"])], (y - 0.4, 0.8),
-                       facecolors=COLORS.get(s.get("kind"), "#999999"), edgecolor="white", linewidth=0.5)
-        if s["dur_ms"] > window / 60:
-            ax.text(s["start_ms"] + s["dur_ms"] / 2, y, str(s.get("microbatch")), ha="center",
-                    va="center", fontsize=6, color="white")
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"pp {pp} (rank {r})" for pp, r in rows], fontsize=7)
-    ax.invert_yaxis()
-    if g.get("timeline") == "device":
-        ax.set_xlabel("ms (GPU time per rank; rows anchored at each rank's first launch)")
-    else:
-        ax.set_xlabel("ms since the first span of the step")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(handles, ["forward", "backward", "weight grad"], fontsize=7, loc="upper center",
-              bbox_to_anchor=(0.5, -0.3), ncol=3, frameon=False)
     pipe = f", pipeline {g['pipeline']}" if g.get("pipeline") else ""
-    ax.set_title(f"Step {g.get('step')}{pipe}: spans per stage (numbers: micro-batch)", fontsize=9)
-    ax.grid(axis="x", alpha=0.3)
-    return kit.figure(fig, f"Pipeline Gantt chart of step {g.get('step')}")
+    xlabel = ("ms (GPU time per rank; rows anchored at each rank's first launch)"
+              if g.get("timeline") == "device" else "ms since the first span of the step")
+    lo = min(0.0, min(s["start_ms"] for s in spans))
+    p = svg.Plot((lo, window * 1.02 if window > 0 else 1.0), (len(rows) - 0.5, -0.5), width=900,
+                 height=44 * len(rows) + 10, grid="x", legend_at="bottom", xlabel=xlabel,
+                 title=f"Step {g.get('step')}{pipe}: spans per stage (numbers: micro-batch)",
+                 yticks=[(i, f"pp {pp} (rank {r})") for i, (pp, r) in enumerate(rows)])
+    names = {"F": "forward", "B": "backward", "W": "weight grad"}
+    for s in spans:
+        key = (s.get("pp") if s.get("pp") is not None else 0, s.get("rank"))
+        y = ypos[key]
+        x0, d = s["start_ms"], s["dur_ms"]
+        what = names.get(s.get("kind"), str(s.get("kind")))
+        p.rect(x0, x0 + d, y - 0.4, y + 0.4, COLORS.get(s.get("kind"), "#999999"),
+               f"pp {key[0]} (rank {key[1]}) {what}, micro-batch {s.get('microbatch')}: "
+               f"{kit.fmt_ms(d)} from {kit.fmt_ms(x0)}", ' stroke="#fff" stroke-width="0.6"')
+        if d > window / 60:
+            p.text(x0 + d / 2, y, s.get("microbatch"), size=10, anchor="middle", color="#fff",
+                   extra=' dominant-baseline="central"')
+    for kind, colour in COLORS.items():
+        p.key(names[kind], colour)
+    return svg.figure(p.render(), f"Pipeline Gantt chart of step {g.get('step')}")
 
 
 def render(metrics: dict, summary: dict) -> str:

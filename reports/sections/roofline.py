@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from trainprof.reports import kit
+import math
+
+from trainprof.reports import kit, svg
 
 TITLE = "Roofline and MFU"
 
@@ -12,31 +14,27 @@ def _plot(plot: dict) -> str:
     if not pts:
         return ""
     peak_f, peak_b, ridge = plot["peak_flops_per_s"], plot["peak_bytes_per_s"], plot["ridge_ai"]
-    plt = kit.plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4))
     lo = min([p["ai"] for p in pts] + [ridge]) / 4
     hi = max([p["ai"] for p in pts] + [ridge]) * 4
+    ys = [p["flops_per_s"] for p in pts] + [peak_f, lo * peak_b]
+    ylo, yhi = min(ys) / 2, max(ys) * 2
+    plot = svg.Plot((lo, hi), (ylo, yhi), xlog=True, ylog=True, width=680, height=300, grid="both",
+                    title="Op classes against the roofline (marker area ∝ time)",
+                    xlabel="arithmetic intensity (FLOP / byte)", ylabel="achieved FLOP/s")
     xs = [lo, ridge, hi]
-    ax.plot(xs, [min(peak_f, x * peak_b) for x in xs], color="#343a40", linewidth=1.5, label="roofline")
-    ax.axvline(ridge, color="#adb5bd", linestyle=":", linewidth=1)
-    ax.annotate(f"ridge {ridge:.3g} FLOP/B", (ridge, peak_f), textcoords="offset points", xytext=(4, -12),
-                fontsize=7)
+    plot.line(xs, [min(peak_f, x * peak_b) for x in xs], "#343a40", 1.8,
+              tip=f"roofline: {peak_b:.3g} B/s × intensity up to {peak_f:.3g} FLOP/s")
+    plot.vline(ridge, "#868e96", 1, dash="2 3")
+    plot.text(ridge, peak_f, f"ridge {ridge:.3g} FLOP/B", size=10, dx=5, dy=14)
     tmax = max(p["time_ms"] for p in pts) or 1
-    for p in pts:
-        ax.scatter(p["ai"], p["flops_per_s"], s=20 + 280 * p["time_ms"] / tmax, alpha=0.7)
-        ax.annotate(p["label"], (p["ai"], p["flops_per_s"]), textcoords="offset points", xytext=(5, 3), fontsize=7)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    from matplotlib.ticker import LogFormatter
-
-    for axis in (ax.xaxis, ax.yaxis):  # plain "1e+12" labels: mathtext costs ~0.7 s to set up
-        axis.set_major_formatter(LogFormatter(labelOnlyBase=True))
-        axis.set_minor_formatter(LogFormatter(labelOnlyBase=True))
-    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-    ax.set_ylabel("achieved FLOP/s")
-    ax.set_title("Op classes against the roofline (marker area ∝ time)", fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    return kit.figure(fig, alt="Roofline plot: arithmetic intensity against achieved FLOP/s per op class")
+    for i, p in enumerate(pts):
+        colour = svg.PALETTE[i % len(svg.PALETTE)]
+        r = math.sqrt((20 + 280 * p["time_ms"] / tmax) / math.pi) * 1.25  # area ∝ time
+        plot.dots([p["ai"]], [p["flops_per_s"]], colour, r, opacity=0.75, tips=[
+            f"{p['label']}: {p['ai']:.3g} FLOP/B, {p['flops_per_s']:.3g} FLOP/s, "
+            f"{kit.fmt_ms(p['time_ms'])}"])
+        plot.text(p["ai"], p["flops_per_s"], p["label"], size=10, dx=r + 3, dy=-3)
+    return svg.figure(plot.render(), alt="Roofline plot: arithmetic intensity against achieved FLOP/s per op class")
 
 
 def render(metrics: dict, summary: dict) -> str:

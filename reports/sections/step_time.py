@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainprof.reports import kit, ranks as rk
+from trainprof.reports import kit, ranks as rk, svg
 
 TITLE = "Step time"
 
@@ -33,30 +33,39 @@ def _plot(by_rank: dict, first_step: int, excluded: set[int], summary: dict) -> 
         return rk.rank_heatmap(dict(rows), steps, "Step time per rank (ms)", "ms", summary,
                                alt="Heatmap of step time by rank and step", named=rk.named(summary),
                                scale_cols=[i for i, s in enumerate(steps) if s not in excluded])
-    plt = kit.plt()
-    fig, ax = plt.subplots(figsize=(8, 3.4))
-    for r, v in rows:
-        xs = [s for s, x in zip(steps, v) if isinstance(x, (int, float))]
-        ys = [x for x in v if isinstance(x, (int, float))]
-        ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label=f"rank {r}")
-    for s in sorted(excluded):
-        if steps[0] <= s <= steps[-1]:
-            ax.axvspan(s - 0.5, s + 0.5, color="#adb5bd", alpha=0.25, linewidth=0)
     # step 0 (set-up) can be 1000x a normal step: keep the axis on the analysed steps
     kept = [x for _, v in rows for s, x in zip(steps, v)
             if isinstance(x, (int, float)) and s not in excluded]
     every = [x for _, v in rows for x in v if isinstance(x, (int, float))]
     title = "Step time per rank (grey: excluded from statistics)"
+    top = svg.extent(every)[1]
     if kept and every and max(every) > 3 * max(kept):
-        ax.set_ylim(0, 1.5 * max(kept))
+        top = 1.5 * max(kept)
         title += f"\nexcluded steps run off the scale, up to {kit.fmt_ms(max(every))}"
-    ax.set_xlabel("step")
-    ax.set_ylabel("step time (ms)")
-    ax.grid(alpha=0.3)
-    ax.set_title(title, fontsize=9)
-    if len(rows) <= 16:
-        ax.legend(fontsize=7, ncol=min(4, len(rows)), loc="upper right")
-    return kit.figure(fig, "Step time per rank for every recorded step")
+    p = svg.Plot((steps[0] - 0.5, steps[-1] + 0.5), (0, top), width=860, height=240, title=title,
+                 xlabel="step", ylabel="step time (ms)", grid="both",
+                 xticks=_step_ticks(steps))
+    for s in sorted(excluded):
+        if steps[0] <= s <= steps[-1]:
+            p.vspan(s - 0.5, s + 0.5, "#adb5bd", 0.3, tip=f"step {s}: excluded from statistics")
+    markers = 3 if n_steps <= 200 else 0
+    for i, (r, v) in enumerate(rows):
+        colour = svg.PALETTE[i % len(svg.PALETTE)]
+        ys = [x if isinstance(x, (int, float)) else None for x in v]
+        p.line(steps[:len(ys)], ys, colour, tip=f"rank {r}", markers=markers,
+               tips=[f"rank {r}, step {s}: {kit.fmt_ms(x)}" for s, x in zip(steps, ys)])
+        p.key(f"rank {r}", colour, "line")
+    return svg.figure(p.render(), "Step time per rank for every recorded step")
+
+
+def _step_ticks(steps: list[int]) -> list[tuple[int, str]]:
+    """Integer step ticks, about a dozen."""
+    every = max(1, -(-len(steps) // 12))
+    for nice in (1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000):
+        if nice >= every:
+            every = nice
+            break
+    return [(s, str(s)) for s in steps if s % every == 0]
 
 
 def render(metrics: dict, summary: dict) -> str:
