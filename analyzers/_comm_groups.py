@@ -56,8 +56,34 @@ def dim_of_ranks(ranks, coords: dict, world_size: int | None) -> str | None:
     return "+".join(varying) if varying else None
 
 
-def group_dims(run, traces: dict) -> dict[str, str]:
-    """pg name -> mesh dimension label ('dp', 'tp', 'pp', 'dp+pp', 'world', ...)."""
+def _plain(v):
+    """A trace value as JSON keeps it: NaN (a column absent on this row) -> None, numpy
+    scalars -> Python numbers, arrays and tuples -> lists."""
+    if v is None or (isinstance(v, float) and v != v):
+        return None
+    if isinstance(v, (list, tuple, np.ndarray)):
+        return [_plain(x) for x in v]
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def trace_groups(trace) -> dict:
+    """What group_dims needs from one trace (part of its digest): the trace's world size and
+    its process groups — distributedInfo.pg_config, then those its collectives name — as
+    [{"pg_name", "pg_desc", "pg_size", "ranks"}] in that order."""
+    cfgs = [c for c in (trace.meta.get("distributedInfo") or {}).get("pg_config") or []
+            if isinstance(c, dict)]
+    if len(trace.comm) and "pg_name" in trace.comm:
+        cfgs += [{"pg_name": n, "pg_desc": d, "ranks": rk} for n, d, rk in
+                 trace.comm.reindex(columns=["pg_name", "pg_desc", "pg_ranks"]).drop_duplicates(
+                     "pg_name").itertuples(index=False)]
+    keep = ("pg_name", "pg_desc", "pg_size", "ranks")
+    return {"world_size": _plain(trace.world_size),
+            "configs": [{k: _plain(c.get(k)) for k in keep if c.get(k) is not None} for c in cfgs]}
+
+
+def group_dims(run, groups) -> dict[str, str]:
+    """pg name -> mesh dimension label ('dp', 'tp', 'pp', 'dp+pp', 'world', ...). ``groups``:
+    each rank's trace_groups(trace), in rank order (the first rank that names a group wins)."""
     coords, world = {}, None
     try:
         world = run.world_size
@@ -67,24 +93,19 @@ def group_dims(run, traces: dict) -> dict[str, str]:
         pass
     out: dict[str, str] = {}
     try:
-        groups = run.frame("groups")
+        frame = run.frame("groups")
     except Exception:  # noqa: BLE001
-        groups = pd.DataFrame()
-    if not groups.empty and "pg" in groups:
-        for g in groups.itertuples():
+        frame = pd.DataFrame()
+    if not frame.empty and "pg" in frame:
+        for g in frame.itertuples():
             dim = getattr(g, "mesh_dim", None)
             if not isinstance(dim, str) or not dim:
                 dim = dim_of_ranks(getattr(g, "ranks", None), coords, world)
             if dim:
                 out.setdefault(str(g.pg), dim)
-    for tr in traces.values():
-        world = world or tr.world_size
-        cfgs = list((tr.meta.get("distributedInfo") or {}).get("pg_config") or [])
-        if len(tr.comm) and "pg_name" in tr.comm:
-            cfgs += [{"pg_name": n, "pg_desc": d, "ranks": rk} for n, d, rk in
-                     tr.comm.reindex(columns=["pg_name", "pg_desc", "pg_ranks"]).drop_duplicates(
-                         "pg_name").itertuples(index=False)]
-        for c in cfgs:
+    for tg in groups:
+        world = world or tg.get("world_size")
+        for c in tg.get("configs") or []:
             name = c.get("pg_name")
             if name is None or str(name) in out:
                 continue
@@ -92,7 +113,8 @@ def group_dims(run, traces: dict) -> dict[str, str]:
             dim = desc[len("mesh_"):] if desc.startswith("mesh_") else None
             if desc == "default_pg" and (c.get("pg_size") or len(c.get("ranks") or [])) != 1:
                 dim = "world"
-            dim = dim or dim_of_ranks(c.get("ranks"), coords, world)
+            ranks = c.get("ranks")
+            dim = dim or dim_of_ranks(ranks if isinstance(ranks, list) else None, coords, world)
             if dim:
                 out[str(name)] = dim
     return out

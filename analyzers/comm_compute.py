@@ -12,12 +12,14 @@ docs/comm-compute.md.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._comm_groups import (coll_types, gloo_event_groups, gpu_event_groups,
-                                              group_dims)
+                                              group_dims, trace_groups)
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.trace import name_mask
 
@@ -70,7 +72,7 @@ def _dim_split(comm_keys, starts, ends, exposed: iv.Set, lo=None, hi=None) -> di
 
 
 # --------------------------------------------------------------------------- GPU
-def _gpu_rows(trace, dims: dict) -> list[dict]:
+def _gpu_rows(trace, dims: dict, split: list | None = None, used: dict | None = None) -> list[dict]:
     ev = trace.events
     kmask = ev["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"]).to_numpy() & (ev["step"].to_numpy() >= 0)
     k = ev[kmask]
@@ -83,6 +85,7 @@ def _gpu_rows(trace, dims: dict) -> list[dict]:
     ctype = coll_types(k["name"]) if is_comm.any() else np.full(len(k), None, dtype=object)
     pgs = gpu_event_groups(trace, rows_idx)
     kdim = np.array([dims.get(p, f"pg {p}") if p is not None else "unknown" for p in pgs], dtype=object)
+    kpg = _note_groups(pgs, dims, used)
     stalls = _host_stalls(ev)
     spans = trace.steps.set_index("step")
     out = []
@@ -99,6 +102,8 @@ def _gpu_rows(trace, dims: dict) -> list[dict]:
         cm = m & is_comm
         st = stalls.get(int(step), (0, 0))
         span = int(spans.loc[step, "end_ns"] - spans.loc[step, "start_ns"]) if step in spans.index else window
+        if split is not None:
+            split.append(_dim_split(kpg[cm], ks[cm], ke[cm], exposed))
         out.append({
             "step": int(step), "window_ms": _ms(window),
             "compute_ms": _ms(iv.length(comp) - overlapped), "overlapped_ms": _ms(overlapped),
@@ -128,30 +133,96 @@ def _host_stalls(ev: pd.DataFrame) -> dict[int, tuple[int, int]]:
     return {int(s): (int(r["size"]), int(r["sum"])) for s, r in g.iterrows()}
 
 
-def hta_view(ev: pd.DataFrame, last_step: int | None, base_ns: int = 0) -> dict | None:
-    """HTA's temporal breakdown and overlap, computed HTA's way: kernels, memcpy and memset of
-    every profiled iteration but the last (``last_step``; None: all of them), window = first
-    kernel start .. last kernel end, and sub-µs timestamps rounded like HTA does (start up, end
-    down, in whole µs of the trace)."""
-    step = ev["step"].to_numpy()
-    m = (ev["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"]).to_numpy() & (step >= 0)
-         & ((step != last_step) if last_step is not None else True))
-    k = ev[m]
-    if k.empty:
+# HTA's kernel classes (hta/common/types.py, re.match on the name) and the categories its
+# breakdown counts: events with a "stream" argument
+_HTA_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_sync")
+_HTA_STEP = re.compile(r"^ProfilerStep#(\d+)")
+_HTA_COMM = re.compile(r"(^nccl.*)|(^hip)|(^hccl)|(.*ncclKernel.*)")
+_HTA_MEM = re.compile(r"(^(hip)?Memcpy)|(^(hip)?Memset)|(^dma)")
+_HTA_NOT_COMPUTE = re.compile(
+    r"(^nccl)|(.*Memcpy)|(.*Memset)|(.*dma)|(^.*Sync)|(^Stream Wait Event)|(cuda.*LaunchKernel)"
+    r"|(^runFunction)|(^hip)|(^job_exe)|(^packet)|(^pe_exe)|(^cpum_exe_subgraph)|(^hccl)"
+    r"|(^collective_subgraph_execution)")
+
+
+def _hta_merge(s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """HTA's merge_kernel_intervals: sorted by start, an interval joins the group before it
+    unless it starts after every end seen so far; a group spans min start .. max end. A sub-µs
+    op that HTA's rounding turns into a negative length (start rounded up past its end rounded
+    down) counts as zero length here; HTA counts it negative, which can make its busy time of
+    all ops less than that of the compute kernels alone (it then fails an assertion)."""
+    if not len(s):
+        return s, e
+    e = np.maximum(e, s)
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], e[order]
+    first = np.ones(len(s), bool)
+    first[1:] = s[1:] > np.maximum.accumulate(e)[:-1]
+    idx = np.flatnonzero(first)
+    return s[idx], np.maximum.reduceat(e, idx)
+
+
+def _hta_overlap(comm: tuple, comp: tuple) -> int:
+    """HTA's overlap sweep: +1/-1 at communication starts/ends, +2/-2 at compute ones; time
+    while the running sum is 3."""
+    t = np.concatenate([comm[0], comm[1], comp[0], comp[1]])
+    d = np.concatenate([np.full(len(comm[0]), 1), np.full(len(comm[1]), -1),
+                        np.full(len(comp[0]), 2), np.full(len(comp[1]), -2)])
+    if not len(t):
+        return 0
+    order = np.argsort(t, kind="stable")
+    t, run = t[order], np.cumsum(d[order])
+    m = run[:-1] == 3
+    return int((t[1:][m] - t[:-1][m]).sum())
+
+
+def hta_view(ev: pd.DataFrame, base_ns: int = 0) -> dict | None:
+    """HTA's get_temporal_breakdown (idle / compute / non-compute % of the window) and
+    get_comm_comp_overlap (% of communication time overlapped with compute), computed the way
+    HTA (traceinsight 0.6.1) does:
+
+    - its GPU ops: kernels, memcpys, memsets and CUDA synchronization events (cuda_sync);
+    - when the trace has two or more distinct ``ProfilerStep#N`` names: only those launched (same
+      correlation id) by a host event that starts before the latest ProfilerStep event — the
+      GPU timeline's ProfilerStep annotation included — so the last profiled iteration, and ops
+      queued before recording started, are left out; otherwise every GPU op of the trace;
+    - timestamps in whole µs of the trace: start rounded up, end down;
+    - window = first op start .. end of the last-starting group of overlapping ops; idle = window
+      − merged busy time; compute = merged time of compute kernels (not NCCL, memcpy/memset,
+      synchronization); non-compute = the rest.
+
+    ``overlap_pct`` is 0.0 when there is no communication kernel (HTA divides 0 by 0: NaN)."""
+    is_gpu = ev["cat"].isin(_HTA_GPU_CATS).to_numpy()
+    if not is_gpu.any():
         return None
-    comm_m = name_mask(k["name"], lambda n: "nccl" in n.lower())
-    mem_m = name_mask(k["name"], lambda n: "memcpy" in n.lower() or "memset" in n.lower())
-    comp_m = ~comm_m & ~mem_m
-    s = -((base_ns - k["ts_ns"].to_numpy()) // 1000)   # ceil to whole µs
-    e = (k["end_ns"].to_numpy() - base_ns) // 1000      # floor to whole µs
-    window = int(e.max() - s.min())
-    idle = window - iv.length(iv.union(s, e))
-    comp, comm = iv.union(s[comp_m], e[comp_m]), iv.union(s[comm_m], e[comm_m])
-    pct = lambda x: round(100.0 * x / window, 2)  # noqa: E731
-    return {"idle_pct": pct(idle), "compute_pct": pct(iv.length(comp)),
-            "non_compute_pct": pct(window - idle - iv.length(comp)),
-            "overlap_pct": round(100.0 * iv.length(iv.intersect(comm, comp)) / iv.length(comm), 2)
-            if iv.length(comm) else 0.0}
+    ts, end = ev["ts_ns"].to_numpy(), ev["end_ns"].to_numpy()
+    up = lambda a: -((base_ns - a) // 1000)  # noqa: E731 - ceil to whole µs
+    corr = ev["correlation"].to_numpy()
+    is_step = name_mask(ev["name"], lambda n: _HTA_STEP.match(str(n)) is not None)
+    if ev["name"][is_step].nunique() >= 2:
+        # HTA's host events: all but the GPU ops with a correlation id
+        host = ~(is_gpu & (corr >= 0))
+        before = up(ts) < up(int(ts[host & is_step].max()))
+        launched = np.isin(corr, corr[host & before & (corr >= 0)])
+        keep = is_gpu & (((corr >= 0) & launched) | ((corr < 0) & before))
+    else:
+        keep = is_gpu
+    if not keep.any():
+        return None
+    k = ev[keep]
+    comm_m = name_mask(k["name"], lambda n: _HTA_COMM.match(str(n)) is not None)
+    mem_m = name_mask(k["name"], lambda n: _HTA_MEM.match(str(n)) is not None)
+    comp_m = ~comm_m & ~mem_m & name_mask(k["name"], lambda n: _HTA_NOT_COMPUTE.match(str(n)) is None)
+    s, e = up(ts[keep]), (end[keep] - base_ns) // 1000
+    alls, comp, comm = _hta_merge(s, e), _hta_merge(s[comp_m], e[comp_m]), _hta_merge(s[comm_m], e[comm_m])
+    window = int(alls[1][-1] - alls[0][0])
+    if window <= 0:
+        return None
+    busy, comp_t, comm_t = (int((x[1] - x[0]).sum()) for x in (alls, comp, comm))
+    pct = lambda x: round(100 * (x / window), 2)  # noqa: E731
+    return {"idle_pct": pct(window - busy), "compute_pct": pct(comp_t),
+            "non_compute_pct": pct(busy - comp_t),
+            "overlap_pct": round(100 * (_hta_overlap(comm, comp) / comm_t), 2) if comm_t else 0.0}
 
 
 # --------------------------------------------------------------------------- CPU
@@ -164,7 +235,8 @@ def _main_tid(ev: pd.DataFrame, whole: bool = False) -> int | None:
     return None if steps.empty else int(steps["tid"].mode().iloc[0])
 
 
-def _cpu_rows(trace, dims: dict, log: pd.DataFrame | None) -> list[dict]:
+def _cpu_rows(trace, dims: dict, log: pd.DataFrame | None, split: list | None = None,
+              used: dict | None = None) -> list[dict]:
     ev = trace.events
     main = _main_tid(ev, bool(trace.meta.get("whole_trace_window")))
     if main is None:
@@ -181,6 +253,7 @@ def _cpu_rows(trace, dims: dict, log: pd.DataFrame | None) -> list[dict]:
     gtype = coll_types(gl["name"])
     pgs = gloo_event_groups(gl, log)
     gdim = np.array([dims.get(p, f"pg {p}") if p is not None else "unknown" for p in pgs], dtype=object)
+    gpg = _note_groups(pgs, dims, used)
     sets = {name: iv.union(s_all[m], e_all[m]) for name, m in (
         ("wait", on_main & is_wait), ("aten", on_main & is_aten & ~is_wait),
         ("data", on_main & is_data), ("busy", on_main & ~is_step))}
@@ -198,6 +271,8 @@ def _cpu_rows(trace, dims: dict, log: pd.DataFrame | None) -> list[dict]:
                              np.concatenate([compute[1], comm[1], data[1]]))
         other = iv.subtract(iv.clip(sets["busy"], lo, hi), accounted)
         window = hi - lo
+        if split is not None:
+            split.append(_dim_split(gpg, gs, ge, exposed, lo, hi))
         out.append({
             "step": int(st.step), "window_ms": _ms(window),
             "compute_ms": _ms(iv.length(compute) - iv.length(overlapped)),
@@ -211,19 +286,76 @@ def _cpu_rows(trace, dims: dict, log: pd.DataFrame | None) -> list[dict]:
     return out
 
 
+def _note_groups(pgs, dims: dict, used: dict | None) -> np.ndarray:
+    """The events' groups as split keys ("" for none), noting in ``used`` the label each
+    group got."""
+    if used is not None:
+        used.update({str(p): dims.get(p, f"pg {p}") for p in set(pgs) if p is not None})
+    return np.array(["" if p is None else str(p) for p in pgs], dtype=object)
+
+
 # --------------------------------------------------------------------------- per rank / job
-def rank_breakdown(trace, dims: dict | None = None, log: pd.DataFrame | None = None):
-    """(per-step rows, HTA view or None, 'gpu'|'cpu') for one rank's trace."""
+def _is_gpu(trace) -> bool:
+    return bool(trace.events["cat"].isin(["kernel"]).any())
+
+
+def rank_breakdown(trace, dims: dict | None = None, log: pd.DataFrame | None = None,
+                   split: list | None = None, used: dict | None = None):
+    """(per-step rows, HTA view or None, 'gpu'|'cpu') for one rank's trace. ``split``: a list
+    that gets, per row, the communication time by process group ({pg or "": {comm_ms,
+    exposed_ms}}); ``used``: a dict that gets the label each group was given."""
     dims = dims or {}
     ev = trace.events
-    if ev["cat"].isin(["kernel"]).any():
-        # HTA leaves out the last profiled iteration; a whole-trace window (no ProfilerStep) is kept
-        last = (int(trace.steps["step"].max()) if len(trace.steps)
-                and not trace.meta.get("whole_trace_window") else None)
+    if _is_gpu(trace):
         base = trace.meta.get("baseTimeNanoseconds")
-        base = int(base) if isinstance(base, (int, float)) else 0
-        return _gpu_rows(trace, dims), hta_view(ev, last, base), "gpu"
-    return _cpu_rows(trace, dims, log), None, "cpu"
+        base = int(base) if isinstance(base, (int, float)) and not isinstance(base, bool) else 0
+        return _gpu_rows(trace, dims, split, used), hta_view(ev, base), "gpu"
+    return _cpu_rows(trace, dims, log, split, used), None, "cpu"
+
+
+def _rank_log(run, rank) -> pd.DataFrame | None:
+    """This rank's collectives (collectives.jsonl without NaN replays), for matching gloo events."""
+    try:
+        recs = run.stream(rank, "collectives")
+    except Exception:  # noqa: BLE001 - the log is optional
+        return None
+    if not recs:
+        return None
+    df = pd.DataFrame([{"rank": rank, **r} for r in recs])
+    return df[df["replay"].ne(True)].reset_index(drop=True) if "replay" in df.columns else df
+
+
+def trace_digest(run, rank, trace) -> dict:
+    """One rank's breakdown per profiled step (rows as rank_breakdown gives them, its groups
+    labelled with what this trace and the run's files say) plus what the job needs to label
+    them the job's way: the trace's process groups, the label each of its groups got, and
+    per row the communication time by group."""
+    groups = trace_groups(trace)
+    dims = group_dims(run, [groups])
+    split, used = [], {}
+    rows, hta, kind = rank_breakdown(trace, dims, None if _is_gpu(trace) else _rank_log(run, rank),
+                                     split, used)
+    return {"kind": kind, "rows": rows, "hta": hta, "groups": groups, "pg_dims": used,
+            "by_pg": split}
+
+
+def _job_rows(d: dict, dims: dict) -> list[dict]:
+    """A digest's rows under the job's group -> dimension labels: as digested when this trace
+    alone gave its groups the same labels (the usual case); else each row's by_dim rebuilt from
+    its per-group split (groups that share a label summed)."""
+    if all(dims.get(p, f"pg {p}") == lab for p, lab in d["pg_dims"].items()):
+        return d["rows"]
+    out = []
+    for row, split in zip(d["rows"], d["by_pg"]):
+        acc: dict[str, dict] = {}
+        for p, v in split.items():
+            a = acc.setdefault(dims.get(p, f"pg {p}") if p else "unknown",
+                               {"comm_ms": 0.0, "exposed_ms": 0.0})
+            a["comm_ms"] += v["comm_ms"]
+            a["exposed_ms"] += v["exposed_ms"]
+        out.append(dict(row, by_dim={k: {m: round(x, 4) for m, x in acc[k].items()}
+                                     for k in sorted(acc, key=str)}))
+    return out
 
 
 def warmup_steps(rows: list[dict]) -> list[int]:
@@ -297,18 +429,13 @@ def _mesh_dim_table(per_rank: list[dict], blocked: dict) -> list[dict]:
 
 
 def analyze(run) -> AnalyzerResult:
-    traces = run.traces()
-    if not traces:
+    digests = run.trace_digests(NAME)
+    if not digests:
         return AnalyzerResult(metrics={}, findings=[])
-    dims = group_dims(run, traces)
-    try:
-        log = run.collectives()
-    except Exception:  # noqa: BLE001
-        log = pd.DataFrame()
+    dims = group_dims(run, [d["groups"] for _, d in sorted(digests.items())])
     per_step, per_rank, kinds = [], [], set()
-    for rank, trace in sorted(traces.items()):
-        rlog = log[log["rank"] == rank] if not log.empty and "rank" in log else None
-        rows, hta, kind = rank_breakdown(trace, dims, rlog)
+    for rank, d in sorted(digests.items()):
+        rows, hta, kind = _job_rows(d, dims), d["hta"], d["kind"]
         if not rows:
             continue
         kinds.add(kind)

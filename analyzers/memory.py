@@ -103,6 +103,12 @@ def profiled_window(trace, device: str | None) -> dict | None:
             "t_ms": xs, "allocated_bytes": ys}
 
 
+def trace_digest(run, rank, trace) -> dict:
+    """The profiled window of one rank's trace, read for the rank's device (meta.json)."""
+    device = run.rank_meta(rank).get("device")
+    return {"device": device, "window": profiled_window(trace, device)}
+
+
 def snapshot_timeline(snap) -> dict:
     """Allocated / reserved bytes over a snapshot's trace, replayed backwards from the state at
     the dump (the trace ring buffer may have dropped older entries; the end state is exact)."""
@@ -140,7 +146,7 @@ def _snapshots(run) -> list[dict]:
 def analyze(run) -> AnalyzerResult:
     per_rank, findings, timeline, window_timeline = [], [], {}, {}
     ooms = []
-    traces = run.traces() if run.ranks and run.profiler_traces() else {}
+    windows = run.trace_digests(NAME) if run.ranks and run.profiler_traces() else {}
     for rank in run.ranks:
         meta = run.rank_meta(rank)
         recs = run.stream(rank, "memory")
@@ -180,7 +186,7 @@ def analyze(run) -> AnalyzerResult:
                              + ", ".join(f"{k.replace('_bytes', '')} {v:+.0%}" for k, v in bad.items())
                              + f" (expected {exp['bytes_per_param']} B/param, {exp['basis']})"),
                     evidence={"measured": row["measured"], "expected": exp, "margin": MARGIN}))
-        window = profiled_window(traces[rank], meta.get("device")) if rank in traces else None
+        window = windows[rank]["window"] if rank in windows else None
         if window:
             row["profiled_window_peak_bytes"] = window["peak_allocated_bytes"]
             row["profiled_window_absolute"] = window["absolute"]

@@ -29,6 +29,7 @@ from collections import defaultdict
 import numpy as np
 
 from trainprof.analyzers import _devices
+from trainprof.analyzers._kernel_ops import kernel_external_ids
 from trainprof.analyzers._opcost import select_ops
 from trainprof.findings import AnalyzerResult, Finding
 
@@ -143,8 +144,9 @@ def _withheld(run, peaks: dict, st: dict) -> str | None:
 # --------------------------------------------------------------------------- per op
 def _device_time(ev, kept_rows) -> dict:
     """kept host-op row -> ns of GPU work launched inside it (through External id)."""
-    gpu = ev[ev["is_gpu"] & (ev["external_id"] >= 0)]
-    if gpu.empty or not kept_rows:
+    kx = kernel_external_ids(ev)  # the launching CPU op's External id, in any trace format
+    gm = kx >= 0
+    if not gm.any() or not kept_rows:
         return {}
     host = ev[(ev["cat"] == "cpu_op")]
     kept = ev.loc[kept_rows, ["tid", "ts_ns", "end_ns"]]
@@ -160,7 +162,7 @@ def _device_time(ev, kept_rows) -> dict:
             if ext >= 0:
                 owner_of_ext[int(ext)] = int(k.index[idx])
     out: dict = defaultdict(int)
-    for ext, dur in zip(gpu["external_id"].to_numpy(), gpu["dur_ns"].to_numpy()):
+    for ext, dur in zip(kx[gm], ev["dur_ns"].to_numpy()[gm]):
         row = owner_of_ext.get(int(ext))
         if row is not None:
             out[row] += int(dur)
@@ -195,6 +197,12 @@ def op_classes(trace) -> tuple[dict, dict]:
                        "notes": sorted(notes)}
 
 
+def trace_digest(run, rank, trace) -> dict:
+    """One rank's op classes over its profiled steps (op_classes: totals per class, facts)."""
+    cls, facts = op_classes(trace)
+    return {"classes": cls, "facts": facts}
+
+
 def position(flops, by, time_ns, peak) -> dict:
     t = time_ns / 1e9
     ai = flops / by if by else None
@@ -217,12 +225,12 @@ def analyze(run) -> AnalyzerResult:
     dtype = _devices.compute_dtype(info)
     peaks = device_peaks(run, dtype)
     mfu = mfu_metrics(run, peaks)
-    traces = run.traces()
+    digests = run.trace_digests(NAME) if run.profiler_traces() else {}
     job_cls: dict = defaultdict(lambda: {"count": 0, "flops": 0.0, "bytes": 0.0, "time_ns": 0})
     per_rank, notes, timing, steps_seen, span_total = [], set(), set(), 0, 0
     trace_flops = []
-    for rank, tr in sorted(traces.items()):
-        cls, facts = op_classes(tr)
+    for rank, d in sorted(digests.items()):
+        cls, facts = d["classes"], d["facts"]
         if not cls:
             continue
         notes.update(facts["notes"])

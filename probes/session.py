@@ -31,6 +31,7 @@ ENV_PROBES_OFF = "TRAINPROF_PROBES_OFF"
 ENV_FLUSH_S = "TRAINPROF_FLUSH_S"  # how often queued stream records are written (seconds)
 ATTACHED_PROBES: tuple[str, ...] = (
     "trainprof.probes.clock",           # clock offsets to a reference rank (start and end)
+    "trainprof.probes.hostmap",         # every rank's host, known to each node (meta hosts)
     "trainprof.probes.collectives",     # always-on log of every collective and p2p op
     "trainprof.probes.ddp",             # DDP's bucketed gradient all-reduce into that log
     "trainprof.probes.pipeline_spans",  # forward/backward spans per stage and micro-batch
@@ -53,6 +54,8 @@ class ProbeSession:
         self.run_dir = Path(run_dir)
         self.meta = identity()
         self.meta["activated_by"] = reason
+        if os.environ.get("TRAINPROF_NODE"):  # the launcher (wrap) that started this rank
+            self.meta["node"] = os.environ["TRAINPROF_NODE"]
         if run_info:
             self.meta["run_info"] = dict(run_info)
         self.rank = int(self.meta["rank"])
@@ -165,6 +168,9 @@ class ProbeSession:
         if job_profiler.enabled_now():  # the job's, started before the guard was installed
             self.job_profiler_started({"kind": "profiler", "api": None, "where": None})
             return
+        if not self._profile_this_rank():
+            self.window = None
+            return
         try:
             import torch
 
@@ -176,6 +182,24 @@ class ProbeSession:
         except Exception as e:  # noqa: BLE001
             runtime.warn(f"profiler window disabled: {type(e).__name__}: {e}")
             self.window = None
+
+    def _profile_this_rank(self) -> bool:
+        """--profile-ranks (TRAINPROF_PROFILE_RANKS, probes/profile_ranks.py): decided once, just
+        before the window, when the job's DeviceMesh (if any) is known. Recorded in meta.json
+        (``profiled``, ``profile_policy``, ``profile_ranks``) so that analysis knows a trace
+        absent on purpose from a lost one."""
+        try:
+            from trainprof.probes import profile_ranks
+
+            spec = profile_ranks.canonical(os.environ.get(profile_ranks.ENV))
+            mesh = self.meta.get("mesh") or None
+            ok, policy = profile_ranks.decide(spec, self.rank, int(self.meta.get("world_size") or 1),
+                                              self.meta.get("local_rank"), mesh)
+        except Exception as e:  # noqa: BLE001 - a bad spec profiles this rank, as before
+            runtime.warn(f"--profile-ranks: {type(e).__name__}: {e}; this rank is profiled")
+            ok, policy, spec = True, "all", "all"
+        self.update_meta(profiled=ok, profile_policy=policy, profile_ranks=spec)
+        return ok
 
     def _in_window(self, step: int) -> bool:
         return self.window is not None and self.window[0] <= step <= self.window[1]

@@ -361,7 +361,7 @@ def test_bad_setting_is_refused_before_the_job_starts(tmp_path, name, value, exp
 
 def test_settings_reach_the_job_in_canonical_form(tmp_path):
     code = ("import os; print({k: v for k, v in sorted(os.environ.items()) "
-            "if k.startswith('TRAINPROF_') and k != 'TRAINPROF_RUN_DIR'})")
+            "if k.startswith('TRAINPROF_') and k not in ('TRAINPROF_RUN_DIR', 'TRAINPROF_NODE')})")
     res = run_cli(["wrap", "--out", tmp_path / "run", "--no-analyze", "--profile-steps", "none",
                    "--", sys.executable, "-c", code],
                   env={"TRAINPROF_NAN_SYNC": "true", "TRAINPROF_TELEMETRY": "Off",

@@ -36,6 +36,7 @@ def run_info(run: RunDir) -> dict:
             off.setdefault(str(name), []).append(r)
     return {
         "dir": str(run.path),
+        **({"dirs": [str(d) for d in run.roots]} if len(getattr(run, "roots", ())) > 1 else {}),
         "command": launcher.get("command"),
         "start_time": launcher.get("start_time"),
         "end_time": launcher.get("end_time"),
@@ -50,12 +51,24 @@ def run_info(run: RunDir) -> dict:
         "run_info": first.get("run_info", {}),
         "ranks": ranks,
         **({"probes_off": off} if off else {}),
+        # --profile-ranks: which ranks recorded the profiler window (the others on purpose)
+        **({"profiled": prof} if (prof := run.profiled()) else {}),
+        # the launchers of a multi-node job (RUN/nodes/*.json, or several run directories)
+        **({"nodes": _nodes(launcher["nodes"])} if launcher.get("nodes") else {}),
         # ranks of the job without files: job-level figures are partial (or withheld)
         **({"partial": partial} if (partial := run.partial()) else {}),
         **({"snapshots": [str(p) for p in run.bare_snapshots]} if run.snapshot_only else {}),
         # bare profiler traces: what was found and read, and the facts only the traces carry
         **({"input": dict(run.input_facts), **run.trace_run_facts()} if run.trace_inputs else {}),
     }
+
+
+def _nodes(records: list[dict]) -> list[dict]:
+    from trainprof.probes.profile_ranks import ranges
+
+    return [{"node": n.get("node"), "host": n.get("host"), "status": n.get("status"),
+             "exit_code": n.get("exit_code"), "signal_name": n.get("signal_name"),
+             "ranks": ranges(n.get("ranks") or []), "file": n.get("file")} for n in records]
 
 
 def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
@@ -151,6 +164,14 @@ def analyze_and_write(run_dir, out_dir=None, report: bool = True, progress=None)
     from trainprof.rundir import REPORT, SUMMARY, write_json_atomic
 
     run = RunDir(run_dir)
+    if not run.snapshot_only and run.profiler_traces():
+        # the traces' digests first, built in a pool one trace at a time; cached in the run
+        # directory when the outputs go there (trainprof/digest.py)
+        try:
+            run.digest_docs(progress=progress, write=not out_dir or Path(out_dir).resolve()
+                            == run.path.resolve())
+        except Exception:  # noqa: BLE001 - the analyzers that need them report it
+            pass
     summary = analyze(run, progress=progress)
     out = Path(out_dir) if out_dir else run.path
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from trainprof import __version__, outdir
+from trainprof import __version__, nodes, outdir
 from trainprof import worker_exits
 from trainprof.probes import runtime
 from trainprof.probes.hang_watchdog import DUMP as HANG_DUMP
@@ -37,11 +37,32 @@ class LaunchError(Exception):
     pass
 
 
-def prepare_run_dir(out: Path, force: bool) -> set[str]:
+def prepare_run_dir(out: Path, force: bool, job_id: str | None = None) -> outdir.Prepared:
     """Refuse an --out that is not ours to write (trainprof/outdir.py: OutDirError, exit 2);
-    with force, remove only what a previous trainprof run there wrote. Returns the paths
-    already in out (files kept), which this run's inventory leaves out."""
-    return outdir.prepare(out, force, log=_log)
+    with force, remove only what a previous trainprof run there wrote; join the run of another
+    node of the same job (``job_id``, trainprof/nodes.py). Returns the paths already in out
+    (files kept), which this run's inventory leaves out, with ``joined``, ``node`` (this
+    launcher's node id) and ``job_id``; this launcher's first records are written under the
+    run directory's lock."""
+    node = nodes.new_node_id()
+    start = _now()
+
+    def claim(joined: bool) -> None:
+        base = {"host": socket.gethostname(), "launcher_pid": os.getpid(), "start_time": start,
+                "status": "running", "trainprof_version": __version__}
+        try:
+            if not joined:  # the job's identity, for the nodes that join it
+                write_json_atomic(out / MANIFEST, {"schema_version": SCHEMA_VERSION,
+                                                   "kind": outdir.RUN_KIND, "job_id": job_id,
+                                                   "node": node, **base})
+            write_json_atomic(nodes.node_path(out, node),
+                              {"kind": nodes.NODE_KIND, "node": node, "job_id": job_id, **base})
+        except OSError:
+            pass  # run_job finds the directory unwritable and runs the job without probes
+
+    prepared = outdir.prepare(out, force, log=_log, job_id=job_id, claim=claim)
+    prepared.node, prepared.job_id = node, job_id
+    return prepared
 
 
 def _log(msg: str) -> None:
@@ -237,26 +258,47 @@ class JobResult:
     notes: list[str] = field(default_factory=list)
     first_failures: list = field(default_factory=list)  # workers whose end stopped the job
     probes_ran: bool = True       # False: the run directory was unwritable, the job ran bare
+    record: "_Manifest | None" = None  # this launcher's records (node record, manifest.json)
+    local_ranks: list = field(default_factory=list)  # the ranks this launcher started
+
+
+NODE_FIELDS = ("node", "job_id", "host", "launcher_pid", "command", "cwd", "start_time",
+               "end_time", "status", "exit_code", "signal", "signal_name", "job_exit_code",
+               "job_signal", "trainprof_version", "hangs", "first_failures", "signals_forwarded",
+               "files", "config", "env", "finished_ns")
 
 
 class _Manifest:
-    """The launcher's manifest.json: saving never raises; the first failure becomes a note."""
+    """This launcher's records: its node record (RUN/nodes/<node>.json) and, when it created the
+    run directory, manifest.json. Saving never raises; the first failure becomes a note."""
 
-    def __init__(self, out: Path, data: dict, notes: list[str]):
+    def __init__(self, out: Path, data: dict, notes: list[str], node: str, owner: bool = True):
         self.out, self.data, self.notes = out, data, notes
+        self.node, self.owner = node, owner
+        self.local_ranks: list[int] = []
         self.lock = threading.Lock()
         self.failed = False
 
     def save(self) -> bool:
         with self.lock:
+            path = self.out / MANIFEST
             try:
-                write_json_atomic(self.out / MANIFEST, self.data)
+                if self.owner:
+                    write_json_atomic(path, self.data)
+                path = nodes.node_path(self.out, self.node)
+                write_json_atomic(path, {"kind": nodes.NODE_KIND, "ranks": self.local_ranks,
+                                         **{k: self.data[k] for k in NODE_FIELDS if k in self.data}})
                 return True
             except Exception as e:  # noqa: BLE001 - our bookkeeping, never the job's outcome
                 if not self.failed:
-                    self.notes.append(f"could not write {self.out / MANIFEST} ({reason(e)})")
+                    self.notes.append(f"could not write {path} ({reason(e)})")
                 self.failed = True
                 return False
+
+    def finished(self) -> None:
+        """The launcher's work after the job (digests) is done: the last node may analyze."""
+        self.data["finished_ns"] = time.time_ns()
+        self.save()
 
 
 def reason(e: BaseException) -> str:
@@ -283,9 +325,13 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
         if not any(k in os.environ for k in fr_vars):
             env_extra.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # flight recorder for the dumps
     disabled = runtime.ENV_DISABLE in (settings or {}) and (settings or {})[runtime.ENV_DISABLE]
+    node = getattr(before, "node", None) or nodes.new_node_id()
+    env_extra[nodes.ENV_NODE] = node
     manifest = _Manifest(out, {
         "schema_version": SCHEMA_VERSION,
         "kind": outdir.RUN_KIND,
+        "job_id": getattr(before, "job_id", None),
+        "node": node,
         "command": list(cmd),
         "cwd": _cwd(),
         "host": socket.gethostname(),
@@ -297,7 +343,7 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
                    **({"probes_disabled": True} if disabled else {})},
         "env": {k: v for k, v in os.environ.items() if k.startswith(RELEVANT_ENV_PREFIXES)},
         "status": "running",
-    }, notes)
+    }, notes, node, owner=not getattr(before, "joined", False))
     probes_ran = True
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -354,7 +400,7 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
             watch.finish()
     sig = -rc if rc < 0 else None
     code = 128 + sig if sig else rc
-    result = JobResult(code, sig, notes, probes_ran=probes_ran)
+    result = JobResult(code, sig, notes, probes_ran=probes_ran, record=manifest)
     if watch and watch.killed:  # we ended it: say so, whatever the job's leader returned
         if _group_alive(proc.pid):
             _killpg(proc.pid, signal.SIGKILL)  # workers orphaned by their launcher
@@ -379,7 +425,11 @@ def _record_end(out: Path, manifest: _Manifest, rc: int, watch, before: set[str]
         m.update(status="hung", exit_code=HANG_EXIT_CODE, signal=None, signal_name=None,
                  job_exit_code=code, job_signal=sig)
     try:  # every rank's identity and mesh coordinates, gathered from the ranks' meta.json
-        m.update(collect_rank_entries(out))
+        entries = collect_rank_entries(out)
+        manifest.local_ranks = result.local_ranks = sorted(
+            e["rank"] for e in entries["ranks"]
+            if e.get("node") == manifest.node and isinstance(e.get("rank"), int))
+        m.update(entries)
     except Exception as e:  # noqa: BLE001
         m["rank_entries_error"] = str(e)
     exits = out / worker_exits.STREAM

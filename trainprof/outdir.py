@@ -13,6 +13,12 @@ The rules (docs/security.md):
   inventory (the launcher itself was killed) the layout alone decides. Only regular files are
   removed, symlinks are never followed, and folders go only when nothing is left in them. Every
   other file stays, and is named.
+* Several `wrap` invocations of one job (one per node, docs/run-directory.md "Multi-node") share
+  one --out: the first creates the run, the others join it without --force when its manifest
+  names the same job id and none of its nodes has finished yet (a finished one means a rerun,
+  refused like any previous run). The decision and the first records are made under a lock file
+  (RUN/.trainprof.lock, O_EXCL), so that nodes starting together never both create the run or
+  remove each other's files.
 """
 
 from __future__ import annotations
@@ -20,20 +26,26 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainprof.worker_exits import STREAM as WORKER_EXITS
 from trainprof.probes.hang_watchdog import TRIGGER as HANG_TRIGGER
+from trainprof.nodes import CLAIM, NODE_FILE_RE, NODE_KIND, NODES_DIR
 from trainprof.rundir import INJECTED, MANIFEST, PROFILER_DIR, RANKS_DIR, REPORT, SUMMARY
 
 RUN_KIND = "trainprof-run"
-TOP_FILES = (MANIFEST, SUMMARY, REPORT, INJECTED, HANG_TRIGGER, WORKER_EXITS)
+LOCK = ".trainprof.lock"  # held while a launcher decides about --out (prepare_locked)
+LOCK_WAIT_S, LOCK_STALE_S = 120.0, 60.0
+TOP_FILES = (MANIFEST, SUMMARY, REPORT, INJECTED, HANG_TRIGGER, WORKER_EXITS, LOCK)
 ANALYSIS_OUTPUTS = (SUMMARY, REPORT)  # written by `trainprof analyze`, after the inventory
 RANK_DIR_RE = re.compile(r"rank-\d{5,}")
 RANK_FILE_RE = re.compile(r"[a-z0-9_]+(\.prev)?\.jsonl|meta\.json|hang-dump\.json"
                           r"|flight-recorder\.(pkl|json)|(memory|oom)_snapshot\.pickle")
 TRACE_RE = re.compile(r"rank-\d{5,}\.pt\.trace\.json(\.gz)?")
+DIGESTS_DIR = "digests"  # trainprof/digest.py: RUN/digests/rank-NNNNN.json
+DIGEST_RE = re.compile(r"rank-\d{5,}\.json")
 # temporaries of an interrupted atomic write: .NAME.PID.THREAD.tmp (rundir.write_json_atomic)
 # and .report.html.XXXXXXXX (reports/html.py)
 TMP_RE = re.compile(r"\.(?P<name>.+)\.\d+\.\d+\.tmp|\.(?P<html>report\.html)\.[A-Za-z0-9_]{8}")
@@ -81,6 +93,12 @@ def layout_files(out: Path) -> tuple[list[str], list[str]]:
         elif e.is_dir(follow_symlinks=False) and e.name == PROFILER_DIR:
             walk_dir(rel, lambda r, x: (ours if _regular(x) and _is_layout_name(x.name, TRACE_RE)
                                         else other).append(r))
+        elif e.is_dir(follow_symlinks=False) and e.name == DIGESTS_DIR:
+            walk_dir(rel, lambda r, x: (ours if _regular(x) and _is_layout_name(x.name, DIGEST_RE)
+                                        else other).append(r))
+        elif e.is_dir(follow_symlinks=False) and e.name == NODES_DIR:
+            walk_dir(rel, lambda r, x: (ours if _regular(x) and (
+                x.name == CLAIM or _is_layout_name(x.name, NODE_FILE_RE)) else other).append(r))
         elif _regular(e) and _is_layout_name(e.name, TOP_FILES):
             ours.append(rel)
         else:
@@ -166,12 +184,23 @@ def plan_force(out: Path, manifest: dict) -> Plan:
     inventory = manifest.get("files")
     listed = set(inventory) if isinstance(inventory, list) and \
         all(isinstance(x, str) for x in inventory) else None
+    node_records = [rel for rel in ours if rel.startswith(NODES_DIR + "/")
+                    and NODE_FILE_RE.fullmatch(rel.rsplit("/", 1)[-1]) and _is_node_record(out / rel)]
+    if listed is not None:  # every node's inventory: each lists what its launcher wrote
+        for rel in node_records:
+            listed |= _node_files(out / rel)
     plan = Plan(out)
     for rel in ours:
         name = rel.rsplit("/", 1)[-1]
-        if rel == MANIFEST:
-            continue  # removed last: the directory stays identifiable until then
-        if rel in ANALYSIS_OUTPUTS:
+        if rel in (MANIFEST, LOCK):
+            continue  # manifest.json removed last (the directory stays identifiable); the lock
+            # is the launcher's that plans this, held while it decides
+        if rel in node_records or rel == f"{NODES_DIR}/{CLAIM}":
+            ok = True
+        elif rel.startswith(DIGESTS_DIR + "/") and not TMP_RE.fullmatch(name):
+            doc = _read_small_json(out / rel)  # written after the inventory: known by content
+            ok = isinstance(doc, dict) and doc.get("kind") == "trainprof-trace-digest"
+        elif rel in ANALYSIS_OUTPUTS:
             ok = _is_analysis_output(out / rel)
         elif TMP_RE.fullmatch(name):
             ok = True  # an interrupted write of one of our files
@@ -181,6 +210,26 @@ def plan_force(out: Path, manifest: dict) -> Plan:
     plan.keep += other
     plan.remove.append(MANIFEST)
     return plan
+
+
+def _read_small_json(path: Path):
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > 64 << 20:
+            return None
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_node_record(path: Path) -> bool:
+    doc = _read_small_json(path)
+    return isinstance(doc, dict) and doc.get("kind") == NODE_KIND
+
+
+def _node_files(path: Path) -> set[str]:
+    doc = _read_small_json(path)
+    files = doc.get("files") if isinstance(doc, dict) else None
+    return {x for x in files if isinstance(x, str)} if isinstance(files, list) else set()
 
 
 def execute(plan: Plan) -> list[str]:
@@ -196,7 +245,7 @@ def execute(plan: Plan) -> list[str]:
             failed.append(f"{rel} ({e.strerror or e})")
     dirs = sorted({str(Path(rel).parent) for rel in plan.remove if "/" in rel},
                   key=lambda d: -d.count("/"))
-    for d in dirs + [RANKS_DIR, PROFILER_DIR]:
+    for d in dirs + [RANKS_DIR, PROFILER_DIR, NODES_DIR, DIGESTS_DIR]:
         try:
             (plan.out / d).rmdir()  # only when empty
         except OSError:
@@ -244,9 +293,16 @@ def _cwd() -> Path | None:
         return None
 
 
-def prepare(out: Path, force: bool, log=None) -> set[str]:
+def prepare(out: Path, force: bool, log=None, job_id: str | None = None,
+            claim=None) -> set[str]:
     """Make out ready for a new run. Returns the relative paths already in it (kept files of a
-    previous run), which the new run's inventory leaves out. OutDirError when out is refused."""
+    previous run, or the other nodes' files when joining), which the new run's inventory leaves
+    out. OutDirError when out is refused.
+
+    ``job_id``: this launcher's job (trainprof/nodes.py); a run directory of the same job whose
+    nodes are all still running is joined (``joined`` True on the result). ``claim(joined)`` is
+    called under the lock, for the launcher's first records (manifest.json when creating, its
+    node record), so that nodes starting together see each other."""
     why = protected(out)
     if why:
         raise OutDirError(f"{out}: is {why}; trainprof never writes a run into it. "
@@ -255,23 +311,70 @@ def prepare(out: Path, force: bool, log=None) -> set[str]:
         raise OutDirError(f"{out}: a dangling symlink")
     if out.exists() and not out.is_dir():
         raise OutDirError(f"{out}: exists and is not a directory")
-    if not out.is_dir():
-        return set()
+    if out.is_dir() and _entries(out) and read_run_manifest(out) is None \
+            and not os.path.lexists(out / LOCK):  # another launcher may be creating the run
+        raise _foreign(out)
     try:
-        empty = not any(out.iterdir())
+        out.mkdir(parents=True, exist_ok=True)
+        lock = _Lock(out)
+    except OSError:  # nowhere to write: the launcher runs the job without probes (its note)
+        return Prepared()
+    with lock:
+        result = _decide(out, force, log, job_id)
+        if claim is not None:
+            claim(result.joined)
+    return result
+
+
+class Prepared(set):
+    """The paths already in --out (a set, what the run's inventory leaves out), and whether
+    this launcher joined another node's run of the same job."""
+    joined: bool = False
+
+
+def _entries(out: Path) -> list[str]:
+    try:
+        return [n for n in os.listdir(out) if n != LOCK]
     except OSError as e:
         raise OutDirError(f"{out}: cannot list it: {e.strerror or e}") from e
-    if empty:
-        return set()
+
+
+def _foreign(out: Path) -> OutDirError:
+    return OutDirError(
+        f"{out}: not empty and not a trainprof run directory (no manifest.json of kind "
+        f"{RUN_KIND}); trainprof does not write into it, even with --force. Use --out NEW_DIR.")
+
+
+def _decide(out: Path, force: bool, log, job_id: str | None) -> Prepared:
+    result = Prepared()
+    if not _entries(out):
+        return result
     manifest = read_run_manifest(out)
     if manifest is None:
-        raise OutDirError(
-            f"{out}: not empty and not a trainprof run directory (no manifest.json of kind "
-            f"{RUN_KIND}); trainprof does not write into it, even with --force. Use --out NEW_DIR.")
+        raise _foreign(out)
+    same_job = job_id is not None and manifest.get("job_id") == job_id
+    if same_job:
+        done = finished_nodes(out, manifest)
+        if not done:
+            result.update(layout_files(out)[0])
+            result.joined = True
+            if log:
+                log(f"joining job {job_id} in {out}: another node of the job created it")
+            return result
     plan = plan_force(out, manifest)
     if not force:
-        raise OutDirError(f"{out}: holds a previous trainprof run. Use --out NEW_DIR, or --force "
-                          f"to remove {plan.describe()}.")
+        if same_job:
+            raise OutDirError(
+                f"{out}: holds a previous trainprof run of job {job_id!r} that already finished "
+                f"on {', '.join(done[:4])} (a rerun with the same rendezvous id?). Use --out "
+                f"NEW_DIR, or --force to remove {plan.describe()}.")
+        other = manifest.get("job_id")
+        hint = (f" (job {other!r}; this is {'job ' + repr(job_id) if job_id else 'no known job'})"
+                if other else "")
+        multi = ("; for one run directory shared by the nodes of a job, give every node the same "
+                 "torchrun --rdzv-id (or trainprof wrap --job-id ID)") if not job_id else ""
+        raise OutDirError(f"{out}: holds a previous trainprof run{hint}. Use --out NEW_DIR, or "
+                          f"--force to remove {plan.describe()}{multi}.")
     failed = execute(plan)
     if failed:
         raise OutDirError(f"{out}: --force could not remove {', '.join(failed[:5])}")
@@ -279,7 +382,86 @@ def prepare(out: Path, force: bool, log=None) -> set[str]:
         log(f"--force: removed {len(plan.remove)} file(s) of the previous run in {out}" +
             (f"; kept {len(plan.keep)} it did not write: {', '.join(plan.keep[:6])}"
              + (" …" if len(plan.keep) > 6 else "") if plan.keep else ""))
-    return set(layout_files(out)[0]) | set(plan.keep)
+    result.update(set(layout_files(out)[0]) | set(plan.keep))
+    return result
+
+
+def finished_nodes(out: Path, manifest: dict) -> list[str]:
+    """Node ids of the run's launchers that have ended (status no longer running, or, on this
+    host, a launcher process that is gone): the job is over there."""
+    done = []
+    if _ended(manifest):
+        done.append(str(manifest.get("node") or manifest.get("host")))
+    d = out / NODES_DIR
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:
+        names = []
+    for name in names:
+        if not NODE_FILE_RE.fullmatch(name) or name.startswith("."):
+            continue
+        doc = _read_small_json(d / name)
+        if isinstance(doc, dict) and doc.get("kind") == NODE_KIND and _ended(doc):
+            done.append(str(doc.get("node") or name[:-5]))
+    return list(dict.fromkeys(done))
+
+
+def _ended(rec: dict) -> bool:
+    if rec.get("status") not in (None, "running"):
+        return True
+    import socket
+
+    pid = rec.get("launcher_pid")
+    if rec.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True  # killed before it could record the end
+    except OSError:
+        pass
+    return False
+
+
+class _Lock:
+    """RUN/.trainprof.lock, created with O_EXCL: one launcher at a time decides about --out.
+    A lock older than LOCK_STALE_S (its holder died) is broken; waiting longer than
+    LOCK_WAIT_S is an OutDirError."""
+
+    def __init__(self, out: Path):
+        self.path = out / LOCK
+        self.fd = None
+
+    def __enter__(self):
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                os.write(self.fd, f"{os.getpid()}\n".encode())
+                return self
+            except FileExistsError:
+                try:
+                    if time.time() - os.stat(self.path).st_mtime > LOCK_STALE_S:
+                        os.unlink(self.path)  # its holder died while deciding
+                        continue
+                except FileNotFoundError:
+                    continue
+                if time.monotonic() > deadline:
+                    raise OutDirError(f"{self.path}: held by another trainprof launcher for over "
+                                      f"{LOCK_WAIT_S:.0f} s; remove it if no launcher runs") from None
+                time.sleep(0.05)
+            except OSError:  # cannot write here: decided without a lock (single launcher)
+                self.fd = None
+                return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+                os.unlink(self.path)
+            except OSError:
+                pass
+        return False
 
 
 def inventory(out: Path, before: set[str]) -> list[str] | None:
@@ -290,5 +472,6 @@ def inventory(out: Path, before: set[str]) -> list[str] | None:
     except OutDirError:
         return None
     files = [rel for rel in ours if rel not in before and rel not in ANALYSIS_OUTPUTS
+             and rel != LOCK
              and not TMP_RE.fullmatch(rel.rsplit("/", 1)[-1])]
     return files if len(files) <= MAX_INVENTORY else None

@@ -7,6 +7,7 @@ Layout (schema version 1, documented in docs/run-directory.md)::
       ranks/rank-00000/meta.json         written by each rank's probes when they activate
       ranks/rank-00000/<stream>.jsonl    append-only per-rank streams (steps, collectives, ...)
       profiler/rank-00000.pt.trace.json.gz   torch.profiler Chrome traces (HTA-loadable folder)
+      digests/rank-00000.json            each trace reduced for job-level analysis (trainprof/digest.py)
       summary.json, report.html          written by `trainprof analyze`
 
 Writers here are used inside training processes: they import only the standard library, write
@@ -206,7 +207,8 @@ def collect_rank_entries(run: str | os.PathLike) -> dict:
         versions.add(m.get("torch_version"))
         ranks.append({"rank": m.get("rank"), "host": m.get("host"), "local_rank": m.get("local_rank"),
                       "pid": m.get("pid"), "device": m.get("device"),
-                      "device_name": m.get("device_name"), "coords": m.get("coords") or {}})
+                      "device_name": m.get("device_name"), "coords": m.get("coords") or {},
+                      **({"node": m["node"]} if m.get("node") else {})})
     return {"world_size": world, "ranks_seen": len(ranks), "mesh": mesh,
             "torch_version": sorted(v for v in versions if v)[0] if any(versions) else None,
             "ranks": ranks}
@@ -338,11 +340,26 @@ def _exists(p: Path, problems: list[str] | None = None) -> bool:
         return False
 
 
+def _host_map(hosts: dict, wanted: set) -> dict[int, str]:
+    """{"node001": "8-15,24"} (meta.json ``hosts``) -> {rank: host} for the ranks in wanted."""
+    out: dict[int, str] = {}
+    for h, spec in hosts.items():
+        if not isinstance(spec, str):
+            continue
+        for part in spec.split(","):
+            a, _, b = part.partition("-")
+            if a.isdigit() and (not b or b.isdigit()):
+                lo, hi = int(a), int(b or a)
+                out.update((r, str(h)) for r in wanted if lo <= r <= hi)
+    return out
+
+
 class RunDir:
     """Read-side view of a run directory. Everything is loaded lazily and cached, so all
     analyzers share one parse of each file (profiler traces included)."""
 
-    def __init__(self, path: str | os.PathLike | list | tuple):
+    def __init__(self, path: str | os.PathLike | list | tuple, _preset: dict | None = None):
+        # ``_preset``: cache entries known already (trainprof/digest.py's view of one bare trace)
         # several inputs (trace files or folders of traces) are analyzed as one job
         inputs = [Path(p) for p in path] if isinstance(path, (list, tuple)) else [Path(path)]
         if not inputs:
@@ -356,9 +373,16 @@ class RunDir:
         self.trace_inputs: list[Path] = []
         self.input_facts: dict = {}
         self.problems: list[str] = []
-        self._cache: dict[str, Any] = {}
+        self._cache: dict[str, Any] = dict(_preset or {})
         self._unreadable: set[int] = set()  # rank folders that cannot be read (said once)
-        if len(inputs) > 1:
+        # several run directories of one job (a per-node --out each) are analyzed as one run:
+        # ``roots`` are those directories, ``_rank_roots`` says which one holds a rank's files
+        self.roots: list[Path] = [self.path]
+        self._rank_roots: dict[int, Path] = {}
+        if len(inputs) > 1 and all(_is_dir(p) and (_exists(p / MANIFEST) or _is_dir(p / RANKS_DIR))
+                                   for p in inputs):
+            self._several_run_dirs(inputs)
+        elif len(inputs) > 1:
             self._bare_trace_inputs(inputs)
         else:
             self._classify(self.path)
@@ -415,6 +439,41 @@ class RunDir:
                     f"{PROFILER_DIR}/), no profiler traces (*.json, *.json.gz) and no allocator "
                     f"snapshots (*.pickle); create one with `trainprof wrap --out {path} -- CMD`")
 
+    def _several_run_dirs(self, dirs: list[Path]) -> None:
+        """Run directories of one job, each holding some of its ranks (one per node): refused
+        when they are the same directory twice, or name different jobs (manifest.json
+        ``job_id``) or world sizes; ranks found in two of them are refused in ``ranks``."""
+        seen: dict[str, Path] = {}
+        for d in dirs:
+            key = os.path.realpath(d)
+            if key in seen:
+                raise RunDirError(f"{d}: given twice (also as {seen[key]})")
+            seen[key] = d
+        self.roots = list(dirs)
+        jobs: dict[str, list[str]] = {}
+        worlds: dict[int, list[str]] = {}
+        for d in dirs:
+            p = d / MANIFEST
+            try:
+                man = read_json(p) if _exists(p) else {}
+            except RunDirError:
+                man = {}
+            if not isinstance(man, dict):
+                continue
+            if isinstance(man.get("job_id"), str):
+                jobs.setdefault(man["job_id"], []).append(str(p))
+            if type(man.get("world_size")) is int:
+                worlds.setdefault(man["world_size"], []).append(str(p))
+        for what, claims in (("jobs", jobs), ("world sizes", worlds)):
+            if len(claims) > 1:
+                said = "; ".join(f"{', '.join(files)}: {v!r}" for v, files in claims.items())
+                raise RunDirError(f"these run directories are of different {what} ({said}); "
+                                  f"analyze together only the directories of one job")
+
+    def rank_path(self, rank: int) -> Path:
+        """ranks/rank-N of the run directory that holds the rank (several with per-node dirs)."""
+        return rank_dir(self._rank_roots.get(rank, self.path), rank)
+
     def _bare_trace_inputs(self, inputs: list[Path]) -> None:
         for p in inputs:
             try:
@@ -444,7 +503,7 @@ class RunDir:
             return [(_rank_from_name(p.name), p) for p in self.bare_snapshots]
         out = []
         for r in self.ranks:
-            d = rank_dir(self.path, r)
+            d = self.rank_path(r)
             if _is_dir(d):
                 out += [(r, p) for p in _listdir(d, self.problems)
                         if p.name.endswith(SNAPSHOT_SUFFIXES) and not p.name.startswith(NOT_SNAPSHOTS)]
@@ -486,8 +545,51 @@ class RunDir:
                     raw = dict(raw, schema_version=self._schema_version(p, raw["schema_version"]))
                 man = rundir_schema.clean_object(rundir_schema.MANIFEST, raw, str(p), self.problems,
                                                  rundir_schema.MANIFEST_NESTED)
+            if not self.bare_snapshots and not self.trace_inputs:
+                man = self._merge_nodes(man)
             self._cache["launcher"] = man
         return self._cache["launcher"]
+
+    def _merge_nodes(self, man: dict) -> dict:
+        """The launcher records of every node (RUN/nodes/*.json of each run directory; with
+        several run directories, the manifest.json of one without node records stands for its
+        node) merged over the first manifest (trainprof/nodes.py merge)."""
+        from trainprof import nodes
+
+        def clean(rec, where):
+            return rundir_schema.clean_object(rundir_schema.NODE, rec, where, self.problems,
+                                              rundir_schema.MANIFEST_NESTED)
+
+        several = len(self.roots) > 1
+        records = []
+        for i, root in enumerate(self.roots):
+            recs = nodes.read_records(root, self.problems, clean)
+            for r in recs:
+                r["_file"] = str(root / r["_file"]) if several else r["_file"]
+            if not recs and several:
+                other = man if i == 0 else self._other_manifest(root / MANIFEST)
+                if other:
+                    recs = [dict(other, _file=str(root / MANIFEST),
+                                 ranks=[e["rank"] for e in other.get("ranks") or []
+                                        if isinstance(e, dict) and type(e.get("rank")) is int])]
+            records += recs
+        return nodes.merge(man, records)
+
+    def _other_manifest(self, p: Path) -> dict:
+        """manifest.json of another run directory of the job (several run directories)."""
+        if not _exists(p, self.problems):
+            return {}
+        try:
+            raw = read_json(p)
+        except RunDirError as e:
+            self.problems.append(str(e))
+            return {}
+        if not isinstance(raw, dict):
+            return {}
+        if raw.get("schema_version") is not None:
+            raw = dict(raw, schema_version=self._schema_version(p, raw["schema_version"]))
+        return rundir_schema.clean_object(rundir_schema.MANIFEST, raw, str(p), self.problems,
+                                          rundir_schema.MANIFEST_NESTED)
 
     def _schema_version(self, p: Path, v) -> int:
         if type(v) is str and v.strip().isdigit() and len(v.strip()) < 10:
@@ -512,25 +614,38 @@ class RunDir:
                 self._cache["rank_dirs"] = set()
                 return []
             found: set[int] = set()
-            rd = self.path / RANKS_DIR
-            if not self.trace_inputs and _is_dir(rd):
-                for d in _listdir(rd, self.problems):
-                    if not d.name.startswith("rank-") or not _is_dir(d):
-                        continue
-                    num = d.name[5:]
-                    if not (num.isdigit() and len(num) <= 9):
-                        self.problems.append(f"{d}: unexpected folder name, ignored")
-                        continue
-                    if not os.access(d, os.R_OK | os.X_OK):
-                        self.problems.append(f"{d}: cannot read (permission denied); rank "
-                                             f"{int(num)}'s files are not analyzed")
-                        self._unreadable.add(int(num))
-                        continue
-                    found.add(int(num))
+            for root in self.roots if not self.trace_inputs else ():
+                self._rank_dirs_of(root, found)
             self._cache["rank_dirs"] = set(found)
             found.update(self.profiler_traces().keys())
             self._cache["ranks"] = sorted(found)
         return self._cache["ranks"]
+
+    def _rank_dirs_of(self, root: Path, found: set[int]) -> None:
+        """Add the readable ranks/rank-N folders of one run directory to ``found``; a rank
+        already found in another run directory is refused (RunDirError naming both)."""
+        rd = root / RANKS_DIR
+        if not _is_dir(rd):
+            return
+        for d in _listdir(rd, self.problems):
+            if not d.name.startswith("rank-") or not _is_dir(d):
+                continue
+            num = d.name[5:]
+            if not (num.isdigit() and len(num) <= 9):
+                self.problems.append(f"{d}: unexpected folder name, ignored")
+                continue
+            if not os.access(d, os.R_OK | os.X_OK):
+                self.problems.append(f"{d}: cannot read (permission denied); rank "
+                                     f"{int(num)}'s files are not analyzed")
+                self._unreadable.add(int(num))
+                continue
+            if int(num) in found and len(self.roots) > 1:
+                raise RunDirError(f"rank {int(num)} is in two run directories: "
+                                  f"{self.rank_path(int(num))} and {d}; analyze together "
+                                  f"only run directories holding different ranks")
+            found.add(int(num))
+            if len(self.roots) > 1:
+                self._rank_roots[int(num)] = root
 
     def rank_meta(self, rank: int) -> dict:
         """ranks/rank-N/meta.json ({} when missing), its wrongly typed fields dropped (each a
@@ -539,7 +654,7 @@ class RunDir:
         if key not in self._cache and self.trace_inputs:
             self._cache[key] = self._trace_meta(rank)
         if key not in self._cache:
-            p = rank_dir(self.path, rank) / META
+            p = self.rank_path(rank) / META
             meta: dict = {}
             if _exists(p, self._problems_of(rank)):
                 try:
@@ -599,7 +714,7 @@ class RunDir:
         else:
             world = declared if declared is not None else n
         have = (self._cache.get("rank_dirs", set()) if not self.trace_inputs
-                and _is_dir(self.path / RANKS_DIR) else set(ranks))
+                and any(_is_dir(root / RANKS_DIR) for root in self.roots) else set(ranks))
         # without a declared world size nothing says which ranks should be there
         missing = [r for r in range(world) if r not in have] if declared is not None else []
         absent = max(0, (declared or 0) - world) + len(missing)
@@ -608,8 +723,9 @@ class RunDir:
             where = ("no trace" if self.trace_inputs else f"{RANKS_DIR}/{rank_dirname(missing[0])}"
                      f"{' …' if len(missing) > 1 else ''} missing")
             self.problems.append(
-                f"{self.path}: {len(missing)} of {world} rank(s) have no readable files "
-                f"({where}): rank(s) {shown}; job-level figures "
+                f"{self.path}: world size {world}, {world - len(missing)} rank(s) present; "
+                f"missing: {self._missing_where(missing, have)} — {len(missing)} of {world} "
+                f"rank(s) have no readable files ({where}): rank(s) {shown}; job-level figures "
                 f"that need every rank (step time, MFU, pipeline bubble, ...) are partial or withheld")
         shape = self.mesh.get("shape") or []
         if shape and declared is not None and math.prod(shape) != declared:
@@ -618,6 +734,48 @@ class RunDir:
         self._cache["census"] = {"world_size": world, "declared": declared, "missing": missing,
                                  "absent": absent}
         return self._cache["census"]
+
+    def _missing_where(self, missing: list[int], have) -> str:
+        """"8–15 (host node001), 40 (host unknown)": missing ranks as compact ranges with the
+        host each ran on, where known: from the torchrun agents' worker-exits.jsonl, else from
+        a present rank of the same node (torchrun numbers each node's ranks contiguously:
+        rank // local world size), else from the only node record without ranks."""
+        from trainprof.probes.profile_ranks import ranges
+
+        host: dict[int, str] = {}
+        try:
+            from trainprof.worker_exits import summarize
+
+            for r, row in summarize(self.worker_exits()).get("workers", {}).items():
+                if row.get("host") and row["host"] != "None":
+                    host[r] = row["host"]
+        except Exception:  # noqa: BLE001 - a hint only
+            pass
+        local_ws, by_group, mapped = None, {}, False
+        present = sorted(have)[:4096]  # a bounded sample is enough to place whole nodes
+        for r in present:
+            meta = self.rank_meta(r)
+            if isinstance(meta.get("hosts"), dict) and not mapped:  # probes/hostmap.py
+                mapped = True
+                for k, h in _host_map(meta["hosts"], set(missing)).items():
+                    host.setdefault(k, h)
+            env = meta.get("env") if isinstance(meta.get("env"), dict) else {}
+            lws = env.get("LOCAL_WORLD_SIZE")
+            if local_ws is None and isinstance(lws, str) and lws.isdigit() and int(lws) > 0:
+                local_ws = int(lws)
+            if local_ws and meta.get("host"):
+                by_group.setdefault(r // local_ws, meta["host"])
+        nodes_without = [n.get("host") for n in self.launcher.get("nodes") or []
+                         if not n.get("ranks") and n.get("host")]
+        groups: dict[str, list[int]] = {}
+        for r in missing:
+            h = host.get(r) or (by_group.get(r // local_ws) if local_ws else None) \
+                or (nodes_without[0] if len(nodes_without) == 1 else None)
+            groups.setdefault(h or "unknown", []).append(r)
+        parts = [(min(rs), ranges(rs, "–") + (f" (host {h})" if h != "unknown" else ""))
+                 for h, rs in groups.items()]
+        text = ", ".join(t for _, t in sorted(parts))
+        return text if len(text) < 600 else text[:600] + " …"
 
     def _meta_source(self, rank: int) -> str:
         """Where a rank's facts come from, for problem lines."""
@@ -646,6 +804,32 @@ class RunDir:
                 "ranks_present": len(self.ranks), "missing_ranks": c["missing"][:50],
                 "missing_count": c["absent"]}
 
+    def profiled(self) -> dict | None:
+        """Which ranks recorded the profiler window, as each rank decided by --profile-ranks
+        (meta.json ``profiled``, ``profile_policy``, ``profile_ranks``): {"count", "of" (the
+        world size), "ranks" (the first 256), "ranges", "policy", "spec", "not_profiled" (ranks
+        that skipped it on purpose), "text"}; None when no rank recorded a decision."""
+        yes, no, policies, specs = [], 0, collections.Counter(), collections.Counter()
+        for r in self.ranks:
+            m = self.rank_meta(r)
+            if m.get("profiled") is None:
+                continue
+            if m["profiled"]:
+                yes.append(r)
+            else:
+                no += 1
+            policies[m.get("profile_policy") or "?"] += 1
+            specs[m.get("profile_ranks") or "?"] += 1
+        if not yes and not no:
+            return None
+        from trainprof.probes.profile_ranks import ranges
+
+        policy = policies.most_common(1)[0][0]
+        return {"count": len(yes), "of": self.world_size, "ranks": yes[:256],
+                "ranges": ranges(yes), "policy": policy, "spec": specs.most_common(1)[0][0],
+                "not_profiled": no,
+                "text": f"{len(yes)} of {self.world_size} ranks profiled (policy {policy})"}
+
     @property
     def mesh(self) -> dict:
         """{"dim_names": [...], "shape": [...]} of the job's DeviceMesh ({} when none)."""
@@ -673,23 +857,25 @@ class RunDir:
         is absent, not a regular file or too large (each a problem)."""
         from trainprof.worker_exits import STREAM
 
-        p = self.path / STREAM
-        try:
-            st = os.stat(p)
-        except OSError:
-            return []
-        if not stat.S_ISREG(st.st_mode):
-            self.problems.append(f"{p}: not a regular file, ignored")
-            return []
-        if st.st_size > MAX_WORKER_EXITS_BYTES:
-            self.problems.append(f"{p}: {st.st_size} bytes, over the {MAX_WORKER_EXITS_BYTES} "
-                                 "read; ignored")
-            return []
-        return list(iter_jsonl(p, self.problems))
+        out: list[dict] = []
+        for p in [root / STREAM for root in self.roots]:
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                self.problems.append(f"{p}: not a regular file, ignored")
+                continue
+            if st.st_size > MAX_WORKER_EXITS_BYTES:
+                self.problems.append(f"{p}: {st.st_size} bytes, over the {MAX_WORKER_EXITS_BYTES} "
+                                     "read; ignored")
+                continue
+            out += iter_jsonl(p, self.problems)
+        return out
 
     def rank_file(self, rank: int, name: str) -> Path | None:
         """ranks/rank-N/NAME if it exists (None also when it cannot be checked, with a problem)."""
-        p = rank_dir(self.path, rank) / name
+        p = self.rank_path(rank) / name
         return p if _exists(p, self._problems_of(rank)) else None
 
     def _problems_of(self, rank: int) -> list[str] | None:
@@ -699,30 +885,39 @@ class RunDir:
 
     # -- streams
     def stream_path(self, rank: int, name: str) -> Path:
-        return rank_dir(self.path, rank) / f"{name}.jsonl"
+        return self.rank_path(rank) / f"{name}.jsonl"
 
     def stream(self, rank: int, name: str) -> list[dict]:
         """A rank's records of a stream, checked against the documented field types (bad
         records skipped, each a problem with file and line)."""
         key = f"stream:{name}:{rank}"
         if key not in self._cache:
+            from trainprof.rundir_streams import read_records
+
             p = self.stream_path(rank, name)
-            self._cache[key] = (list(iter_jsonl(p, self.problems, name))
+            self._cache[key] = (read_records(p, self.problems, name,
+                                             self._cache.setdefault("shared_lists", {}))
                                 if _exists(p, self._problems_of(rank)) else [])
         return self._cache[key]
 
     def frame(self, name: str):
-        """All ranks' records of a stream as one pandas DataFrame with a ``rank`` column."""
+        """All ranks' records of a stream as one pandas DataFrame with a ``rank`` column (built
+        column by column, without keeping every rank's records: trainprof/rundir_streams.py)."""
         key = f"frame:{name}"
         if key not in self._cache:
-            import pandas as pd
+            from trainprof.rundir_streams import build_frame
 
-            rows = []
-            for r in self.ranks:
-                for rec in self.stream(r, name):
-                    rows.append({"rank": r, **rec})
-            self._cache[key] = pd.DataFrame(rows)
+            self._cache[key] = build_frame(self, name)
         return self._cache[key]
+
+    def stream_tail(self, rank: int, name: str) -> dict | None:
+        """A rank's last record of a stream (None when it has none), without caching the
+        whole stream when only its frame was read."""
+        key = f"stream:{name}:{rank}"
+        if key in self._cache or f"frame:{name}" not in self._cache:
+            recs = self.stream(rank, name)
+            return recs[-1] if recs else None
+        return self._cache.get("tails:" + name, {}).get(rank)
 
     def collectives(self):
         """The training job's collectives (frame of collectives.jsonl), without those a NaN
@@ -748,17 +943,24 @@ class RunDir:
             self._load_bare_traces()
         if "trace_paths" not in self._cache:
             out: dict[int, Path] = {}
-            d = self.path / PROFILER_DIR
-            if _is_dir(d):
+            for d in [root / PROFILER_DIR for root in self.roots]:
+                if not _is_dir(d):
+                    continue
                 for p in _listdir(d, self.problems):
                     if not p.name.endswith((".json", ".json.gz")):
                         continue
                     if p.name.startswith("rank-"):
                         try:
-                            out[int(p.name[5:10])] = p
-                            continue
+                            r = int(p.name[5:10])
                         except ValueError:
-                            pass
+                            r = None
+                        if r is not None and r in out and out[r].parent != p.parent:
+                            raise RunDirError(f"rank {r} has a trace in two run directories: "
+                                              f"{out[r]} and {p}; analyze together only run "
+                                              f"directories holding different ranks")
+                        if r is not None:
+                            out[r] = p
+                            continue
                     self.problems.append(f"{p}: trace file not named rank-NNNNN.*, ignored")
             self._job_traces(out)
             self._cache["trace_paths"] = out
@@ -768,7 +970,7 @@ class RunDir:
         """Ranks whose job ran its own profiler (meta.json ``job_profiler``): where trainprof
         has no trace of its own, the job's last exported trace stands in; said in problems."""
         said: dict[str, list[int]] = {}
-        for m in sorted((self.path / RANKS_DIR).glob(f"rank-*/{META}")):
+        for m in sorted(m for root in self.roots for m in (root / RANKS_DIR).glob(f"rank-*/{META}")):
             try:
                 r = int(m.parent.name[5:])
             except ValueError:
@@ -790,78 +992,146 @@ class RunDir:
                                  f"{', …' if len(ranks) > 8 else ''})")
 
     def traces(self, progress=None) -> dict:
-        """rank -> parsed trace (trainprof.trace.Trace), parsed once, in parallel across ranks."""
-        paths = self.profiler_traces()  # bare traces: parsed (and cached) while finding ranks
+        """rank -> parsed trace (trainprof.trace.Trace), parsed once, in parallel across ranks.
+        Every trace stays in memory: for per-rank detail only. Job-level analysis reads
+        trace_digests(), which needs one trace in memory at a time."""
+        paths = self.profiler_traces()
         if "traces" not in self._cache:
             from trainprof.trace import load_traces
 
             traces, errors = load_traces(paths, progress=progress)
             self.problems.extend(errors)
+            if self.trace_inputs:  # a bare trace is the rank its discovery gave it
+                for r, t in traces.items():
+                    t.rank = r
             self._cache["traces"] = traces
-        if "traces_said" not in self._cache:
-            self._cache["traces_said"] = True
-            for r, t in sorted(self._cache["traces"].items()):
-                if n := t.stats.get("gpu_ops_without_launch"):
-                    self.problems.append(
-                        f"{t.path}: {n} GPU op(s) have no launching runtime call in the trace "
-                        f"(queued before recording started): left out of the step windows")
-                if t.meta.get("whole_trace_window"):
-                    span = t.meta.get("span_ns") or [0, 0]
-                    self.problems.append(
-                        f"{t.path}: no ProfilerStep in the trace (torch.profiler used without "
-                        f"schedule/step()): rank {r} analyzed as one window covering the whole "
-                        f"trace ({(span[1] - span[0]) / 1e6:.3f} ms), not per step")
+        self._say_trace_facts([(r, t.path, t.stats.get("gpu_ops_without_launch"),
+                                t.meta.get("whole_trace_window"), t.meta.get("span_ns"))
+                               for r, t in sorted(self._cache["traces"].items())])
         return self._cache["traces"]
+
+    def _say_trace_facts(self, facts: list[tuple]) -> None:
+        """Problems about how the traces were read, once: (rank, path, GPU ops without a launch,
+        whole-trace window, span) of each (from the parsed traces or from their digests)."""
+        if "traces_said" in self._cache:
+            return
+        self._cache["traces_said"] = True
+        for r, path, n, whole, span in facts:
+            if n:
+                self.problems.append(
+                    f"{path}: {n} GPU op(s) have no launching runtime call in the trace "
+                    f"(queued before recording started): left out of the step windows")
+            if whole:
+                span = span or [0, 0]
+                self.problems.append(
+                    f"{path}: no ProfilerStep in the trace (torch.profiler used without "
+                    f"schedule/step()): rank {r} analyzed as one window covering the whole "
+                    f"trace ({(span[1] - span[0]) / 1e6:.3f} ms), not per step")
 
     def trace_digests(self, name: str) -> dict[int, dict]:
         """rank -> the per-rank digest section ``name`` of that rank's profiler trace: what the
         analyzer ``name`` computes from one trace alone (its module's ``trace_digest(run, rank,
         trace) -> dict``, small and JSON-able). Job-level analysis reads these, never the traces
-        themselves, so that it needs one trace in memory at a time."""
+        themselves, so that it needs one trace in memory at a time (digest_docs). A rank whose
+        section failed is left out, with a problem; when it failed on every rank, RunDirError."""
         key = ("digest", name)
         if key not in self._cache:
-            from trainprof.analyzers import digest_function
-
-            fn = digest_function(name)
-            self._cache[key] = {r: fn(self, r, t) for r, t in sorted(self.traces().items())}
+            out, failed = {}, []
+            for r, doc in self.digest_docs(extra=name).items():
+                sec = doc["sections"].get(name) or {}
+                if isinstance(sec.get("data"), dict):
+                    out[r] = sec["data"]
+                else:
+                    failed.append((r, sec.get("error") or "not computed"))
+            if failed:
+                shown = ", ".join(str(r) for r, _ in failed[:8]) + (", …" if len(failed) > 8 else "")
+                self.problems.append(f"{name}: the reduction of the profiler trace failed on rank(s) "
+                                     f"{shown} ({failed[0][1]}); left out of its figures")
+                if not out:
+                    raise RunDirError(f"{name}: trace_digest failed on every rank: {failed[0][1]}")
+            self._cache[key] = out
         return self._cache[key]
+
+    def digest_docs(self, progress=None, extra: str | None = None,
+                    write: bool = False) -> dict[int, dict]:
+        """rank -> the whole digest of its profiler trace (trainprof/digest.py): read from
+        RUN/digests/ when current, else built in a process pool, one trace per worker at a
+        time, and (``write``: what `trainprof analyze` does when its outputs go into the run
+        directory) cached there; bare trace inputs are never written beside.
+        ``extra``: an analyzer whose section is wanted besides ANALYZER_MODULES' ones."""
+        from trainprof import digest
+
+        self.profiler_traces()  # bare traces are digested while their ranks are found
+        names = digest.section_names()
+        if extra and extra not in names:
+            names.append(extra)
+        docs = self._cache.get("digest_docs")
+        if docs is None or any(n not in d["sections"] for d in docs.values() for n in names):
+            docs, _ = digest.ensure(self, names, progress=progress, write=write)
+            self._cache["digest_docs"] = docs
+        self._say_trace_facts([(r, d["facts"]["path"], d["facts"].get("gpu_ops_without_launch"),
+                                d["facts"].get("whole_trace_window"), d["facts"].get("span_ns"))
+                               for r, d in sorted(docs.items())])
+        return docs
 
     # -- bare profiler traces (no run directory)
     def _load_bare_traces(self) -> None:
-        """Parse the latest window of every process among the inputs and key them by rank
+        """Digest the latest window of every process among the inputs (in a process pool, one
+        trace per worker at a time, nothing written) and key them by rank
         (trainprof/trace/_discover.py); what was found and read goes to ``input_facts``."""
+        from trainprof import digest
         from trainprof.trace import _discover as disc
-        from trainprof.trace import load_traces
 
         files = disc.candidates(self.trace_inputs, self.problems)
         chosen = disc.latest_windows(files, self.problems)
-        loaded, errors = load_traces(dict(enumerate(chosen)))
+        docs, errors = digest.bare_digests(chosen)
         self.problems.extend(errors)
-        ranked = disc.assign_ranks([(chosen[i], t) for i, t in loaded.items()], self.problems)
-        self._cache["traces"] = ranked
-        self._cache["trace_paths"] = {r: t.path for r, t in ranked.items()}
-        whole = sum(1 for t in ranked.values() if t.meta.get("whole_trace_window"))
+        heads = [(p, digest.TraceHead(docs[p])) for p in chosen if p in docs]
+        ranked = disc.assign_ranks(heads, self.problems)
+        # a trace digested before its rank was known (or as another rank): once more as its rank
+        redo = {h.path: r for r, h in ranked.items() if h.doc.get("rank") != r}
+        if redo:
+            again, errors = digest.bare_digests(list(redo), ranks=redo)
+            self.problems.extend(errors)
+            ranked = {r: digest.TraceHead(again[h.path]) if h.path in again else h
+                      for r, h in ranked.items() if h.path not in redo or h.path in again}
+        for h in ranked.values():
+            self.problems.extend(h.doc.get("problems") or [])
+        self._cache["trace_heads"] = ranked
+        self._cache["trace_paths"] = {r: h.path for r, h in ranked.items()}
+        self._cache["digest_docs"] = {r: h.doc for r, h in ranked.items()}
+        whole = sum(1 for h in ranked.values() if h.meta.get("whole_trace_window"))
         self.input_facts = {
             "kind": "profiler traces", "inputs": [str(p) for p in self.trace_inputs],
             "files": len(files), "older_windows_skipped": len(files) - len(chosen),
-            "traces_read": len(loaded), "unreadable": len(chosen) - len(loaded),
-            "ranks": len(ranked), "steps": sum(len(t.steps) for t in ranked.values()),
+            "traces_read": len(docs), "unreadable": len(chosen) - len(docs),
+            "ranks": len(ranked), "steps": sum(h.steps for h in ranked.values()),
             **({"whole_trace_windows": whole} if whole else {})}
+
+    def _trace_heads(self) -> dict:
+        """rank -> the facts of its trace (trainprof.digest.TraceHead), without parsing it."""
+        if self.trace_inputs:
+            self.profiler_traces()
+            return self._cache.get("trace_heads", {})
+        from trainprof.digest import TraceHead
+
+        return {r: TraceHead(d) for r, d in self.digest_docs().items()}
 
     def _trace_meta(self, rank: int) -> dict:
         """A rank's facts from its bare trace (distributedInfo, deviceProperties, torch's
         <host>_<pid> file name), checked like meta.json."""
         from trainprof.trace._discover import rank_facts
 
-        tr = self.traces().get(rank)
-        if tr is None:
+        head = self._trace_heads().get(rank)
+        if head is None:
             return {}
-        return rundir_schema.clean_object(rundir_schema.META, rank_facts(tr, rank), str(tr.path),
-                                          self.problems)
+        return rundir_schema.clean_object(rundir_schema.META, rank_facts(head, rank),
+                                          str(head.path), self.problems)
 
     def trace_run_facts(self) -> dict:
         """Run facts only a trace carries (bare traces): the process groups (pg_config) and the
         devices (deviceProperties) of the first rank that has them."""
         from trainprof.trace._discover import run_facts
 
-        return run_facts([self.traces()[r] for r in self.ranks if r in self.traces()])
+        heads = self._trace_heads()
+        return run_facts([heads[r] for r in self.ranks if r in heads])

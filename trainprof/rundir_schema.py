@@ -82,7 +82,15 @@ MANIFEST = {
     "end_time": DICT, "config": DICT, "status": STR, "exit_code": INT, "signal": INT,
     "signal_name": STR, "job_exit_code": INT, "job_signal": INT, "world_size": POS,
     "ranks_seen": NAT, "mesh": MESH_SHAPE, "torch_version": STR, "ranks": DICTS, "env": DICT,
-    "hangs": DICTS,
+    "hangs": DICTS, "job_id": STR, "node": STR, "files": STRS,
+}
+# nodes/<host>-<id>.json: one launcher (`trainprof wrap` on one node) of the job
+NODE = {
+    "node": STR, "job_id": STR, "host": STR, "launcher_pid": INT, "command": LIST, "cwd": STR,
+    "start_time": DICT, "end_time": DICT, "status": STR, "exit_code": INT, "signal": INT,
+    "signal_name": STR, "job_exit_code": INT, "job_signal": INT, "ranks": INTS,
+    "trainprof_version": STR, "hangs": DICTS, "first_failures": DICTS, "files": STRS,
+    "signals_forwarded": DICTS,
 }
 META = {
     "rank": NAT, "world_size": POS, "local_rank": INT, "host": STR, "pid": INT, "argv": LIST,
@@ -91,7 +99,8 @@ META = {
     "cpu_count": POS, "mesh": MESH, "coords": COORDS, "calibration": DICT, "run_info": DICT,
     "activated_by": STR, "profile_steps": INTS, "started_ns": INT, "ended_ns": INT,
     "steps_recorded": NAT, "env": DICT, "probes_off": STRS, "pipeline": DICT, "telemetry": DICT,
-    "memory_breakdown": DICT,
+    "memory_breakdown": DICT, "profiled": BOOL, "profile_policy": STR, "profile_ranks": STR,
+    "node": STR, "hosts": DICT,
 }
 # meta.json sub-objects the analyzers compute with
 RUN_INFO = {
@@ -165,6 +174,15 @@ _COLL = (STREAMS["collectives"], None)
 HANG_DUMP_NESTED = {"threads": (THREAD, {"frames": (FRAME, None)}), "last_collective": _COLL,
                     "inflight": _COLL,
                     "heartbeat": (STREAMS["heartbeat"], {"last_collective": _COLL, "inflight": _COLL})}
+# digests/rank-N.json (trainprof/digest.py): a malformed one is rebuilt from the trace
+DIGEST = {"schema_version": POS, "kind": STR, "trainprof_version": STR, "code": STR, "rank": NAT,
+          "trace": DICT, "facts": DICT, "sections": DICT, "problems": STRS, "seconds": DICT}
+DIGEST_REQUIRED = ("schema_version", "kind", "rank", "trace", "facts", "sections")
+DIGEST_TRACE = {"path": STR, "size": NAT, "mtime_ns": INT}
+DIGEST_FACTS = {"path": STR, "rank": INT, "distributedInfo": DICT, "deviceProperties": LIST,
+                "whole_trace_window": BOOL, "span_ns": INTS, "steps": NAT, "events": NAT,
+                "gpu_ops_without_launch": NAT}
+DIGEST_NESTED = {"trace": DIGEST_TRACE, "facts": DIGEST_FACTS}
 REQUIRED: dict[str, tuple[str, ...]] = {
     "steps": ("step",), "steps_device": ("step",), "pipeline": ("step", "stage", "kind"),
     "groups": ("pg",), "collectives": ("op",),

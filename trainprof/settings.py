@@ -37,7 +37,7 @@ def flag_on(value: str | None, default: bool = False) -> bool:
 @dataclass(frozen=True)
 class Setting:
     name: str
-    kind: str              # flag | seconds | number | count | choice | probe_list | internal
+    kind: str              # flag | seconds | number | count | choice | probe_list | profile_ranks | internal
     default: str
     meaning: str
     choices: tuple = ()
@@ -55,6 +55,9 @@ class Setting:
             return "one of " + ", ".join(self.choices)
         if self.kind == "probe_list":
             return "a comma list of probe names: " + ", ".join(probe_names())
+        if self.kind == "profile_ranks":
+            return ("all, none, per-node, per-coord, auto, or ranks and ranges such as "
+                    "0,3,8-15")
         return "any value (set by trainprof wrap)"
 
     def parse(self, raw: str) -> str:
@@ -88,6 +91,10 @@ class Setting:
             if not names or any(n not in probe_names() for n in names):
                 raise ValueError
             return ",".join(names)
+        if self.kind == "profile_ranks":
+            from trainprof.probes.profile_ranks import canonical
+
+            return canonical(v)  # ValueError when not accepted
         raise AssertionError(self.kind)
 
 
@@ -115,8 +122,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINPROF_COLLECTIVES_PY", "flag", "0", "1: the pure-Python collective log"),
     Setting("TRAINPROF_MAX_INPUT_MB", "number", "1024",
             "analysis: largest input file read (trainprof/safeio.py, docs/security.md)"),
+    Setting("TRAINPROF_DIGEST_WORKERS", "count", "",
+            "processes that reduce traces to digests (trainprof/digest.py; default: the CPUs)"),
     Setting("TRAINPROF_RUN_DIR", "internal", "", "run directory (set by wrap from --out)"),
     Setting("TRAINPROF_PROFILE_STEPS", "internal", "3-4", "profiled steps (set by wrap from --profile-steps)"),
+    Setting("TRAINPROF_PROFILE_RANKS", "profile_ranks", "auto",
+            "ranks that record a profiler trace (wrap --profile-ranks; probes/profile_ranks.py)"),
+    Setting("TRAINPROF_NODE", "internal", "", "this launcher's node record (set by wrap)"),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 

@@ -34,6 +34,11 @@ def analyze(inputs, out, as_json, no_report, quiet, max_input_mb):
     (outputs in their common folder). The rank is distributedInfo.rank, else the rank in the file
     name, else one rank per file; of several windows of one process the latest is analyzed.
 
+    Several RUN_DIRs: the per-node run directories of one job (one `wrap --out` per node) are
+    analyzed as one job, their ranks merged; directories of different jobs (manifest job_id or
+    world size) or holding the same rank are refused, naming the files. The outputs go to --out,
+    by default into the first RUN_DIR.
+
     RUN_DIR may also be a CUDA allocator snapshot (a *.pickle written by
     torch.cuda.memory._dump_snapshot) or a folder of them: the memory and fragmentation
     analyses run on them (loaded without executing code), and FILE.summary.json /

@@ -19,6 +19,15 @@ from trainprof.launcher import (HANG_EXIT_CODE, HangPolicy, JobResult, LaunchErr
 @click.option("--no-analyze", is_flag=True, help="Only capture; run `trainprof analyze` later.")
 @click.option("--profile-steps", default="3-4", show_default=True, metavar="FIRST-LAST|none",
               help="Steps (0-based, inclusive) to record with torch.profiler. Step 0 includes set-up.")
+@click.option("--profile-ranks", default=None, metavar="SPEC",
+              help="Ranks that record the profiler window: all, none, ranks such as 0,3,8-15, "
+                   "per-node (local rank 0 of each host) or per-coord (one rank per coordinate "
+                   "of each mesh dimension: every pp stage, tp shard and dp index). Default: all "
+                   "up to 64 ranks, above that per-coord (per-node without a DeviceMesh). The "
+                   "other probes run on every rank.")
+@click.option("--job-id", default=None, metavar="ID",
+              help="The job's id, the same on every node: nodes sharing one --out join one run "
+                   "directory. Default: torchrun's --rdzv-id, else TORCHELASTIC_RUN_ID.")
 @click.option("--hang-timeout", type=float, default=None, metavar="SECONDS",
               help="Treat the job as hung when no rank has progressed (finished a step or a "
                    "collective) for SECONDS; every rank then dumps its stacks, collectives and "
@@ -27,13 +36,22 @@ from trainprof.launcher import (HANG_EXIT_CODE, HangPolicy, JobResult, LaunchErr
               help=f"With --hang-timeout: dump and keep waiting (default), or dump and terminate "
                    f"the job, exiting with code {HANG_EXIT_CODE}.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
-def wrap(out, force, no_analyze, profile_steps, hang_timeout, on_hang, cmd):
+def wrap(out, force, no_analyze, profile_steps, profile_ranks, job_id, hang_timeout, on_hang,
+         cmd):
     """Run CMD with trainprof's probes in every worker process.
 
     \b
     CMD is any launcher that starts Python workers, unchanged:
       trainprof wrap -- torchrun --nproc-per-node 8 train.py --lr 3e-4
       trainprof wrap --out runs/exp1 -- python train.py
+
+    \b
+    On several nodes, run one wrap per node. With a shared file system give them the same --out:
+      trainprof wrap --out /shared/run1 -- torchrun --nnodes 4 --rdzv-backend c10d \\
+          --rdzv-endpoint HOST:PORT --rdzv-id run1 --nproc-per-node 8 train.py
+    The nodes of one job (same --rdzv-id or --job-id) join one run directory, each keeps its own
+    record in RUN/nodes/, and the last node to finish analyzes. Without a shared file system,
+    give each node its own --out and analyze them together: trainprof analyze DIR1 DIR2 ...
 
     Every worker that initializes torch.distributed (or steps an optimizer) records per-step
     timings, a torch.profiler window and its mesh coordinates into the run directory. The job's
@@ -61,10 +79,14 @@ def wrap(out, force, no_analyze, profile_steps, hang_timeout, on_hang, cmd):
         parse_steps(profile_steps)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    settings, before = check_before_start(out, force)
+    from trainprof.nodes import job_id_of
+
+    settings, before = check_before_start(out, force, job_id=job_id_of(cmd, explicit=job_id),
+                                          profile_ranks=profile_ranks)
     try:
         result = run_job(cmd, out, profile_steps=profile_steps, hang=hang, settings=settings,
-                         before=before)
+                         before=before, config={"profile_ranks": settings.get(
+                             "TRAINPROF_PROFILE_RANKS") or "auto"})
     except LaunchError as e:
         raise click.ClickException(str(e)) from e
     finish(out, result, analyze=not no_analyze)
@@ -75,20 +97,28 @@ class Refused(click.ClickException):
     exit_code = 2
 
 
-def check_before_start(out: Path, force: bool) -> tuple[dict, set]:
+def check_before_start(out: Path, force: bool, job_id: str | None = None,
+                       profile_ranks: str | None = None) -> tuple[dict, set]:
     """Validate every TRAINPROF_* setting and the run directory before the job starts.
-    Returns (canonical settings for the job's environment, paths already in out)."""
+    Returns (canonical settings for the job's environment, paths already in out: a
+    trainprof.outdir.Prepared, which also says whether this launcher joined another node's run
+    of the same job). ``profile_ranks``: --profile-ranks, over TRAINPROF_PROFILE_RANKS."""
     import os
 
     from trainprof.outdir import OutDirError
     from trainprof.settings import SettingsError, validated_env
 
+    environ = dict(os.environ)
+    if profile_ranks is not None:
+        environ["TRAINPROF_PROFILE_RANKS"] = profile_ranks
     try:
-        settings = validated_env(os.environ)
+        settings = validated_env(environ)
     except SettingsError as e:
-        raise Refused("; ".join(e.problems)) from e
+        problems = [p.replace("TRAINPROF_PROFILE_RANKS=", "--profile-ranks ")
+                    if profile_ranks is not None else p for p in e.problems]
+        raise Refused("; ".join(problems)) from e
     try:
-        before = prepare_run_dir(out, force)
+        before = prepare_run_dir(out, force, job_id=job_id)
     except OutDirError as e:
         raise Refused(str(e)) from e
     return settings, before
@@ -110,6 +140,13 @@ def finish(out: Path, result: JobResult, analyze: bool) -> None:
         _say(f"could not report the first failure: {type(e).__name__}: {e}")
     notes = list(result.notes)
     if analyze and result.probes_ran:
+        reduce_local_ranks(out, result, notes)
+    try:
+        if result.record is not None and result.probes_ran:
+            result.record.finished()  # after its digests: the last node may analyze now
+    except Exception as e:  # noqa: BLE001
+        notes.append(f"could not finish the node record ({reason(e)})")
+    if analyze and result.probes_ran and analyzes_here(out, result):
         try:
             from trainprof.cli._output import analyze_and_print
 
@@ -125,6 +162,48 @@ def finish(out: Path, result: JobResult, analyze: bool) -> None:
         status = f"death by signal {sig}" if sig else f"exit code {code}"
         _say("; ".join(notes) + f" — the job's {status} is passed on unchanged")
     exit_like(code, sig)
+
+
+def reduce_local_ranks(out: Path, result: JobResult, notes: list[str]) -> None:
+    """Reduce this node's ranks' traces to their digests, in parallel, where the data is
+    (trainprof/digest.py; skipped in a build without it)."""
+    if not result.local_ranks:
+        return
+    try:
+        from trainprof import digest
+    except ImportError:
+        return
+    try:
+        digest.build(out, ranks=list(result.local_ranks))
+    except KeyboardInterrupt:
+        notes.append("digest reduction interrupted")
+    except Exception as e:  # noqa: BLE001 - analysis rebuilds missing digests
+        notes.append(f"could not reduce this node's traces to digests ({reason(e)})")
+
+
+def analyzes_here(out: Path, result: JobResult) -> bool:
+    """Of the nodes sharing one run directory, only the last to finish analyzes (its claim,
+    nodes/.analysis-claim, is created with O_EXCL: one winner when several finish together)."""
+    from trainprof import nodes
+
+    rec = result.record
+    if rec is None:
+        return True
+    try:
+        waiting = nodes.pending(out, rec.node)
+        if waiting is None:  # our record could not be written: analyze, as a single node does
+            return True
+        if waiting:
+            hosts = ", ".join(sorted({str(r.get("host")) for r in waiting})[:4])
+            _say(f"{len(waiting)} other node(s) of this job still running ({hosts}): the last "
+                 f"node to finish analyzes {out}")
+            return False
+        if not nodes.claim_analysis(out, rec.node):
+            _say(f"another node of this job analyzes {out}")
+            return False
+    except OSError as e:
+        _say(f"could not decide which node analyzes ({reason(e)}); analyzing here")
+    return True
 
 
 def _say(msg: str) -> None:

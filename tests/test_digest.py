@@ -1,0 +1,234 @@
+"""Per-rank trace digests (trainprof/digest.py): built once per trace in a process pool, cached
+in RUN/digests/, reused without parsing the trace again, rebuilt when stale or malformed, and
+giving the same numbers as the traces themselves."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainprof import digest
+from trainprof.analysis import analyze, analyze_and_write
+from trainprof.analyzers import comm_compute, memory, roofline
+from trainprof.rundir import RunDir, profiler_trace_path
+from trainprof.trace import load_trace
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GPU_RUN = FIXTURES / "gpu" / "h100_hang_run"
+TRACE_ANALYZERS = (comm_compute, roofline, memory)
+
+
+def synth_run(out: Path, n: int, src: Path = GPU_RUN) -> Path:
+    """A run directory of ``n`` ranks made of rank 0 of ``src``: its meta.json (rank and world
+    size rewritten), its streams and its profiler trace copied to every rank."""
+    out.mkdir(parents=True)
+    man = json.loads((src / "manifest.json").read_text())
+    man.update(world_size=n, ranks_seen=n, ranks=[])
+    (out / "manifest.json").write_text(json.dumps(man))
+    (out / "profiler").mkdir()
+    for r in range(n):
+        d = out / "ranks" / f"rank-{r:05d}"
+        d.mkdir(parents=True)
+        for f in ("steps.jsonl", "memory.jsonl", "collectives.jsonl", "groups.jsonl"):
+            if (src / "ranks/rank-00000" / f).exists():
+                shutil.copy(src / "ranks/rank-00000" / f, d / f)
+        meta = json.loads((src / "ranks/rank-00000/meta.json").read_text())
+        meta.update(rank=r, world_size=n, local_rank=r)
+        (d / "meta.json").write_text(json.dumps(meta))
+        shutil.copy(profiler_trace_path(src, 0), profiler_trace_path(out, r))
+    return out
+
+
+def metrics(run: RunDir) -> dict:
+    return {m.NAME: m.analyze(run).metrics for m in TRACE_ANALYZERS}
+
+
+def cached(run_dir: Path) -> RunDir:
+    """A RunDir whose digests are built and written as `trainprof analyze RUN` does."""
+    run = RunDir(run_dir)
+    run.digest_docs(write=True)
+    return run
+
+
+def garble_keeping_stamp(path: Path) -> None:
+    """Overwrite a file with bytes no parser reads, keeping its size and mtime (the digest's
+    stamp): a digest that is reused proves the trace was not parsed."""
+    st = os.stat(path)
+    path.write_bytes(b"\0" * st.st_size)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_digest_written_reused_without_parsing_and_rebuilt_when_stale(tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(GPU_RUN, run_dir)
+    cold = metrics(cached(run_dir))
+    p = digest.digest_path(run_dir, 0)
+    doc = json.loads(p.read_text())
+    assert digest.check(doc) is None and doc["schema_version"] == digest.SCHEMA_VERSION
+    assert doc["rank"] == 0 and doc["trace"]["path"] == "profiler/rank-00000.pt.trace.json.gz"
+    assert doc["trace"]["size"] == profiler_trace_path(run_dir, 0).stat().st_size
+    assert {"comm_compute", "roofline", "memory"} <= set(doc["sections"])
+    assert all("data" in s for s in doc["sections"].values())
+    # the trace replaced by zeros of the same size and mtime: the digest is used, not the trace
+    trace = profiler_trace_path(run_dir, 0)
+    original = trace.read_bytes()
+    garble_keeping_stamp(trace)
+    warm_run = RunDir(run_dir)
+    assert metrics(warm_run) == cold
+    assert not [x for x in warm_run.problems if "trace" in x and "rank-00000.pt" in x]
+    # a changed trace (new mtime) invalidates it: rebuilt from the trace, which now fails
+    trace.write_bytes(original[:1000])
+    stale = RunDir(run_dir)
+    assert metrics(stale)["comm_compute"] == {}
+    assert any("rank-00000.pt.trace.json.gz" in x for x in stale.problems)
+    # the real trace back (new mtime again): rebuilt, same numbers
+    trace.write_bytes(original)
+    assert metrics(cached(run_dir)) == cold
+    assert json.loads(p.read_text())["trace"]["mtime_ns"] == trace.stat().st_mtime_ns
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps([1, 2]),
+                                     json.dumps({"kind": digest.KIND, "schema_version": 1, "rank": 0,
+                                                 "trace": {"size": "big"}, "facts": {},
+                                                 "sections": {}})])
+def test_malformed_digest_is_rebuilt_with_a_problem(tmp_path, content):
+    run_dir = tmp_path / "run"
+    shutil.copytree(GPU_RUN, run_dir)
+    cold = metrics(cached(run_dir))
+    p = digest.digest_path(run_dir, 0)
+    p.write_text(content)
+    run = cached(run_dir)
+    assert metrics(run) == cold
+    (said,) = [x for x in run.problems if "malformed trace digest" in x]
+    assert str(p) in said and "rebuilt" in said
+    assert digest.check(json.loads(p.read_text())) is None  # rewritten whole
+
+
+def test_pool_digests_equal_in_process_and_trace_numbers(tmp_path):
+    """4 ranks digested by a pool of 2 processes, and again in one process: the same digests,
+    and the same numbers as computed from the parsed traces directly."""
+    run_dir = synth_run(tmp_path / "run", 4)
+    rep = digest.build(run_dir, workers=2)
+    assert rep["built"] == [0, 1, 2, 3] and rep["failed"] == {}
+    pooled = {r: json.loads(digest.digest_path(run_dir, r).read_text())["sections"] for r in range(4)}
+    shutil.rmtree(run_dir / digest.DIGESTS_DIR)
+    assert digest.build(run_dir, workers=1)["built"] == [0, 1, 2, 3]
+    single = {r: json.loads(digest.digest_path(run_dir, r).read_text())["sections"] for r in range(4)}
+    assert pooled == single
+    assert digest.build(run_dir)["reused"] == [0, 1, 2, 3]
+    tr = load_trace(profiler_trace_path(run_dir, 2))
+    rows, hta, kind = comm_compute.rank_breakdown(tr, {})
+    d = pooled[2]["comm_compute"]["data"]
+    assert (d["kind"], d["hta"]) == (kind, hta) and len(d["rows"]) == len(rows)
+    assert [r["compute_ms"] for r in d["rows"]] == [r["compute_ms"] for r in rows]
+    cls, facts = roofline.op_classes(tr)
+    assert pooled[2]["roofline"]["data"] == json.loads(json.dumps({"classes": cls, "facts": facts}))
+    m = metrics(RunDir(run_dir))
+    assert m["comm_compute"]["job"]["ranks"] == 4 and len(m["roofline"]["per_rank"]) == 4
+
+
+def test_build_only_the_ranks_given(tmp_path):
+    run_dir = synth_run(tmp_path / "run", 3)
+    assert digest.build(run_dir, ranks=[1])["built"] == [1]
+    assert sorted(p.name for p in (run_dir / digest.DIGESTS_DIR).iterdir()) == ["rank-00001.json"]
+
+
+def test_summary_identical_with_and_without_cached_digests(tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(GPU_RUN, run_dir)
+    elsewhere = analyze_and_write(run_dir, tmp_path / "out", report=False)[0]
+    assert not (run_dir / digest.DIGESTS_DIR).exists()  # --out elsewhere: the run is not touched
+    cold = analyze_and_write(run_dir, report=False)[0]  # trainprof analyze RUN: digests cached
+    assert (run_dir / digest.DIGESTS_DIR / "rank-00000.json").exists()
+    garble_keeping_stamp(profiler_trace_path(run_dir, 0))
+    warm = analyze_and_write(run_dir, report=False)[0]
+    for s in (cold, elsewhere):
+        assert warm["metrics"] == s["metrics"] and warm["findings"] == s["findings"]
+        assert warm["problems"] == s["problems"] and warm["errors"] == s["errors"] == []
+
+
+def test_failing_section_is_an_error_of_that_section_only(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    shutil.copytree(GPU_RUN, run_dir)
+
+    def broken(run, rank, trace):
+        raise ValueError("no roofline today")
+
+    monkeypatch.setattr(roofline, "trace_digest", broken)  # one trace: digested in-process
+    run = cached(run_dir)
+    s = analyze(run)
+    doc = json.loads(digest.digest_path(run_dir, 0).read_text())
+    assert "no roofline today" in doc["sections"]["roofline"]["error"]
+    assert "data" in doc["sections"]["comm_compute"] and s["metrics"]["comm_compute"]
+    assert any("roofline" in p and "failed on rank(s) 0" in p for p in s["problems"])
+    assert [e["analyzer"] for e in s["errors"]] == ["roofline"]
+    monkeypatch.undo()  # an error is not trusted as final: the next build retries it
+    assert digest.build(run_dir)["built"] == [0]
+    assert "data" in json.loads(digest.digest_path(run_dir, 0).read_text())["sections"]["roofline"]
+
+
+def test_job_rows_relabel_groups_the_job_names_differently():
+    """A trace alone may label a group differently from the whole job (another rank's trace
+    names it): the row's by_dim is rebuilt from the per-group split."""
+    d = {"rows": [{"step": 1, "by_dim": {"pg 7": {"comm_ms": 2.0, "exposed_ms": 1.0}}}],
+         "by_pg": [{"7": {"comm_ms": 2.0, "exposed_ms": 1.0}, "": {"comm_ms": 0.5, "exposed_ms": 0.5}}],
+         "pg_dims": {"7": "pg 7"}}
+    assert comm_compute._job_rows(d, {}) is d["rows"]
+    (row,) = comm_compute._job_rows(d, {"7": "tp"})
+    assert row["by_dim"] == {"tp": {"comm_ms": 2.0, "exposed_ms": 1.0},
+                             "unknown": {"comm_ms": 0.5, "exposed_ms": 0.5}}
+
+
+def test_bare_trace_folder_is_left_untouched(tmp_path):
+    folder = tmp_path / "traces"
+    shutil.copytree(FIXTURES / "hta" / "trace_filter", folder)
+    before = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()}
+    run = RunDir(folder)
+    assert run.ranks == [0, 1]
+    m = metrics(run)
+    assert m["comm_compute"]["job"]["ranks"] == 2
+    after = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()}
+    assert after == before
+    # the digests (in memory) hold what the trace gives
+    tr = load_trace(folder / "sampled_rank-1.json.gz")
+    _, hta, _ = comm_compute.rank_breakdown(tr)
+    assert run.trace_digests("comm_compute")[1]["hta"] == hta
+    with pytest.raises(Exception, match="not a trainprof run directory"):
+        digest.build(folder)
+
+
+@pytest.mark.multiproc
+def test_reduce_under_torchrun_splits_the_ranks(tmp_path):
+    run_dir = synth_run(tmp_path / "run", 4)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "-m", "trainprof.reduce", str(run_dir)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    said = sorted(line for line in proc.stdout.splitlines() if line.startswith("trainprof.reduce"))
+    assert len(said) == 2
+    assert "process 0/2: 2 trace(s): 2 digested" in said[0] and said[0].endswith("ranks 0, 2")
+    assert "process 1/2: 2 trace(s): 2 digested" in said[1] and said[1].endswith("ranks 1, 3")
+    assert sorted(p.name for p in (run_dir / digest.DIGESTS_DIR).iterdir()) == \
+        [f"rank-{r:05d}.json" for r in range(4)]
+    for r in range(4):  # the analysis uses them: no trace is parsed again
+        garble_keeping_stamp(profiler_trace_path(run_dir, r))
+    assert metrics(RunDir(run_dir))["comm_compute"]["job"]["ranks"] == 4
+    again = subprocess.run([sys.executable, "-m", "trainprof.reduce", str(run_dir)],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "0 digested, 4 already current" in again.stdout
+
+
+def test_share_splits_traced_ranks_evenly():
+    from trainprof.reduce import share
+
+    ranks = [0, 8, 16, 24, 32]  # one profiled rank per node of 8
+    assert [share(ranks, r, 2) for r in range(2)] == [[0, 16, 32], [8, 24]]
+    assert sum((share(ranks, r, 3) for r in range(3)), []) == [0, 24, 8, 32, 16]
+

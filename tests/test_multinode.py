@@ -1,0 +1,169 @@
+"""A job on two "nodes" (two torchrun invocations on localhost, --nnodes 2, c10d rendezvous), each
+under its own `trainprof wrap`: one shared run directory, and one run directory per node analyzed
+together; a node's directory alone says which ranks are missing and on which host."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import TRAINPROF, run_cli
+
+JOB = Path(__file__).parent / "jobs" / "ddp_job.py"
+HOST = socket.gethostname()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_nodes(outs: list[Path], job_id: str, nproc: int = 1, steps: int = 6) -> list:
+    """Start both nodes' `trainprof wrap -- torchrun --nnodes 2 ...` at once; their results."""
+    port = free_port()
+    procs = []
+    for i, out in enumerate(outs):
+        cmd = TRAINPROF + ["wrap", "--out", str(out), "--profile-steps", "2-3", "--",
+                           sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                           "--node-rank", str(i), "--nproc-per-node", str(nproc),
+                           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                           "--rdzv-id", job_id, str(JOB), "--steps", str(steps)]
+        logs = [tempfile.TemporaryFile("w+") for _ in range(2)]  # no pipe to fill up
+        procs.append((subprocess.Popen(cmd, stdout=logs[0], stderr=logs[1], text=True), logs))
+    # a node that fails leaves the other waiting in the rendezvous: end it rather than wait
+    deadline = time.monotonic() + 300
+    while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p, _ in procs):
+            deadline = min(deadline, time.monotonic() + 20)
+        time.sleep(0.2)
+    results = []
+    for p, logs in procs:
+        if p.poll() is None:
+            p.terminate()  # wrap passes it on to its job
+        p.wait(timeout=60)
+        texts = []
+        for f in logs:
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+        results.append((p.returncode, *texts))
+    return results
+
+
+def summary(path: Path) -> dict:
+    return json.loads((path / "summary.json").read_text())
+
+
+def missing_problems(s: dict) -> list[str]:
+    return [p for p in s["problems"] if "missing:" in p or "no readable files" in p]
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shared") / "run"
+    return out, two_nodes([out, out], "shared-job")
+
+
+@pytest.fixture(scope="module")
+def per_node_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("per-node")
+    outs = [root / "node0", root / "node1"]
+    return outs, two_nodes(outs, "per-node-job")
+
+
+@pytest.mark.multiproc
+def test_shared_out_one_run_directory_both_nodes_recorded_one_analysis(shared_run):
+    out, results = shared_run
+    for rc, _, err in results:
+        assert rc == 0, err  # the second node needed no --force
+    errs = [err for _, _, err in results]
+    assert sum("joining job shared-job" in e for e in errs) == 1
+    # exactly one node analyzed (the last to finish): the other said who does
+    analyzed = [e for _, o, e in results if "summary:" in o]
+    assert len(analyzed) == 1
+    assert sum("the last node to finish analyzes" in e or "another node of this job analyzes" in e
+               for e in errs) == 1
+    records = [json.loads(p.read_text()) for p in sorted((out / "nodes").glob("*.json"))]
+    assert len(records) == 2
+    assert sorted(r["ranks"] for r in records) == [[0], [1]]
+    for r in records:
+        assert r["status"] == "ok" and r["exit_code"] == 0 and r["job_id"] == "shared-job"
+        assert r["command"][0] == sys.executable and "--nnodes" in r["command"]
+        assert r["start_time"]["ns"] <= r["end_time"]["ns"] and r["finished_ns"]
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["job_id"] == "shared-job" and man["node"] in {r["node"] for r in records}
+    s = summary(out)
+    assert s["run"]["world_size"] == 2 and "partial" not in s["run"]
+    assert not missing_problems(s), s["problems"]
+    assert [n["ranks"] for n in s["run"]["nodes"]] == ["0", "1"]
+    assert {n["status"] for n in s["run"]["nodes"]} == {"ok"} and s["run"]["exit_code"] == 0
+    assert s["run"]["profiled"]["text"] == "2 of 2 ranks profiled (policy all)"
+    assert len(list((out / "profiler").glob("rank-*.pt.trace.json.gz"))) == 2
+    # each rank says which launcher started it; every node knows every rank's host
+    metas = [json.loads((out / f"ranks/rank-0000{r}/meta.json").read_text()) for r in (0, 1)]
+    assert {m["node"] for m in metas} == {r["node"] for r in records}
+    assert all(m["hosts"] == {HOST: "0-1"} for m in metas)
+
+
+@pytest.mark.multiproc
+def test_shared_out_of_another_job_is_still_refused(shared_run, tmp_path):
+    out, _ = shared_run
+    res = run_cli(["wrap", "--out", out, "--job-id", "another-job", "--", sys.executable, "-c",
+                   "pass"])
+    assert res.returncode == 2
+    assert "holds a previous trainprof run (job 'shared-job'" in res.stderr
+    # the same job id after the job ended: a rerun, refused too
+    res = run_cli(["wrap", "--out", out, "--job-id", "shared-job", "--", sys.executable, "-c",
+                   "pass"])
+    assert res.returncode == 2 and "already finished" in res.stderr
+
+
+@pytest.mark.multiproc
+def test_per_node_directories_analyzed_as_one_job(per_node_runs, tmp_path):
+    (d0, d1), results = per_node_runs
+    for rc, _, err in results:
+        assert rc == 0, err
+    # each node analyzed its own directory: loud about the other node's ranks, naming the host
+    # (c10d rendezvous assigns node ranks in arrival order: either directory may hold rank 0)
+    held = [[int(p.name[5:]) for p in (d / "ranks").glob("rank-*")] for d in (d0, d1)]
+    assert sorted(held) == [[0], [1]]
+    for d, gone in ((d0, held[1][0]), (d1, held[0][0])):
+        s = summary(d)
+        (line,) = missing_problems(s)
+        assert f"world size 2, 1 rank(s) present; missing: {gone} (host {HOST})" in line
+        assert s["run"]["partial"]["missing_ranks"] == [gone]
+    merged = tmp_path / "merged"
+    res = run_cli(["analyze", d0, d1, "--out", merged, "--no-report"])
+    assert res.returncode == 0, res.stderr
+    s = summary(merged)
+    assert s["run"]["world_size"] == 2 and "partial" not in s["run"]
+    assert not missing_problems(s), s["problems"]
+    assert sorted(r["rank"] for r in s["run"]["ranks"]) == [0, 1]
+    assert s["run"]["dirs"] == [str(d0), str(d1)]
+    assert sorted(n["ranks"] for n in s["run"]["nodes"]) == ["0", "1"]
+    assert s["metrics"]["step_time"]["job"].get("partial") is None
+    # default output: the first directory
+    res = run_cli(["analyze", d1, d0, "--no-report", "-q"])
+    assert res.returncode == 0, res.stderr
+    assert not missing_problems(summary(d1))
+
+
+@pytest.mark.multiproc
+def test_per_node_directories_of_different_jobs_or_same_ranks_are_refused(per_node_runs,
+                                                                          shared_run):
+    (d0, d1), _ = per_node_runs
+    shared, _ = shared_run
+    res = run_cli(["analyze", d0, shared, "--no-report"])
+    assert res.returncode == 2
+    assert "different jobs" in res.stderr and str(d0 / "manifest.json") in res.stderr \
+        and str(shared / "manifest.json") in res.stderr
+    res = run_cli(["analyze", d0, d0, "--no-report"])
+    assert res.returncode == 2 and "given twice" in res.stderr

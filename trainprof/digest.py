@@ -1,0 +1,440 @@
+"""Per-rank trace digests: each rank's profiler trace reduced once, one trace at a time, to what
+the job-level analyzers need, and cached in the run directory.
+
+    RUN/digests/rank-NNNNN.json      one per rank with a profiler trace (docs/run-directory.md)
+
+A digest holds, per analyzer module that exposes ``trace_digest(run, rank, trace) -> dict``
+(the modules of ``trainprof.analyzers.ANALYZER_MODULES`` that have it), that function's result
+— or the error it raised, for that section only — plus the facts the reader needs about the
+trace without parsing it (distributedInfo, deviceProperties, steps, whole-trace window, GPU ops
+without a launch). It is valid while the trace (path, size, mtime), trainprof's version, the
+analysis code and the digest schema are the ones it was built from; anything else (a changed
+trace, a newer trainprof, a malformed file) makes it rebuilt.
+
+Building: ``build(run_dir, ranks=None, workers=None)`` (the launcher at the end of a job with its
+node's local ranks; ``python -m trainprof.reduce RUN_DIR`` under torchrun for traces on a shared
+file system; ``trainprof analyze`` for whatever is still missing) parses the traces in a process
+pool, each worker one trace at a time, so memory is bounded by workers × one parsed trace
+whatever the number of ranks. Digests are written atomically, only inside the run directory;
+for bare trace inputs (a folder of the user's traces) nothing is written: the digests are
+computed the same way and kept in memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import importlib
+import json
+import os
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+from trainprof import __version__, rundir_schema
+from trainprof.rundir import (PROFILER_DIR, RunDir, RunDirError, rank_dirname, read_json,
+                              write_json_atomic)
+
+SCHEMA_VERSION = 1
+KIND = "trainprof-trace-digest"
+DIGESTS_DIR = "digests"
+WORKERS_ENV = "TRAINPROF_DIGEST_WORKERS"  # the pool's size (default: the CPUs)
+
+
+def digest_path(run_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(run_dir) / DIGESTS_DIR / f"{rank_dirname(rank)}.json"
+
+
+def digest_root(run: RunDir, rank: int, trace: Path) -> Path:
+    """The run directory a rank's digest lives in: the one whose profiler/ holds the trace,
+    else the one holding the rank's files (several per-node run directories), else the run's."""
+    roots = list(getattr(run, "roots", None) or [run.path])
+    for root in roots:
+        if Path(trace).parent == root / PROFILER_DIR:
+            return root
+    if len(roots) > 1 and hasattr(run, "rank_path"):
+        return run.rank_path(rank).parent.parent
+    return run.path
+
+
+def _run_spec(run: RunDir):
+    """How a pool worker opens the same run (several per-node run directories: their list)."""
+    roots = list(getattr(run, "roots", None) or [run.path])
+    return [str(r) for r in roots] if len(roots) > 1 else str(run.path)
+
+
+# --------------------------------------------------------------------------- what is digested
+def section_names() -> list[str]:
+    """The analyzer modules with a ``trace_digest`` (modules that fail to import are skipped:
+    the analysis reports them)."""
+    from trainprof.analyzers import ANALYZER_MODULES
+
+    out = []
+    for name in ANALYZER_MODULES:
+        try:
+            mod = importlib.import_module(f"trainprof.analyzers.{name}")
+        except Exception:  # noqa: BLE001
+            continue
+        if callable(getattr(mod, "trace_digest", None)):
+            out.append(name)
+    return out
+
+
+_CODE: list[str] = []
+
+
+def code_fingerprint() -> str:
+    """A hash of the code a digest depends on (the analyzers, the trace parser, this module):
+    a digest built by other code is rebuilt, even within one trainprof version."""
+    if not _CODE:
+        import trainprof.analyzers
+        import trainprof.trace
+
+        h = hashlib.sha256(__version__.encode())
+        files = [Path(__file__)]
+        for pkg in (trainprof.analyzers, trainprof.trace):
+            files += sorted(Path(pkg.__file__).parent.glob("*.py"))
+        for p in files:
+            try:
+                h.update(p.name.encode() + b"\0" + p.read_bytes())
+            except OSError:
+                h.update(p.name.encode())
+        _CODE.append(h.hexdigest()[:20])
+    return _CODE[0]
+
+
+def trace_stamp(run_dir: Path, path: Path) -> dict:
+    """Which trace file a digest was built from: path (relative to the run directory when
+    inside it), size and mtime. OSError when it cannot be stat'ed."""
+    st = os.stat(path)
+    try:
+        shown = str(Path(os.path.abspath(path)).relative_to(os.path.abspath(run_dir)))
+    except ValueError:
+        shown = str(os.path.abspath(path))
+    return {"path": shown, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def trace_facts(tr) -> dict:
+    """What the reader needs about a trace without parsing it again (RunDir: problems, a bare
+    trace's rank and meta facts, the run facts; see TraceHead)."""
+    meta = tr.meta
+    dist = meta.get("distributedInfo")
+    devs = meta.get("deviceProperties")
+    span = meta.get("span_ns")
+    return _plain({
+        "path": str(tr.path), "rank": tr.rank,
+        **({"distributedInfo": dist} if isinstance(dist, dict) else {}),
+        **({"deviceProperties": devs} if isinstance(devs, list) else {}),
+        "whole_trace_window": bool(meta.get("whole_trace_window")),
+        "span_ns": [int(span[0]), int(span[1])] if span else None,
+        "steps": int(len(tr.steps)), "events": int(tr.stats.get("events") or 0),
+        "gpu_ops_without_launch": int(tr.stats.get("gpu_ops_without_launch") or 0)})
+
+
+class TraceHead:
+    """A parsed trace's facts, standing in for the trace where only they are needed
+    (trainprof/trace/_discover.py's rank assignment and rank/run facts): ``path``, ``rank``,
+    ``meta`` (distributedInfo, deviceProperties, whole_trace_window, span_ns, path)."""
+
+    def __init__(self, doc: dict):
+        f = doc["facts"]
+        self.doc = doc
+        self.path = Path(f["path"])
+        self.rank = doc.get("rank")
+        self.steps = f.get("steps") or 0
+        self.meta = {k: f[k] for k in ("distributedInfo", "deviceProperties", "whole_trace_window",
+                                       "span_ns", "path") if k in f}
+
+    @property
+    def world_size(self):
+        return (self.meta.get("distributedInfo") or {}).get("world_size")
+
+
+def _np_default(o):
+    import numpy as np
+
+    if isinstance(o, np.bool_):
+        return bool(o)
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    raise TypeError(f"a {type(o).__name__} is not JSON-able")
+
+
+def _plain(obj):
+    """``obj`` as it reads back from JSON: a digest computed now and one read from its file are
+    the same objects (str keys, lists, plain floats whose repr round-trips exactly)."""
+    return json.loads(json.dumps(obj, allow_nan=True, default=_np_default))
+
+
+# --------------------------------------------------------------------------- one trace
+def digest_trace(run, rank: int, tr, names: list[str]) -> dict:
+    """The digest of one parsed trace (``run``: the RunDir the analyzers' trace_digest read)."""
+    doc = {"schema_version": SCHEMA_VERSION, "kind": KIND, "trainprof_version": __version__,
+           "code": code_fingerprint(), "rank": rank, "trace": None, "facts": trace_facts(tr),
+           "sections": {}, "problems": [], "seconds": {}}
+    n0 = len(run.problems)
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            fn = importlib.import_module(f"trainprof.analyzers.{name}").trace_digest
+            data = _plain(fn(run, rank, tr))
+            doc["sections"][name] = {"data": data if isinstance(data, dict) else {"value": data}}
+        except Exception as e:  # noqa: BLE001 - one analyzer's bug costs only its section
+            doc["sections"][name] = {"error": f"{type(e).__name__}: {e}",
+                                     "traceback": traceback.format_exc(limit=6)}
+        doc["seconds"][name] = round(time.perf_counter() - t0, 4)
+    doc["problems"] = list(dict.fromkeys(str(p) for p in run.problems[n0:]))
+    return doc
+
+
+def _parse(path: Path, rank: int | None, pieces: int):
+    from trainprof.trace import load_traces
+
+    traces, errors = load_traces({rank if rank is not None else -1: path}, workers=pieces)
+    if errors:
+        return None, errors[0]
+    return next(iter(traces.values())), None
+
+
+_WORKER_RUNS: dict[str, RunDir] = {}  # a pool worker's view of its run directory, built once
+
+
+def _job(job: tuple, run=None) -> tuple:
+    """One digest (in a pool worker, or in-process with the caller's ``run``). job = (kind,
+    run_dir, rank, trace path, stamp, write, names, pieces); kind "run": a run directory's rank;
+    "bare": a bare trace whose rank (None: not known yet) is given. Returns (key, doc or None,
+    error or None)."""
+    kind, base, rank, path, stamp, write, names, pieces = job
+    t0 = time.perf_counter()
+    try:
+        tr, err = _parse(Path(path), rank, pieces)
+        if err:
+            return rank if kind == "run" else path, None, err
+        parse_s = time.perf_counter() - t0
+        if kind == "run":
+            if run is None:
+                key = json.dumps(base)
+                run = _WORKER_RUNS.get(key)
+                if run is None:
+                    run = _WORKER_RUNS.setdefault(key, RunDir(base))
+            doc = digest_trace(run, rank, tr, names)
+        else:
+            from trainprof.trace._discover import name_rank, trace_rank
+
+            r = rank if rank is not None else trace_rank(tr)
+            r = r if r is not None else name_rank(Path(path).name)
+            tr.rank = r
+            if r is None:  # its rank is assigned among the others' (a second pass digests it)
+                doc = {"rank": None, "facts": trace_facts(tr), "sections": {}, "problems": []}
+            else:
+                head = TraceHead({"rank": r, "facts": trace_facts(tr)})
+                view = RunDir(Path(path), _preset={"trace_paths": {r: Path(path)},
+                                                   "trace_heads": {r: head}, "digest_docs": {}})
+                doc = digest_trace(view, r, tr, names)
+        doc["trace"] = stamp
+        doc["seconds"] = {"parse": round(parse_s, 4), **doc.get("seconds", {})}
+        del tr
+        if kind == "run" and run is _WORKER_RUNS.get(json.dumps(base)):
+            # a worker's view outlives the job: drop the rank's streams the sections read
+            for k in [k for k in run._cache if isinstance(k, str) and k.startswith("stream:")
+                      and k.endswith(f":{rank}") and not k.startswith("stream:groups:")]:
+                del run._cache[k]
+        if write:
+            try:
+                write_json_atomic(write, doc, indent=None)
+            except OSError:
+                pass  # a read-only run directory: the digest is used, not cached
+        return rank if kind == "run" else path, doc, None
+    except Exception as e:  # noqa: BLE001 - one bad trace must not lose the other ranks
+        return (rank if kind == "run" else path, None,
+                f"{path}: could not digest the trace: {type(e).__name__}: {e}")
+    finally:
+        gc.collect()
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_workers() -> int:
+    """The pool size: TRAINPROF_DIGEST_WORKERS when set (a positive integer), else the CPUs."""
+    v = os.environ.get(WORKERS_ENV, "").strip()
+    return int(v) if v.isdigit() and int(v) > 0 else _cpus()
+
+
+def run_jobs(jobs: list[tuple], workers: int | None = None, run=None, progress=None) -> list[tuple]:
+    """Run digest jobs in a process pool of ``workers`` (default min(default_workers(), jobs)),
+    each worker one trace at a time; in-process when one worker is enough. Results in the jobs'
+    order."""
+    if not jobs:
+        return []
+    cpus = _cpus()
+    workers = max(1, min(workers or default_workers(), len(jobs)))
+    pieces = max(1, cpus // len(jobs)) if workers >= len(jobs) else 1
+    jobs = [j[:-1] + (pieces,) for j in jobs]
+    out: list = [None] * len(jobs)
+    if workers == 1:
+        for i, j in enumerate(jobs):
+            out[i] = _job(j, run if j[0] == "run" else None)
+            if progress:
+                progress(f"trace digests {i + 1}/{len(jobs)}")
+        return out
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futs = {pool.submit(_job, j): k for k, j in enumerate(jobs)}
+        for i, f in enumerate(as_completed(futs)):
+            k = futs[f]
+            j = jobs[k]
+            try:
+                out[k] = f.result()
+            except Exception as e:  # noqa: BLE001 - a worker killed (out of memory?)
+                out[k] = (j[2] if j[0] == "run" else j[3], None,
+                          f"{j[3]}: could not digest the trace: the worker process failed "
+                          f"({type(e).__name__}: {e})")
+            if progress:
+                progress(f"trace digests {i + 1}/{len(jobs)}")
+    return out
+
+
+# --------------------------------------------------------------------------- cached digests
+def check(doc) -> str | None:
+    """Why a digest document is malformed (None when its fields have the documented types)."""
+    if not isinstance(doc, dict):
+        return f"not a JSON object but {type(doc).__name__}"
+    if doc.get("kind") != KIND:
+        return f'"kind" is not "{KIND}"'
+    why = rundir_schema.record_error(rundir_schema.DIGEST, rundir_schema.DIGEST_REQUIRED, doc,
+                                     rundir_schema.DIGEST_NESTED)
+    if why:
+        return why
+    if not isinstance(doc["facts"].get("path"), str):
+        return '"facts" lacks "path"'
+    for name, sec in doc["sections"].items():
+        if not isinstance(sec, dict) or not (isinstance(sec.get("data"), dict)
+                                             or isinstance(sec.get("error"), str)):
+            return f'section "{name}" holds neither "data" (an object) nor "error" (a string)'
+    return None
+
+
+def read_cached(run, p: Path, rank: int, stamp: dict | None, names: list[str]) -> dict | None:
+    """The cached digest ``p`` of ``rank`` when it is current (same trace, trainprof, code,
+    schema, and every section in ``names``); None otherwise. A malformed file is a problem (and
+    is rebuilt by the caller)."""
+    try:
+        os.stat(p)
+    except OSError:
+        return None
+    try:
+        doc = read_json(p)
+    except RunDirError as e:
+        run.problems.append(f"{e}; malformed trace digest, rebuilt from the trace")
+        return None
+    why = check(doc)
+    if why is None and doc["rank"] != rank:
+        why = f"says rank {doc['rank']}"
+    if why:
+        run.problems.append(f"{p}: malformed trace digest ({why}); rebuilt from the trace")
+        return None
+    if (doc["schema_version"] != SCHEMA_VERSION or doc.get("trainprof_version") != __version__
+            or doc.get("code") != code_fingerprint() or stamp is None or doc["trace"] != stamp):
+        return None
+    secs = doc["sections"]
+    if any(n not in secs or "error" in secs[n] for n in names):  # errors are retried
+        return None
+    return doc
+
+
+def ensure(run: RunDir, names: list[str] | None = None, ranks=None, workers: int | None = None,
+           progress=None, write: bool = True) -> tuple[dict[int, dict], dict]:
+    """{rank: digest} for the run's traces (``ranks``: only those), reading the current cached
+    digests and building the others in a process pool (``write``: written into RUN/digests/ of
+    a run directory; bare trace inputs: kept in memory only). Traces that cannot be digested
+    are problems. Returns (digests, {"built": [...], "reused": [...], "failed": {rank: why}})."""
+    names = list(dict.fromkeys(list(names or section_names())))
+    paths = run.profiler_traces()
+    if ranks is not None:
+        want = {int(r) for r in ranks}
+        paths = {r: p for r, p in paths.items() if r in want}
+    bare = bool(run.trace_inputs)
+    docs: dict[int, dict] = {}
+    jobs = []
+    spec = None if bare else _run_spec(run)
+    for r, p in sorted(paths.items()):
+        root = p.parent if bare else digest_root(run, r, p)
+        try:
+            stamp = trace_stamp(root, p)
+        except OSError:
+            stamp = None
+        target = None if bare else digest_path(root, r)
+        doc = None if bare else read_cached(run, target, r, stamp, names)
+        if doc is not None:
+            docs[r] = doc
+        else:
+            jobs.append(("bare" if bare else "run", spec, r, str(p), stamp,
+                         str(target) if write and not bare else None, names, 1))
+    report = {"reused": sorted(docs), "built": [], "failed": {}}
+    for r, doc, err in run_jobs(jobs, workers, run, progress):
+        if err:
+            run.problems.append(err)
+            report["failed"][r] = err
+        else:
+            docs[r] = doc
+            report["built"].append(r)
+    report["built"].sort()
+    for r in sorted(docs):
+        run.problems.extend(docs[r].get("problems") or [])
+    return dict(sorted(docs.items())), report
+
+
+def build(run_dir: str | os.PathLike, ranks=None, workers: int | None = None,
+          progress=None) -> dict:
+    """Build the missing or stale digests of a run directory (``ranks``: only those, e.g. a
+    node's local ranks at the end of its job) with a pool of ``workers`` processes (default
+    min(CPUs, traces)). Returns {"built": [ranks], "reused": [ranks], "failed": {rank: why},
+    "seconds": wall}. Raises RunDirError for what is not a run directory (bare traces are
+    never digested to disk)."""
+    t0 = time.perf_counter()
+    run = RunDir(run_dir)
+    if run.trace_inputs or run.snapshot_only:
+        raise RunDirError(f"{run_dir}: not a trainprof run directory; trace digests are cached "
+                          f"only in run directories (`trainprof analyze` digests bare traces "
+                          f"in memory)")
+    _, report = ensure(run, ranks=ranks, workers=workers, progress=progress)
+    report["seconds"] = round(time.perf_counter() - t0, 3)
+    return report
+
+
+def bare_digests(paths: list[Path], names: list[str] | None = None, ranks: dict | None = None,
+                 workers: int | None = None) -> tuple[dict, list[str]]:
+    """Digests of bare trace files, computed in the pool and returned (nothing written).
+    ``ranks``: path -> the rank to digest it as (else the trace's own, when it says). Returns
+    ({path: digest}, [errors])."""
+    names = list(names or section_names())
+    ranks = ranks or {}
+    jobs = [("bare", None, ranks.get(p), str(p), _stamp_or_none(p), None, names, 1) for p in paths]
+    out, errors = {}, []
+    for key, doc, err in run_jobs(jobs, workers):
+        if err:
+            errors.append(err)
+        else:
+            out[Path(key)] = doc
+    return out, errors
+
+
+def _stamp_or_none(p: Path) -> dict | None:
+    try:
+        return trace_stamp(p.parent, p)
+    except OSError:
+        return None

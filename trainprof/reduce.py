@@ -1,0 +1,80 @@
+"""Build a run directory's per-rank trace digests where the traces are (trainprof/digest.py).
+
+    python -m trainprof.reduce RUN_DIR [--workers N]              # this machine: every rank
+    torchrun --nnodes K --nproc-per-node P ... -m trainprof.reduce RUN_DIR   # a cluster job
+
+Under torchrun (RANK and WORLD_SIZE set) each process takes its share of the traced ranks —
+the i-th of them in rank order when i % WORLD_SIZE == RANK — and digests them with a small
+local pool (CPUs ÷ LOCAL_WORLD_SIZE workers unless --workers); the run directory must be on a
+file system every node sees. No process group is created: the launcher's environment is all
+it needs. Digests already current are kept. Exit status 0 when every trace of the share was
+digested, 1 when some could not be (each said on stderr), 2 when RUN_DIR cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def share(ranks: list[int], rank: int, world: int) -> list[int]:
+    """The traced ranks one of ``world`` processes digests: every world-th, from its own."""
+    return [r for i, r in enumerate(sorted(ranks)) if i % world == rank]
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainprof.reduce", description=__doc__.split("\n")[0])
+    ap.add_argument("run_dir", help="a trainprof run directory")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="processes of the local pool (default: CPUs / LOCAL_WORLD_SIZE)")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+
+    from trainprof import digest
+    from trainprof.rundir import RunDir, RunDirError
+
+    world = max(1, _env_int("WORLD_SIZE", 1))
+    me = min(max(0, _env_int("RANK", 0)), world - 1)
+    local = max(1, _env_int("LOCAL_WORLD_SIZE", 1))
+    try:
+        run = RunDir(args.run_dir)
+        if run.trace_inputs or run.snapshot_only:
+            raise RunDirError(f"{args.run_dir}: not a trainprof run directory")
+        mine = share(list(run.profiler_traces()), me, world)
+    except RunDirError as e:
+        print(f"trainprof.reduce: {e}", file=sys.stderr)
+        return 2
+    workers = args.workers or max(1, digest._cpus() // local)
+    report = digest.build(args.run_dir, ranks=mine, workers=workers) if mine else \
+        {"built": [], "reused": [], "failed": {}, "seconds": 0.0}
+    for r, why in sorted(report["failed"].items()):
+        print(f"trainprof.reduce: rank {r}: {why}", file=sys.stderr)
+    if not args.quiet:
+        print(f"trainprof.reduce: process {me}/{world}: {len(mine)} trace(s): "
+              f"{len(report['built'])} digested, {len(report['reused'])} already current, "
+              f"{len(report['failed'])} failed ({report['seconds']:.1f} s, {workers} worker(s)); "
+              f"ranks {_ranges(mine)}")
+    return 1 if report["failed"] else 0
+
+
+def _ranges(ranks: list[int]) -> str:
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(out) or "none"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
