@@ -6,8 +6,9 @@ What runs in the hot path:
   ``stage_backward`` both call it): scalar roots with no explicit gradient are losses; a detached
   reference is kept, nothing is read.
 * A global optimizer pre-step hook takes the per-parameter gradient L2 norms in one
-  ``torch._foreach_norm`` (fp32); after the step, one more gives the parameters' max |x| (every
-  k-th step where that pass would cost more than 0.1 % of the step: ``_check_params``).
+  ``torch._foreach_norm`` (fp32 results, ``fp32_norms``: one read of every gradient, the floor on
+  CPU); after the step, one more over the parameters (every k-th step where that pass would cost
+  more than 0.1 % of the step: ``_check_params``).
 * Every module call (global forward pre-hook, which appends a forward hook to the module the first
   time it runs, so it fires *after* the module's own hooks) gets max |x| of its floating inputs and
   outputs, and tensor hooks on those that require grad give max |grad| w.r.t. its outputs
@@ -80,6 +81,26 @@ def tensors_in(x, acc: list, tensor_cls, keep=None) -> list:
 
 def _is_floating(t) -> bool:
     return t.is_floating_point()
+
+
+def fp32_norms(torch, ts: list, order) -> list:
+    """Per-tensor ``order``-norms of ts as fp32 0-dim tensors, in ts's order: one pass over the
+    values (non-finite in, non-finite out). ``_foreach_norm(dtype=float32)`` reads fp32 in place
+    and keeps fp16 from overflowing at 65504; bf16 on CPU is normed in bf16 (torch accumulates it
+    in fp32, and bf16 has fp32's range) and only the result is cast, because there dtype=float32
+    converts the whole tensor first (~6x the time)."""
+    bf16 = torch.bfloat16
+    if ts[0].device.type != "cpu" or not any(t.dtype is bf16 for t in ts):
+        return torch._foreach_norm(ts, order, dtype=torch.float32)
+    out = [None] * len(ts)
+    low = [i for i, t in enumerate(ts) if t.dtype is bf16]
+    rest = [i for i, t in enumerate(ts) if t.dtype is not bf16]
+    for i, n in zip(low, torch._foreach_norm([ts[i] for i in low], order)):
+        out[i] = n.float()
+    if rest:
+        for i, n in zip(rest, torch._foreach_norm([ts[i] for i in rest], order, dtype=torch.float32)):
+            out[i] = n
+    return out
 
 class _Call:
     """One module call: what the resolver and a replay need."""
@@ -721,7 +742,7 @@ class NanWatch:
                 if any(type(g) is not T for g in gs):  # DTensor gradients: their local shards
                     gs = [getattr(g, "_local_tensor", g) for g in gs]
                 with torch.no_grad():
-                    norms = torch._foreach_norm(gs, 2, dtype=torch.float32)
+                    norms = fp32_norms(torch, gs, 2)
                     total = torch.linalg.vector_norm(torch.stack(norms))
                 info = (total, norms, params)
                 self.grad_info = info if self.grad_info is None else self.grad_info
@@ -798,7 +819,7 @@ class NanWatch:
         # a parameter would need |x| > 1e19 to overflow it. fp32 norms stack without casts.
         order = 2.0 if ls[0].device.type == "cpu" else math.inf
         with torch.no_grad():
-            m = torch.stack(torch._foreach_norm(ls, order, dtype=torch.float32)).max()
+            m = torch.stack(fp32_norms(torch, ls, order)).max()
         v = float(m) if m.device.type == "cpu" else m
         cost = time.perf_counter() - t0  # host time (on CUDA: the launches, never the kernel)
         step_s = (rec.get("dur_ms") or 0) / 1e3

@@ -112,6 +112,70 @@ def test_weight_gradient_only_overflow_named(tmp_path):
     assert ev["params_nonfinite"] >= 1 and ev["value"] == "inf"
 
 
+def test_fp32_norms_per_dtype():
+    """The gradient and parameter checks' norms: hand-computed values in every floating dtype,
+    list order kept across dtype groups, NaN/Inf propagated per tensor, no fp16 overflow for a
+    finite norm above 65504 (bf16 is normed in bf16: its result is rounded to 8 bits)."""
+    import math
+
+    import torch
+
+    ts = [torch.full((100, 1000), 300.0, dtype=torch.float16),   # 300 * sqrt(1e5) > 65504
+          torch.full((4,), 3.0, dtype=torch.bfloat16),            # 6
+          torch.tensor([3.0, 4.0]),                               # 5
+          torch.full((1000,), 1.0, dtype=torch.bfloat16),         # sqrt(1000) = 31.62
+          torch.tensor([1.0, float("nan")], dtype=torch.bfloat16),
+          torch.tensor([1.0, float("inf")], dtype=torch.float16),
+          torch.tensor([float("-inf"), 2.0])]
+    got = nan_watch.fp32_norms(torch, ts, 2)
+    assert all(n.dtype == torch.float32 and n.dim() == 0 for n in got)
+    want = [300 * math.sqrt(1e5), 6.0, 5.0, math.sqrt(1000)]
+    for n, w in zip(got, want):
+        assert abs(float(n) / w - 1) < 2 ** -8
+    assert math.isnan(float(got[4])) and float(got[5]) == math.inf and float(got[6]) == math.inf
+    inf = nan_watch.fp32_norms(torch, ts, math.inf)
+    assert [float(x) for x in inf[:4]] == [300.0, 3.0, 4.0, 1.0]
+    assert math.isnan(float(inf[4])) and float(inf[5]) == math.inf == float(inf[6])
+    # no bf16 in the list: one call, the fp32 result as it always was
+    assert float(nan_watch.fp32_norms(torch, ts[2:3], 2)[0]) == 5.0
+
+
+LOW_PRECISION_GRADS = """
+dtype = getattr(torch, sys.argv[2])
+net = nn.Linear(1000, 100, bias=False).to(dtype)
+with torch.no_grad():
+    net.weight.zero_()
+opt = torch.optim.SGD(net.parameters(), lr=0.0)
+with trainprof.session(sys.argv[1], profile_steps="none"):
+    for step in range(4):
+        net(torch.full((1, 1000), 300.0, dtype=dtype)).sum().backward()  # every grad 300
+        if step == 2:
+            net.weight.grad[3, 7] = float("nan")  # corrupted between the backward and the step
+        opt.step(); opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_low_precision_gradients_checked(tmp_path, dtype):
+    """fp16/bf16/fp32 gradients: a finite gradient norm above fp16's max (94,868) is finite and
+    reported within the dtype's rounding; the one NaN element is found at its step."""
+    import math
+
+    run = _run_script(tmp_path, LOW_PRECISION_GRADS.replace("sys.argv[2]", repr(dtype)))
+    recs = list(RunDir(run).stream(0, "nan"))
+    steps = {r["step"]: r for r in recs if r["kind"] == "step"}
+    assert sorted(steps) == [0, 1, 2, 3]
+    for s in (0, 1):
+        assert steps[s]["grad_finite"] is True and steps[s]["loss_finite"] is True
+        assert abs(steps[s]["grad_norm"] / (300 * math.sqrt(1e5)) - 1) < 2 ** -8
+    assert steps[2]["grad_finite"] is False and steps[2]["grad_norm"] is None
+    bad = [r for r in recs if r["kind"] == "nonfinite"]
+    assert (bad[0]["step"], bad[0]["role"], bad[0]["value"]) == (2, "parameter_grads", "nan")
+    assert bad[0]["params_nonfinite"] == 1 and bad[0]["first_params"] == ["weight"]
+    # SGD wrote 0 * NaN into the weight: step 3's loss is the next to show it
+    assert steps[3]["loss_finite"] is False
+
+
 def test_masked_log_found_by_module_flags(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINPROF_NAN_MODULES", "all")  # the always-on module-level mode
     run = _run_script(tmp_path, MASKED_LOG)
@@ -424,6 +488,9 @@ for m, opt in (replayed, bare):  # the job goes on: step, then one more forward/
 twins = all(torch.equal(a, b) for a, b in zip(state(replayed[0]), state(bare[0])))
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as fh:
     json.dump({"rank": rank, "results": results, "all_gathers": len(gathers), "twins": twins}, fh)
+import gc
+dist.barrier()
+gc.collect()  # no gloo Work left alive at exit (a torch bug can abort the process there)
 dist.destroy_process_group()
 """
 
