@@ -2,26 +2,70 @@
 
 A run directory of one node (per-node --out) holds only that node's ranks; to name the host of a
 rank that left no files ("missing: 8–15 (host node001)") each node needs the others' hosts. At
-start every rank writes its host name into torch.distributed's default store (one key, on a
-connection of its own, on a daemon thread: the job never waits), and the local rank 0 of each
-node waits for all the keys and records the map in its meta.json as ``{"host": "0-7,16-23"}``.
-A job without torch.distributed records nothing.
+start every rank writes its host name into torch.distributed's default store (one key, and one
+increment of a counter, on a connection of its own, on a daemon thread: the job never waits),
+and the local rank 0 of each node polls the counter until every rank has written (up to WAIT_S),
+then records the map in its meta.json as ``{"host": "0-7,16-23"}``. A job without
+torch.distributed records nothing.
+
+The thread never blocks inside a store call: a C++ call that returns while the interpreter is
+shutting down ends the process with std::terminate (exit code 134) on Python 3.11, so it polls a
+counter (one tiny request, then a Python sleep) rather than waiting on the store, stops once the
+job destroys its process group, and an atexit hook stops it before the interpreter finalizes
+(waiting, at most EXIT_WAIT_S, for a call in flight to return).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import threading
-from datetime import timedelta
+import time
 
 from trainprof.probes import runtime
 
 PREFIX = "trainprof/hosts"
 WAIT_S = 120.0
+POLL_S = (0.05, 1.0)  # first and longest pause between two polls of the counter
+EXIT_WAIT_S = 2.0     # at exit: how long to let a store call in flight return
 
 
-def _run(session) -> None:
+class _Stopped(Exception):
+    """The process is exiting (or the job's process group is gone): no more store calls."""
+
+
+class _Guard:
+    """Store calls that never run while the interpreter finalizes: call() refuses once stop()
+    ran (from atexit, before finalization), and stop() waits for the call in flight."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.stopped = False
+        self.idle = threading.Event()
+        self.idle.set()
+
+    def call(self, fn, *args):
+        with self.lock:
+            if self.stopped:
+                raise _Stopped
+            self.idle.clear()
+        try:
+            return fn(*args)
+        finally:
+            self.idle.set()
+
+    def stop(self) -> None:
+        if os.getpid() != self.pid:  # a forked child exiting: the thread is not in it
+            return
+        with self.lock:
+            self.stopped = True
+        self.idle.wait(EXIT_WAIT_S)
+
+
+def _run(session, guard: _Guard | None = None) -> None:
+    guard = guard or _Guard()
     try:
         import torch.distributed as dist
 
@@ -29,27 +73,40 @@ def _run(session) -> None:
         from trainprof.probes.profile_ranks import ranges
 
         runtime.name_native_thread()
-        store = own_client(dist.distributed_c10d._get_default_store())
+        default = dist.distributed_c10d._get_default_store()
         world = dist.get_world_size()
+        store = guard.call(own_client, default)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         prefix = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{attempt}"
-        store.set(f"{prefix}/{session.rank}", socket.gethostname())
+        guard.call(store.set, f"{prefix}/{session.rank}", socket.gethostname())
+        count = f"{prefix}/count"
+        done = guard.call(store.add, count, 1)
         if int(session.meta.get("local_rank") or 0) != 0 or world <= 1:
             return
+        deadline, pause = time.monotonic() + WAIT_S, POLL_S[0]
+        while done < world:
+            if time.monotonic() >= deadline:
+                return  # some rank never wrote (no probes there): no map
+            time.sleep(pause)
+            pause = min(POLL_S[1], pause * 2)
+            if not dist.is_initialized():
+                return  # the job destroyed its process group: its store may be gone
+            done = guard.call(store.add, count, 0)
         keys = [f"{prefix}/{r}" for r in range(world)]
-        store.wait(keys, timedelta(seconds=WAIT_S))
-        values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+        values = (guard.call(store.multi_get, keys) if hasattr(store, "multi_get")
+                  else [guard.call(store.get, k) for k in keys])
         by_host: dict[str, list[int]] = {}
         for r, v in enumerate(values):
             by_host.setdefault(bytes(v).decode(errors="replace"), []).append(r)
         session.update_meta(hosts={h: ranges(rs) for h, rs in sorted(by_host.items())})
     except Exception:  # noqa: BLE001 - a hint for the analysis only: a job whose peers died
-        pass  # (store gone, keys never set) says nothing more about it
+        pass  # (store gone, keys never set) or that is exiting says nothing more about it
 
 
 class _Starter:
     def __init__(self, session):
         self.session, self.started = session, False
+        self.guard = _Guard()
 
     def maybe_start(self, _rec=None) -> None:
         if self.started:
@@ -59,7 +116,8 @@ class _Starter:
         if not (dist.is_available() and dist.is_initialized()):
             return  # not yet: tried again at the next step
         self.started = True
-        threading.Thread(target=_run, args=(self.session,), daemon=True,
+        atexit.register(self.guard.stop)
+        threading.Thread(target=_run, args=(self.session, self.guard), daemon=True,
                          name="trainprof-hosts").start()
 
 

@@ -102,6 +102,9 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
     for name, rs in info.get("probes_off", {}).items():  # absent data must not read as "nothing found"
         run.problems.append(f"probe {name} was left out (TRAINPROF_PROBES_OFF) on {len(rs)} of "
                             f"{len(run.ranks)} ranks: analyses that need it saw no data there")
+    lost = lost_traces(run) if info.get("profiled") else None
+    if lost:
+        run.problems.append(lost)
     nothing = nothing_captured(run)
     if nothing:
         run.problems.insert(0, nothing)
@@ -117,6 +120,23 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
         "analyzer_seconds": timings,
         **({"nothing_analyzed": nothing} if nothing else {}),
     }
+
+
+def lost_traces(run: RunDir) -> str | None:
+    """Ranks that were to record the profiler window (meta.json ``profiled``) but left no trace:
+    absent data, unlike the ranks --profile-ranks skipped on purpose. None when there are none."""
+    try:
+        have = set(run.profiler_traces())
+    except Exception:  # noqa: BLE001 - the trace analyzers report an unreadable profiler/
+        return None
+    lost = [r for r in run.ranks if run.rank_meta(r).get("profiled") is True and r not in have]
+    if not lost:
+        return None
+    from trainprof.probes.profile_ranks import ranges
+
+    return (f"{len(lost)} rank(s) that were to record the profiler window left no trace "
+            f"(ranks {ranges(lost)}: the job ended before the window, or the trace was lost): "
+            f"trace-based analyses cover only the other ranks")
 
 
 def nothing_captured(run: RunDir) -> str | None:
@@ -189,7 +209,9 @@ def analyze_and_write(run_dir, out_dir=None, report: bool = True, progress=None)
         _refuse_foreign(summary_path, b'"trainprof_version"')
         if report:
             _refuse_foreign(out / names[1], b"trainprof report")
-    write_json_atomic(summary_path, summary)
+    # indented for reading; compact when its per-rank tables run to thousands of lines
+    many = len(summary.get("run", {}).get("ranks") or []) > 64
+    write_json_atomic(summary_path, summary, indent=None if many else 2)
     report_path = None
     if report:
         from trainprof.reports.html import write_html

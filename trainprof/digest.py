@@ -32,7 +32,7 @@ import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from trainprof import __version__, rundir_schema
+from trainprof import __version__, rundir_schema, safeio
 from trainprof.rundir import (PROFILER_DIR, RunDir, RunDirError, rank_dirname, read_json,
                               write_json_atomic)
 
@@ -272,40 +272,103 @@ def default_workers() -> int:
     return int(v) if v.isdigit() and int(v) > 0 else _cpus()
 
 
-def run_jobs(jobs: list[tuple], workers: int | None = None, run=None, progress=None) -> list[tuple]:
-    """Run digest jobs in a process pool of ``workers`` (default min(default_workers(), jobs)),
-    each worker one trace at a time; in-process when one worker is enough. Results in the jobs'
-    order."""
+PARSE_FACTOR = 4          # a parsed trace holds about 4x its JSON text (measured on an H100 trace)
+GZIP_RATIO_EST = 15       # profiler traces compress 10-20x
+WORKER_BASE = 64 << 20    # a worker's own memory besides its trace
+MEMORY_SHARE = 0.6        # of the available memory, at most this for the pool's parsed traces
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def memory_bound(jobs: list[tuple]) -> int:
+    """The most workers whose parsed traces (each the largest of ``jobs``) fit in MEMORY_SHARE of
+    the available memory: a node with many CPUs and large traces is not driven out of memory
+    (by default, the pool is as large as the CPUs). A large number when it is not known."""
+    avail = _mem_available()
+    if avail is None:
+        return 1 << 20
+    largest = 0
+    for j in jobs:
+        try:
+            size = os.stat(j[3]).st_size
+        except OSError:
+            continue
+        largest = max(largest, size * (GZIP_RATIO_EST if str(j[3]).endswith(".gz") else 1))
+    return max(1, int(avail * MEMORY_SHARE // (PARSE_FACTOR * largest + WORKER_BASE)))
+
+
+def run_jobs(jobs: list[tuple], workers: int | None = None, run=None, progress=None,
+             isolate: bool = False) -> list[tuple]:
+    """Run digest jobs in a process pool of ``workers`` (default min(default_workers(), jobs,
+    memory_bound(jobs)); TRAINPROF_DIGEST_WORKERS, when set, is not bounded by memory),
+    each worker one trace at a time; in-process when one worker is enough, unless ``isolate``
+    (the launcher: a parse killed for memory must not take it, and the job's exit status, with
+    it). A worker killed (out of memory?) breaks the pool: the traces it had not finished are
+    digested again, each in a process of its own, so that only the one that kills its worker
+    is lost. Results in the jobs' order."""
     if not jobs:
         return []
     cpus = _cpus()
+    if not workers and not os.environ.get(WORKERS_ENV, "").strip():
+        workers = min(default_workers(), memory_bound(jobs))  # many CPUs, large traces
     workers = max(1, min(workers or default_workers(), len(jobs)))
     pieces = max(1, cpus // len(jobs)) if workers >= len(jobs) else 1
     jobs = [j[:-1] + (pieces,) for j in jobs]
     out: list = [None] * len(jobs)
-    if workers == 1:
+    if workers == 1 and not isolate:
         for i, j in enumerate(jobs):
             out[i] = _job(j, run if j[0] == "run" else None)
             if progress:
                 progress(f"trace digests {i + 1}/{len(jobs)}")
         return out
     import multiprocessing as mp
+    from concurrent.futures.process import BrokenProcessPool
 
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context("spawn")
+    broken = []
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futs = {pool.submit(_job, j): k for k, j in enumerate(jobs)}
         for i, f in enumerate(as_completed(futs)):
             k = futs[f]
-            j = jobs[k]
             try:
                 out[k] = f.result()
-            except Exception as e:  # noqa: BLE001 - a worker killed (out of memory?)
-                out[k] = (j[2] if j[0] == "run" else j[3], None,
-                          f"{j[3]}: could not digest the trace: the worker process failed "
-                          f"({type(e).__name__}: {e})")
+            except BrokenProcessPool:
+                broken.append(k)
+            except Exception as e:  # noqa: BLE001
+                out[k] = _worker_failed(jobs[k], e)
             if progress:
                 progress(f"trace digests {i + 1}/{len(jobs)}")
+    if broken:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=workers) as threads:
+            for k, res in zip(broken, threads.map(lambda k: _alone(jobs[k], ctx), broken)):
+                out[k] = res
     return out
+
+
+def _worker_failed(j: tuple, e: BaseException) -> tuple:
+    return (j[2] if j[0] == "run" else j[3], None,
+            f"{j[3]}: could not digest the trace: the worker process failed "
+            f"({type(e).__name__}: {e})")
+
+
+def _alone(j: tuple, ctx) -> tuple:
+    """One digest job in a process of its own."""
+    try:
+        with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+            return pool.submit(_job, j).result()
+    except Exception as e:  # noqa: BLE001 - this trace kills its worker (out of memory?)
+        return _worker_failed(j, e)
 
 
 # --------------------------------------------------------------------------- cached digests
@@ -357,7 +420,7 @@ def read_cached(run, p: Path, rank: int, stamp: dict | None, names: list[str]) -
 
 
 def ensure(run: RunDir, names: list[str] | None = None, ranks=None, workers: int | None = None,
-           progress=None, write: bool = True) -> tuple[dict[int, dict], dict]:
+           progress=None, write: bool = True, isolate: bool = False) -> tuple[dict[int, dict], dict]:
     """{rank: digest} for the run's traces (``ranks``: only those), reading the current cached
     digests and building the others in a process pool (``write``: written into RUN/digests/ of
     a run directory; bare trace inputs: kept in memory only). Traces that cannot be digested
@@ -378,14 +441,17 @@ def ensure(run: RunDir, names: list[str] | None = None, ranks=None, workers: int
         except OSError:
             stamp = None
         target = None if bare else digest_path(root, r)
-        doc = None if bare else read_cached(run, target, r, stamp, names)
+        # a trace over today's --max-input-mb is refused as its parse would be, cached or not
+        over = stamp is not None and stamp["size"] > safeio.max_input_bytes()
+        doc = None if bare or over else read_cached(run, target, r, stamp, names)
         if doc is not None:
             docs[r] = doc
         else:
+            keep = write and not bare and _own_digest_dir(run, root)
             jobs.append(("bare" if bare else "run", spec, r, str(p), stamp,
-                         str(target) if write and not bare else None, names, 1))
+                         str(target) if keep else None, names, 1))
     report = {"reused": sorted(docs), "built": [], "failed": {}}
-    for r, doc, err in run_jobs(jobs, workers, run, progress):
+    for r, doc, err in run_jobs(jobs, workers, run, progress, isolate=isolate):
         if err:
             run.problems.append(err)
             report["failed"][r] = err
@@ -398,11 +464,25 @@ def ensure(run: RunDir, names: list[str] | None = None, ranks=None, workers: int
     return dict(sorted(docs.items())), report
 
 
+def _own_digest_dir(run, root: Path) -> bool:
+    """RUN/digests/ may be written: a directory of its own or none yet. A symlink (or anything
+    else of that name) is never written through: the digests would land outside the run
+    directory, over files trainprof did not write. Said once in the run's problems."""
+    d = Path(root) / DIGESTS_DIR
+    if not os.path.lexists(d) or (d.is_dir() and not d.is_symlink()):
+        return True
+    said = f"{d}: not a directory of the run (a symlink?); trace digests are not cached there"
+    if said not in run.problems:
+        run.problems.append(said)
+    return False
+
+
 def build(run_dir: str | os.PathLike, ranks=None, workers: int | None = None,
-          progress=None) -> dict:
+          progress=None, isolate: bool = False) -> dict:
     """Build the missing or stale digests of a run directory (``ranks``: only those, e.g. a
     node's local ranks at the end of its job) with a pool of ``workers`` processes (default
-    min(CPUs, traces)). Returns {"built": [ranks], "reused": [ranks], "failed": {rank: why},
+    min(CPUs, traces, what the memory holds); ``isolate``: never in this process, see
+    run_jobs). Returns {"built": [ranks], "reused": [ranks], "failed": {rank: why},
     "seconds": wall}. Raises RunDirError for what is not a run directory (bare traces are
     never digested to disk)."""
     t0 = time.perf_counter()
@@ -411,7 +491,7 @@ def build(run_dir: str | os.PathLike, ranks=None, workers: int | None = None,
         raise RunDirError(f"{run_dir}: not a trainprof run directory; trace digests are cached "
                           f"only in run directories (`trainprof analyze` digests bare traces "
                           f"in memory)")
-    _, report = ensure(run, ranks=ranks, workers=workers, progress=progress)
+    _, report = ensure(run, ranks=ranks, workers=workers, progress=progress, isolate=isolate)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     return report
 
