@@ -16,6 +16,7 @@ or to no correction).
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -35,8 +36,59 @@ def estimate(t0: int, t1: int, t2: int, t3: int) -> tuple[float, float]:
     return ((t1 - t0) + (t2 - t3)) / 2, ((t3 - t0) - (t2 - t1)) / 2
 
 
+POLL_S = (5e-5, 0.01)  # first and longest pause between two checks for a key
+EXIT_WAIT_S = 2.0      # at exit: how long the start thread gets to leave its store call
+
+
+class Stop:
+    """Ends the start-phase thread's store traffic before the interpreter finalizes: a store
+    call in flight on a daemon thread at finalization aborts the process (or prints C++ stack
+    traces on the job's stderr). set() refuses further calls and waits for the one in flight."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.stopped = False
+        self.lock = threading.Lock()
+        self.idle = threading.Event()
+        self.idle.set()
+
+    def call(self, fn, *args):
+        with self.lock:
+            if self.stopped:
+                raise RuntimeError("process exiting")
+            self.idle.clear()
+        try:
+            return fn(*args)
+        finally:
+            self.idle.set()
+
+    def set(self) -> None:
+        if os.getpid() != self.pid:  # a forked child exiting: the thread is not in it
+            return
+        with self.lock:
+            self.stopped = True
+        self.idle.wait(EXIT_WAIT_S)
+
+
+def _await(store, key: str, seconds: float, stop: Stop | None) -> bool:
+    """True once ``key`` exists, False after ``seconds``. Polls with the store's non-blocking
+    check (a blocking wait that times out prints C++ warnings on the job's stderr, and cannot
+    be interrupted at exit); pauses grow from 50 µs to 10 ms, so an answer that comes at once
+    is seen within about a round trip, and a silent peer costs ~100 checks a second."""
+    call = stop.call if stop is not None else (lambda fn, *a: fn(*a))
+    deadline, pause = time.monotonic() + seconds, POLL_S[0]
+    while True:
+        if call(store.check, [key]):
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(POLL_S[1], pause * 1.5)
+
+
 def ping(store, rank: int, phase: str, rounds: int = ROUNDS, timeout_s: float = 60.0,
-         now=time.time_ns) -> tuple[float, float, int] | None:
+         now=time.time_ns, stop: Stop | None = None) -> tuple[float, float, int] | None:
     """Client side (any rank but the reference): the best round's (offset, uncertainty, local
     time of its ping), or None when the reference did not answer in time."""
     best = None
@@ -47,10 +99,11 @@ def ping(store, rank: int, phase: str, rounds: int = ROUNDS, timeout_s: float = 
         if left <= 0:
             break
         t0 = now()
-        store.set(key + "/ping", str(t0))
         try:
-            store.wait([key + "/pong"], timedelta(seconds=left))
-        except Exception:  # noqa: BLE001 - timeout, or the store is gone
+            (stop.call if stop else lambda fn, *a: fn(*a))(store.set, key + "/ping", str(t0))
+            if not _await(store, key + "/pong", left, stop):
+                break
+        except Exception:  # noqa: BLE001 - the store is gone, or the process is exiting
             break
         t3 = now()
         t1, t2 = (int(x) for x in store.get(key + "/pong").decode().split(","))
@@ -61,7 +114,7 @@ def ping(store, rank: int, phase: str, rounds: int = ROUNDS, timeout_s: float = 
 
 
 def serve(store, ranks, phase: str, rounds: int = ROUNDS, timeout_s: float = 60.0,
-          now=time.time_ns, deadline_s: float | None = None) -> list[int]:
+          now=time.time_ns, deadline_s: float | None = None, stop: Stop | None = None) -> list[int]:
     """Reference side: answer every round of every rank; returns the ranks that took part.
     A rank silent for timeout_s (or past the overall deadline) is skipped."""
     served = []
@@ -74,13 +127,14 @@ def serve(store, ranks, phase: str, rounds: int = ROUNDS, timeout_s: float = 60.
             if wait <= 0:
                 return served
             try:
-                store.wait([key + "/ping"], timedelta(seconds=wait))
-            except Exception:  # noqa: BLE001
-                ok = False
-                break
-            t1 = now()
-            t2 = now()
-            store.set(key + "/pong", f"{t1},{t2}")
+                if not _await(store, key + "/ping", wait, stop):
+                    ok = False
+                    break
+                t1 = now()
+                t2 = now()
+                (stop.call if stop else lambda fn, *a: fn(*a))(store.set, key + "/pong", f"{t1},{t2}")
+            except Exception:  # noqa: BLE001 - the store is gone, or the process is exiting
+                return served
         if ok:
             served.append(r)
     return served
@@ -129,7 +183,9 @@ class ClockProbe:
                 return
             self.started = True
         timeout = float(os.environ.get(ENV_START_TIMEOUT, 60))
-        threading.Thread(target=self._run, args=("start", timeout, None), daemon=True,
+        stop = Stop()
+        atexit.register(stop.set)
+        threading.Thread(target=self._run, args=("start", timeout, None, stop), daemon=True,
                          name="trainprof-clock").start()
 
     def on_step(self, _rec=None) -> None:
@@ -142,7 +198,7 @@ class ClockProbe:
         budget = float(os.environ.get(ENV_END_TIMEOUT, 5))
         self._run("end", budget, budget)
 
-    def _run(self, phase, timeout_s, deadline_s) -> None:
+    def _run(self, phase, timeout_s, deadline_s, stop: Stop | None = None) -> None:
         runtime.name_native_thread()  # on the trainprof-clock thread only
         # keys of an earlier attempt of an elastic job live on in the agent's store
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -152,11 +208,13 @@ class ClockProbe:
             if rank == REF_RANK:
                 t = time.time_ns()
                 serve(self.store, [r for r in range(self.world) if r != REF_RANK], key_phase,
-                      timeout_s=timeout_s, deadline_s=deadline_s)
+                      timeout_s=timeout_s, deadline_s=deadline_s, stop=stop)
                 self.writer.write({"phase": phase, "ref_rank": REF_RANK, "offset_ns": 0,
                                    "uncertainty_ns": 0, "t_ns": t})
                 return
-            best = ping(self.store, rank, key_phase, timeout_s=timeout_s)
+            best = ping(self.store, rank, key_phase, timeout_s=timeout_s, stop=stop)
+            if stop is not None and stop.stopped:
+                return  # the process is exiting: nothing to say
             if best is None:
                 runtime.warn(f"clock {phase}: no answer from rank {REF_RANK}; offset not recorded")
                 return
@@ -164,7 +222,8 @@ class ClockProbe:
                                "uncertainty_ns": round(best[1]), "t_ns": best[2],
                                "rounds": ROUNDS})
         except Exception as e:  # noqa: BLE001
-            runtime.warn(f"clock {phase} estimate failed: {type(e).__name__}: {e}")
+            if stop is None or not stop.stopped:
+                runtime.warn(f"clock {phase} estimate failed: {type(e).__name__}: {e}")
 
 
 def attach(session) -> None:

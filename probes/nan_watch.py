@@ -88,7 +88,7 @@ def fp32_norms(torch, ts: list, order) -> list:
     values (non-finite in, non-finite out). ``_foreach_norm(dtype=float32)`` reads fp32 in place
     and keeps fp16 from overflowing at 65504; bf16 on CPU is normed in bf16 (torch accumulates it
     in fp32, and bf16 has fp32's range) and only the result is cast, because there dtype=float32
-    converts the whole tensor first (~6x the time)."""
+    converts the whole tensor first (2-6x the time, 8.4M values)."""
     bf16 = torch.bfloat16
     if ts[0].device.type != "cpu" or not any(t.dtype is bf16 for t in ts):
         return torch._foreach_norm(ts, order, dtype=torch.float32)

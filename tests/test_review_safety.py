@@ -153,3 +153,47 @@ def test_rank_to_profile_without_a_trace_is_a_problem(tmp_path, profiled):
         assert len(lost) == 1 and "ranks 1:" in lost[0], problems
     else:
         assert lost == [], problems
+
+
+_CLOCK_JOB = textwrap.dedent("""
+    import os, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+
+    def worker(rank, port):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=3)
+        from trainprof.probes import clock
+
+        class W:
+            def write(s, rec): pass
+
+        class S:
+            state = {}
+            def __init__(s): s.rank = rank
+            def stream(s, name): return W()
+
+        if rank == 0:  # the store's host waits for pings ranks 1 and 2 never send
+            clock.ClockProbe(S()).start()
+        t = torch.ones(1); dist.all_reduce(t)
+        time.sleep(0.5)
+        dist.destroy_process_group()
+        print(f"rank {rank} done", flush=True)
+
+    if __name__ == "__main__":
+        mp.spawn(worker, args=(int(sys.argv[1]),), nprocs=3)
+        print("ALL OK", flush=True)
+""")
+
+
+@pytest.mark.multiproc
+def test_clock_start_phase_leaves_the_job_exit_alone(tmp_path):
+    """The clock probe's start phase waits on a daemon thread for peers' pings; the rank that
+    hosts the TCPStore exits meanwhile: no abort, no C++ warnings or stack traces on the job's
+    stderr (a blocking store.wait in flight at finalization gave them)."""
+    script = tmp_path / "job.py"
+    script.write_text(_CLOCK_JOB)
+    p = subprocess.run([sys.executable, str(script), str(_free_port())], capture_output=True,
+                       text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "terminate called" not in out and "SIGABRT" not in out and "[W" not in p.stderr, out[-3000:]
+    assert "ALL OK" in p.stdout and p.stdout.count("done") == 3
