@@ -232,3 +232,86 @@ def test_share_splits_traced_ranks_evenly():
     assert [share(ranks, r, 2) for r in range(2)] == [[0, 16, 32], [8, 24]]
     assert sum((share(ranks, r, 3) for r in range(3)), []) == [0, 24, 8, 32, 16]
 
+
+
+def test_digests_never_written_through_a_symlinked_digests_folder(tmp_path):
+    """RUN/digests a symlink to a folder outside the run: analysis overwrote the files there
+    (rank-00000.json of someone else); now the digests are used, not cached, and it is said."""
+    run_dir = synth_run(tmp_path / "run", 1)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "rank-00000.json").write_text("not trainprof's\n")
+    (run_dir / "digests").symlink_to(elsewhere)
+    run = RunDir(run_dir)
+    docs = run.digest_docs(write=True)
+    assert 0 in docs and docs[0]["sections"]
+    assert (elsewhere / "rank-00000.json").read_text() == "not trainprof's\n"
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["rank-00000.json"]
+    assert any("trace digests are not cached there" in p for p in run.problems), run.problems
+
+
+def test_default_pool_is_bounded_by_the_available_memory(tmp_path, monkeypatch):
+    """By default the pool had as many workers as CPUs, each parsing a whole trace: on a node
+    with many CPUs and large traces that exhausts the memory. Bounded now by the memory
+    available for the largest trace's parse; an explicit worker count is kept."""
+    run_dir = synth_run(tmp_path / "run", 3)
+    jobs = [("run", str(run_dir), r, str(profiler_trace_path(run_dir, r)), None, None, [], 1)
+            for r in range(3)]
+    size = profiler_trace_path(run_dir, 0).stat().st_size
+    need = digest.PARSE_FACTOR * size * digest.GZIP_RATIO_EST + digest.WORKER_BASE
+    monkeypatch.delenv(digest.WORKERS_ENV, raising=False)
+    monkeypatch.setattr(digest, "_cpus", lambda: 128)
+    monkeypatch.setattr(digest, "_mem_available", lambda: int(2.5 * need / digest.MEMORY_SHARE))
+    assert digest.memory_bound(jobs) == 2
+    seen = []
+    monkeypatch.setattr(digest, "ProcessPoolExecutor",
+                        lambda max_workers, **kw: seen.append(max_workers) or (_ for _ in ()).throw(
+                            RuntimeError("stop")))
+    with pytest.raises(RuntimeError):
+        digest.run_jobs(jobs)
+    assert seen == [2]
+    monkeypatch.setattr(digest, "_mem_available", lambda: need // 10)
+    out = digest.run_jobs(jobs[:2], run=None)  # one worker: in-process, no pool
+    assert seen == [2] and all(doc is not None for _, doc, _ in out)
+    with pytest.raises(RuntimeError):
+        digest.run_jobs(jobs, workers=3)  # explicit: kept
+    assert seen == [2, 3]
+
+
+def _dies_on_rank_1(monkeypatch):
+    parse = digest._parse
+
+    def dying(path, rank, pieces):
+        if rank == 1:
+            os._exit(137)  # as the out-of-memory killer ends a worker
+        return parse(path, rank, pieces)
+
+    monkeypatch.setattr(digest, "_parse", dying)  # the pool's workers are forked: they see it
+
+
+def test_a_worker_killed_costs_only_its_own_rank(tmp_path, monkeypatch):
+    """One worker killed (out of memory) broke the pool and every rank not finished yet was
+    lost with it (4 of 4 failed); now only the rank whose trace kills its worker fails."""
+    run_dir = synth_run(tmp_path / "run", 4)
+    _dies_on_rank_1(monkeypatch)
+    rep = digest.build(run_dir, workers=2)
+    assert rep["built"] == [0, 2, 3] and list(rep["failed"]) == [1]
+    assert "worker process failed" in rep["failed"][1]
+
+
+def test_launcher_digests_never_in_its_own_process(tmp_path, monkeypatch):
+    """wrap reduces its node's traces after the job: with one worker that ran in the launcher
+    itself, so a parse killed for memory killed the launcher, and the job's exit status with
+    it. isolate=True (what wrap passes) runs even one trace in a child process."""
+    run_dir = synth_run(tmp_path / "run", 2)
+    _dies_on_rank_1(monkeypatch)
+    rep = digest.build(run_dir, workers=1, isolate=True)  # this test process survives
+    assert rep["built"] == [0] and list(rep["failed"]) == [1]
+    from trainprof.cli.wrap import reduce_local_ranks
+    from trainprof.launcher import JobResult
+
+    monkeypatch.setenv(digest.WORKERS_ENV, "1")
+    shutil.rmtree(run_dir / "digests")
+    notes = []
+    reduce_local_ranks(run_dir, JobResult(0, None, local_ranks=[1]), notes)  # survives too
+    assert notes == [] and not (run_dir / "digests" / "rank-00001.json").exists()

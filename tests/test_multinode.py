@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TRAINPROF, run_cli
+from helpers import TRAINPROF, run_cli, wait_for
 
 JOB = Path(__file__).parent / "jobs" / "ddp_job.py"
 HOST = socket.gethostname()
@@ -167,3 +167,105 @@ def test_per_node_directories_of_different_jobs_or_same_ranks_are_refused(per_no
         and str(shared / "manifest.json") in res.stderr
     res = run_cli(["analyze", d0, d0, "--no-report"])
     assert res.returncode == 2 and "given twice" in res.stderr
+
+
+def test_damaged_node_record_of_another_node_never_changes_the_exit_code(tmp_path):
+    """A node record written by another version (or damaged) with fields of unexpected types:
+    the launcher that joins the run still exits as its job did (it raised AttributeError while
+    deciding which node analyzes: exit 1 and a traceback instead of the job's 3)."""
+    from trainprof import nodes
+
+    out = tmp_path / "run"
+    (out / "nodes").mkdir(parents=True)
+    (out / "manifest.json").write_text(json.dumps({
+        "schema_version": 1, "kind": "trainprof-run", "job_id": "jobx", "node": "other-1-abc",
+        "host": "elsewhere", "launcher_pid": 12345, "status": "running"}))
+    bad = {"kind": "trainprof-node", "node": "other-1-abc", "host": "elsewhere",
+           "launcher_pid": 12345, "status": "running", "start_time": "yesterday",
+           "end_time": [1], "ranks": ["a", None], "finished_ns": 5}
+    (out / "nodes" / "other-1-abc.json").write_text(json.dumps(bad))
+    res = run_cli(["wrap", "--out", out, "--job-id", "jobx", "--", sys.executable, "-c",
+                   "import sys; sys.exit(3)"])
+    assert res.returncode == 3, res.stderr
+    assert "Traceback" not in res.stderr and "joining job jobx" in res.stderr
+    recs = nodes.read_records(out)
+    assert len(recs) == 2
+    merged = nodes.merge({"kind": "trainprof-run"}, recs)
+    assert len(merged["nodes"]) == 2 and merged["exit_code"] == 3
+
+
+def test_run_directory_lock_never_removes_what_is_not_a_dead_launchers_lock(tmp_path,
+                                                                           monkeypatch):
+    """The --out lock (RUN/.trainprof.lock): a user's file of that name was deleted (taken for a
+    stale lock by its age), a live launcher's lock was broken after 60 s by the file's mtime
+    (another host's clock ahead of the file server), and a launcher's exit removed whatever lock
+    was there, another launcher's included."""
+    from trainprof import outdir
+
+    monkeypatch.setattr(outdir, "LOCK_WAIT_S", 0.6)
+    monkeypatch.setattr(outdir, "LOCK_STALE_S", 0.3)
+    old = time.time() - 7200
+    # a user's file of that name, in a directory that is not a run: refused, left as it is
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / ".trainprof.lock").write_text("my notes\n")
+    (user / "data.txt").write_text("data\n")
+    import os
+
+    os.utime(user / ".trainprof.lock", (old, old))
+    res = run_cli(["wrap", "--out", user, "--", sys.executable, "-c", "pass"])
+    assert res.returncode == 2
+    assert (user / ".trainprof.lock").read_text() == "my notes\n"
+    # a live launcher of this host holds it (an mtime far in the past): waited for, never broken
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = run / ".trainprof.lock"
+    held = f"{os.getpid()} {outdir._hostname()}\n"
+    lock.write_text(held)
+    os.utime(lock, (old, old))
+    with pytest.raises(outdir.OutDirError, match="held by another trainprof launcher"):
+        with outdir._Lock(run):
+            pass
+    assert lock.read_text() == held
+    # a dead launcher of this host: broken at once; ours removed at the end, and only ours
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    lock.write_text(f"{dead} {outdir._hostname()}\n")
+    t0 = time.monotonic()
+    with outdir._Lock(run) as mine:
+        assert time.monotonic() - t0 < 0.3
+        assert lock.read_text() == held
+        lock.unlink()  # another launcher broke it and took the lock meanwhile
+        lock.write_text("424242 otherhost\n")
+    assert lock.read_text() == "424242 otherhost\n" and mine.fd is not None
+    # a lock of another host: broken once this waiter saw it unchanged for LOCK_STALE_S
+    t0 = time.monotonic()
+    with outdir._Lock(run):
+        assert time.monotonic() - t0 >= 0.3
+    assert not lock.exists()
+
+
+def test_force_never_removes_the_run_of_a_launcher_still_running(tmp_path):
+    """`wrap --force` on the --out of a launcher of this host that is still running (another
+    job, or a node without a known job id): it removed the live run's manifest and node record
+    while that launcher kept writing there."""
+    out = tmp_path / "run"
+    first = subprocess.Popen(TRAINPROF + ["wrap", "--no-analyze", "--out", str(out), "--",
+                                          sys.executable, "-c", "import time; time.sleep(30)"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for(lambda: any((out / "nodes").glob("*.json")), timeout=60)
+        before = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+        res = run_cli(["wrap", "--force", "--no-analyze", "--out", out, "--", sys.executable,
+                       "-c", "pass"])
+        assert res.returncode == 2, res.stderr
+        assert f"pid {first.pid} on this host" in res.stderr
+        after = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+        assert set(before) <= set(after)
+    finally:
+        first.terminate()
+        first.wait(timeout=60)
+    # once it has ended, --force replaces it as before
+    res = run_cli(["wrap", "--force", "--no-analyze", "--out", out, "--", sys.executable, "-c",
+                   "pass"])
+    assert res.returncode == 0, res.stderr

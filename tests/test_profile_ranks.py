@@ -124,3 +124,18 @@ def test_profiling_rank_1_only_leaves_rank_0_without_a_trace_on_purpose(tmp_path
         s["problems"]
     assert [r["rank"] for r in s["metrics"]["comm_compute"]["per_rank"]] == [1]
     assert "1 of 2 ranks profiled (policy list)" in res.stdout
+
+
+def test_a_wide_rank_range_costs_nothing_in_the_ranks():
+    """"0-16777215" (accepted: below MAX_RANK) was expanded into a set of 16.7M ranks in every
+    rank, twice, just before the profiler window: 28 s and 2.5 GB per rank here. Intervals now."""
+    import time
+
+    t0 = time.perf_counter()
+    spec = pr.canonical("0-16777215")
+    ok = [pr.decide(spec, r, 1 << 24, 0, None)[0] for r in (0, 5_000_000, (1 << 24) - 1)]
+    assert time.perf_counter() - t0 < 1.0
+    assert spec == "0-16777215" and ok == [True, True, True]
+    assert pr.canonical("9-12, 0-5,3-9 ,14,13") == "0-14"
+    assert pr.select("100-200000,7", 10) == ([7], "list")
+    assert pr.parse("1,3") == pr.parse("3,1") != pr.parse("1-3")

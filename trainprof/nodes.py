@@ -110,11 +110,19 @@ def read_records(run: str | os.PathLike, problems: list[str] | None = None,
             rec = clean(rec, str(p))
         rec["_file"] = f"{NODES_DIR}/{p.name}"
         out.append(rec)
-    return sorted(out, key=lambda r: ((r.get("start_time") or {}).get("ns") or 0, r["_file"]))
+    return sorted(out, key=lambda r: (_ns(r.get("start_time")) or 0, r["_file"]))
+
+
+def _ns(t) -> int | None:
+    """The ``ns`` of a time field ({"iso", "ns"}), or None when it is not one (a record written
+    by another version, or damaged, must not stop a launcher that reads it)."""
+    ns = t.get("ns") if isinstance(t, dict) else None
+    return ns if isinstance(ns, int) and not isinstance(ns, bool) else None
 
 
 def _first_rank(rec: dict) -> int:
-    ranks = rec.get("ranks") or []
+    ranks = [r for r in rec.get("ranks") or [] if isinstance(r, int)] \
+        if isinstance(rec.get("ranks"), list) else []
     return min(ranks) if ranks else 1 << 62
 
 
@@ -127,24 +135,24 @@ def merge(manifest: dict, records: list[dict]) -> dict:
     forwarded signals of all nodes."""
     if not records:
         return manifest
-    recs = sorted(records, key=lambda r: (_first_rank(r), (r.get("start_time") or {}).get("ns") or 0))
+    recs = sorted(records, key=lambda r: (_first_rank(r), _ns(r.get("start_time")) or 0))
     out = dict(manifest)
     out["nodes"] = [{**{k: r.get(k) for k in ("node", "host", "command", "start_time",
                                                "end_time", "status", "exit_code", "signal",
                                                "signal_name", "ranks")}, "file": r.get("_file")}
                     for r in recs]
     out["command"] = recs[0].get("command", manifest.get("command"))
-    starts = [r["start_time"] for r in recs if (r.get("start_time") or {}).get("ns") is not None]
+    starts = [r["start_time"] for r in recs if _ns(r.get("start_time")) is not None]
     if starts:
         out["start_time"] = min(starts, key=lambda t: t["ns"])
     ends = [r.get("end_time") for r in recs]
-    out["end_time"] = (max(ends, key=lambda t: t.get("ns") or 0)
+    out["end_time"] = (max(ends, key=lambda t: _ns(t) or 0)
                        if ends and all(isinstance(e, dict) for e in ends) else None)
 
     def badness(r):
         s = r.get("status") or "running"
         return (STATUS_ORDER.index(s) if s in STATUS_ORDER else 0,
-                (r.get("end_time") or {}).get("ns") or 1 << 62)
+                _ns(r.get("end_time")) or 1 << 62)
 
     worst = min(recs, key=badness)
     for k in ("status", "exit_code", "signal", "signal_name", "job_exit_code", "job_signal"):

@@ -375,6 +375,11 @@ def _decide(out: Path, force: bool, log, job_id: str | None) -> Prepared:
                  "torchrun --rdzv-id (or trainprof wrap --job-id ID)") if not job_id else ""
         raise OutDirError(f"{out}: holds a previous trainprof run{hint}. Use --out NEW_DIR, or "
                           f"--force to remove {plan.describe()}{multi}.")
+    live = live_launchers(out, manifest)
+    if live:
+        raise OutDirError(f"{out}: in use by a trainprof launcher still running (pid "
+                          f"{', '.join(map(str, live[:4]))} on this host); --force never removes a "
+                          f"live run. Use --out NEW_DIR, or wait for it to end.")
     failed = execute(plan)
     if failed:
         raise OutDirError(f"{out}: --force could not remove {', '.join(failed[:5])}")
@@ -406,46 +411,101 @@ def finished_nodes(out: Path, manifest: dict) -> list[str]:
     return list(dict.fromkeys(done))
 
 
+def live_launchers(out: Path, manifest: dict) -> list[int]:
+    """Process ids of this host's launchers of the run in out that are still running."""
+    import socket
+
+    recs = [manifest]
+    d = out / NODES_DIR
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:
+        names = []
+    recs += [_read_small_json(d / n) for n in names
+             if NODE_FILE_RE.fullmatch(n) and not n.startswith(".")]
+    live = []
+    for rec in recs:
+        if not isinstance(rec, dict) or rec.get("status") not in (None, "running"):
+            continue
+        pid = rec.get("launcher_pid")
+        if rec.get("host") != socket.gethostname() or type(pid) is not int or pid <= 0 \
+                or pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        except (OSError, OverflowError):
+            pass
+        live.append(pid)
+    return list(dict.fromkeys(live))
+
+
 def _ended(rec: dict) -> bool:
     if rec.get("status") not in (None, "running"):
         return True
     import socket
 
     pid = rec.get("launcher_pid")
-    if rec.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+    if rec.get("host") != socket.gethostname() or type(pid) is not int or pid <= 0:
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True  # killed before it could record the end
-    except OSError:
+    except (OSError, OverflowError):
         pass
     return False
 
 
 class _Lock:
-    """RUN/.trainprof.lock, created with O_EXCL: one launcher at a time decides about --out.
-    A lock older than LOCK_STALE_S (its holder died) is broken; waiting longer than
-    LOCK_WAIT_S is an OutDirError."""
+    """RUN/.trainprof.lock, created with O_EXCL, holding "PID HOST": one launcher at a time
+    decides about --out. A holder on this host whose process is gone is broken at once, a live
+    one never; one on another host when this waiter has seen the lock unchanged for
+    LOCK_STALE_S (by its own clock: the hosts' clocks and the file server's may disagree). A
+    file of that name that is not such a lock is never removed (OutDirError). Waiting longer than LOCK_WAIT_S is an OutDirError."""
 
     def __init__(self, out: Path):
         self.path = out / LOCK
         self.fd = None
+        self.ident = None  # (st_dev, st_ino) of the lock this launcher created
 
     def __enter__(self):
         deadline = time.monotonic() + LOCK_WAIT_S
+        seen, since = None, time.monotonic()
         while True:
             try:
-                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                os.write(self.fd, f"{os.getpid()}\n".encode())
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    os.write(fd, f"{os.getpid()} {_hostname()}\n".encode())
+                    st = os.fstat(fd)
+                except OSError:  # a full disk: no lock left behind, none held
+                    os.close(fd)
+                    os.unlink(self.path)
+                    raise
+                self.fd, self.ident = fd, (st.st_dev, st.st_ino)
                 return self
             except FileExistsError:
-                try:
-                    if time.time() - os.stat(self.path).st_mtime > LOCK_STALE_S:
-                        os.unlink(self.path)  # its holder died while deciding
+                holder = _lock_holder(self.path)
+                if holder is None:
+                    continue  # released meanwhile
+                if holder is False:
+                    raise OutDirError(f"{self.path}: not a trainprof lock file (trainprof's holds "
+                                      f"a process id and a host); it is left as it is. Use "
+                                      f"--out NEW_DIR.") from None
+                state, pid, host = holder
+                if state != seen:
+                    seen, since = state, time.monotonic()
+                alive = _holder_alive(pid, host)
+                if alive is False or (alive is None and time.monotonic() - since > LOCK_STALE_S):
+                    try:
+                        if _lock_holder(self.path) == holder:  # the same lock: its holder died
+                            os.unlink(self.path)
                         continue
-                except FileNotFoundError:
-                    continue
+                    except FileNotFoundError:
+                        continue
+                    except OSError:
+                        pass  # cannot remove it: wait for its holder, as for a live one
                 if time.monotonic() > deadline:
                     raise OutDirError(f"{self.path}: held by another trainprof launcher for over "
                                       f"{LOCK_WAIT_S:.0f} s; remove it if no launcher runs") from None
@@ -458,10 +518,60 @@ class _Lock:
         if self.fd is not None:
             try:
                 os.close(self.fd)
-                os.unlink(self.path)
+                st = os.lstat(self.path)
+                if (st.st_dev, st.st_ino) == self.ident:  # never another launcher's lock
+                    os.unlink(self.path)
             except OSError:
                 pass
         return False
+
+
+_LOCK_TEXT = re.compile(rb"(\d{1,10})(?: ([A-Za-z0-9._-]{1,255}))?\n?")
+
+
+def _hostname() -> str:
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:255] or "host"
+
+
+def _lock_holder(path: Path):
+    """((st_ino, st_mtime_ns, st_size), pid, host) of a trainprof lock file; None when there is
+    none; False when the file is not one (not a small regular file holding "PID [HOST]", or
+    empty for a moment while its holder writes it)."""
+    import stat as st_mod
+
+    try:
+        st = os.lstat(path)
+        if not st_mod.S_ISREG(st.st_mode) or st.st_size > 300:
+            return False
+        with open(path, "rb") as f:
+            text = f.read(301)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return False
+    state = (st.st_ino, st.st_mtime_ns, st.st_size)
+    if not text:
+        return state, None, None  # just created: its holder writes it next
+    m = _LOCK_TEXT.fullmatch(text)
+    if not m:
+        return False
+    return state, int(m.group(1)), m.group(2).decode() if m.group(2) else None
+
+
+def _holder_alive(pid: int | None, host: str | None) -> bool | None:
+    """Whether the lock's holder, a process of this host, still exists; None when it is on
+    another host (or the lock does not say)."""
+    if pid is None or host is None or host != _hostname() or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):
+        pass
+    return True
 
 
 def inventory(out: Path, before: set[str]) -> list[str] | None:

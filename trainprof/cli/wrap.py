@@ -174,7 +174,7 @@ def reduce_local_ranks(out: Path, result: JobResult, notes: list[str]) -> None:
     except ImportError:
         return
     try:
-        digest.build(out, ranks=list(result.local_ranks))
+        digest.build(out, ranks=list(result.local_ranks), isolate=True)  # never in this process
     except KeyboardInterrupt:
         notes.append("digest reduction interrupted")
     except Exception as e:  # noqa: BLE001 - analysis rebuilds missing digests
@@ -201,7 +201,7 @@ def analyzes_here(out: Path, result: JobResult) -> bool:
         if not nodes.claim_analysis(out, rec.node):
             _say(f"another node of this job analyzes {out}")
             return False
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - another node's damaged record: never the exit status
         _say(f"could not decide which node analyzes ({reason(e)}); analyzing here")
     return True
 
