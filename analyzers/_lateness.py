@@ -33,10 +33,11 @@ def frame(run) -> pd.DataFrame:
 
     df = coll._frame(run)
     if not df.empty:
-        df = df.copy()
+        df = df.copy(deep=False)  # columns added below; the collectives frame stays as it is
         df["blocked_ms"] = pd.to_numeric(df["blocked_ms"], errors="coerce").fillna(0.0)
         df["step"] = pd.to_numeric(df["step"], errors="coerce")
-        df = df.dropna(subset=["step"])
+        if df["step"].isna().any():  # (a filter copies every column)
+            df = df.dropna(subset=["step"])
         df["step"] = df["step"].astype(int)
         complete = _complete(df)
         df["complete"] = complete
@@ -77,8 +78,10 @@ def lateness(df, peers: dict | None = None) -> pd.Series:
     idx = np.flatnonzero(df["complete"].to_numpy(bool)) if not df.empty else np.array([], int)
     if idx.size == 0:
         return pd.Series(out, index=df.index)
-    sub = df.iloc[idx][["group", "ordinal", "t_enq", "rank"]].copy()
-    sub["label"] = sub["rank"].map(peers or {}).fillna("all").astype(str) if peers else "all"
+    sub = df[["group", "ordinal", "t_enq", "rank"]].iloc[idx].copy()
+    # the peer label as a code in label order (sorting strings per record is the slow part)
+    labels = sub["rank"].map(peers or {}).fillna("all").astype(str) if peers else "all"
+    sub["label"] = pd.factorize(labels, sort=True)[0] if peers else 0
     sub["row"] = idx
     sub = sub.sort_values(["group", "ordinal", "label", "t_enq"], kind="mergesort")
     key = sub.groupby(["group", "ordinal", "label"], sort=False)
@@ -104,7 +107,7 @@ def lateness(df, peers: dict | None = None) -> pd.Series:
 
 def per_step(df, column: str, how: str) -> pd.DataFrame:
     """(rank, step, column) aggregated per rank and step (``how``: sum | median), NaN rows out."""
-    d = df.dropna(subset=[column])
+    d = df[["rank", "step", column]].dropna(subset=[column])
     if d.empty:
         return pd.DataFrame(columns=["rank", "step", column])
     return d.groupby(["rank", "step"], as_index=False)[column].agg(how)
@@ -117,7 +120,8 @@ def waits_caused(df, late_rank: int, steps) -> dict:
     step}, "ops": {op: ms per step, summed over the waiters}}``."""
     if df.empty or "complete" not in df:
         return {"by_rank": {}, "ops": {}}
-    c = df[df["complete"] & df["step"].isin(list(steps))]
+    c = df.loc[df["complete"] & df["step"].isin(list(steps)),
+               ["rank", "step", "group", "ordinal", "t_enq", "device_ms", "wait_ms", "op"]]
     mine = c.loc[c["rank"] == late_rank, ["group", "ordinal", "t_enq", "device_ms"]].rename(
         columns={"t_enq": "t_late", "device_ms": "dev_late"})
     if mine.empty:

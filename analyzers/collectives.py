@@ -32,6 +32,8 @@ NAME = "collectives"
 P2P = ("send", "recv")
 EXPOSED_FRACTION = 0.5  # blocked in collectives for at least this share of the step
 TOP_GROUPS = 10
+USED = ("rank", "step", "pg", "seq", "op", "bytes", "enqueue_ns", "end_ns", "blocked_ms",
+        "device_ms", "peer")
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -62,6 +64,18 @@ def _groups(run) -> dict[tuple[int, str], dict]:
 
 
 def _frame(run):
+    """The aligned collectives frame (cached: the stragglers analyzer reads it too)."""
+    cache = getattr(run, "_cache", None)
+    key = "analyzers.collectives.frame"
+    if cache is not None and key in cache:
+        return cache[key]
+    df = _build_frame(run)
+    if cache is not None:
+        cache[key] = df
+    return df
+
+
+def _build_frame(run):
     df = run.collectives()
     if df.empty:
         return df
@@ -71,26 +85,35 @@ def _frame(run):
         run.problems.append(f"{run.path}/ranks/*/collectives.jsonl: records lack {missing}; "
                             "collective analysis skipped")
         return pd.DataFrame()
-    df = df.copy()
-    for c in ("device_ms", "peer", "async", "api", "dtype"):
+    # the columns the analyses use (a copy of every record's every field costs memory at scale)
+    df = df[[c for c in USED if c in df.columns]].copy(deep=False)
+    for c in ("device_ms", "peer"):
         if c not in df.columns:
             df[c] = None
-    df["pg"] = df["pg"].astype(str)
-    df = df.dropna(subset=["seq", "enqueue_ns"])
+    df["pg"] = df["pg"].astype(str).astype("category")  # few groups, many records: codes
+    if df["seq"].isna().any() or df["enqueue_ns"].isna().any():  # (a filter copies every column)
+        df = df.dropna(subset=["seq", "enqueue_ns"])
     df["seq"] = df["seq"].astype(np.int64)
     groups = _groups(run)
     # group key, dim and size once per (rank, pg), not per record: a key names every member, so
-    # building it per record costs records x group size (1,024-rank groups)
+    # building (or hashing) it per record costs records x group size (1,024-rank groups). The
+    # key column is categorical: groupbys and merges work on its integer codes.
     df = df.reset_index(drop=True)
     gid = df.groupby(["rank", "pg"], sort=False).ngroup().to_numpy()
-    keys, dims, sizes = [], [], []
+    keys, dims, sizes, made = [], [], [], {}
     for r, pg in df.drop_duplicates(["rank", "pg"])[["rank", "pg"]].itertuples(index=False):
         g = groups.get((int(r), pg))
         ranks = tuple(g.get("ranks") or ()) if g else ()
-        keys.append(f"{pg}:{','.join(map(str, ranks))}" if ranks else f"{pg}:?")
+        if (pg, ranks) not in made:  # every member of a group names the same members
+            made[(pg, ranks)] = f"{pg}:{','.join(map(str, ranks))}" if ranks else f"{pg}:?"
+        keys.append(made[(pg, ranks)])
         dims.append(g.get("mesh_dim") if g else None)
         sizes.append(int(g.get("size") or len(ranks)) if g else 0)
-    df["group"] = np.array(keys, dtype=object)[gid]
+    names = sorted(set(keys))
+    code = {k: i for i, k in enumerate(names)}
+    df["group"] = pd.Categorical.from_codes(np.array([code[k] for k in keys], dtype=np.int64)[gid]
+                                            if len(keys) else np.zeros(0, np.int64),
+                                            categories=names)
     df["gsize"] = np.array(sizes, dtype=np.int64)[gid]
     df["mesh_dim"] = pd.Series(np.array(dims, dtype=object)[gid], index=df.index, dtype=object)
     # clock alignment: offsets are applied to absolute ns, then made relative to keep float64 exact
@@ -101,57 +124,82 @@ def _frame(run):
     end = end.astype(np.int64)
     a_enq, a_end = enq.copy(), end.copy()
     ranks = df["rank"].to_numpy()
-    for r in np.unique(ranks):
-        m = ranks == r
-        a_enq[m] = np.asarray(align[int(r)](enq[m]), dtype=np.int64)
-        a_end[m] = np.asarray(align[int(r)](end[m]), dtype=np.int64)
+    # rows of one rank are contiguous (the frame is read rank by rank): align slice by slice
+    order = np.argsort(ranks, kind="stable")
+    bounds = np.flatnonzero(np.diff(ranks[order])) + 1
+    for sl in np.split(order, bounds):
+        if not len(sl):
+            continue
+        fn = align[int(ranks[sl[0]])]
+        a_enq[sl] = np.asarray(fn(enq[sl]), dtype=np.int64)
+        a_end[sl] = np.asarray(fn(end[sl]), dtype=np.int64)
     base = int(a_enq.min())
     df["t_enq"] = (a_enq - base) / 1e6  # ms since the first op, reference clock
     df["t_end"] = np.where(has_end, (a_end - base) / 1e6, np.nan)
     df["dur_ms"] = df["t_end"] - df["t_enq"]
     df["p2p"] = df["op"].isin(P2P)
-    df = df.sort_values(["rank", "pg", "seq"]).reset_index(drop=True)
-    df["ordinal"] = -1
-    coll = ~df["p2p"]
-    df.loc[coll, "ordinal"] = df[coll].groupby(["rank", "group"]).cumcount()
+    order = np.lexsort((df["seq"].to_numpy(), df["pg"].cat.codes.to_numpy(), df["rank"].to_numpy()))
+    if not (order[1:] > order[:-1]).all():  # one group per rank is in order already: no copy
+        df = df.take(order)
+    df = df.reset_index(drop=True)
+    ordinal = np.full(len(df), -1, dtype=np.int64)
+    coll = ~df["p2p"].to_numpy(bool)
+    ordinal[coll] = df[coll].groupby(["rank", "group"]).cumcount().to_numpy()
+    df["ordinal"] = ordinal
     return df
 
 
+MAX_LISTED = 20  # ranks listed per consistency problem (the count says how many in all)
+
+
 def _consistency(df) -> dict:
+    """Sequence gaps per (rank, group), ranks whose op counts differ from their group's, and
+    members that logged nothing in a group; one vectorized pass, details only for what is off."""
     gaps, mismatches, missing = [], [], []
-    for (r, pg), g in df.groupby(["rank", "pg"]):
-        seqs = g["seq"].to_numpy()
-        expect = np.arange(len(seqs))
-        if not np.array_equal(np.sort(seqs), expect):
-            have = set(seqs.tolist())
-            # the first 10 gaps, never a loop bounded by a value read from a file
-            lost = list(itertools.islice((s for s in range(int(seqs.max()) + 1) if s not in have), 10))
-            dup = int(len(seqs) - len(have))
-            gaps.append({"rank": int(r), "pg": pg, "missing_seq": lost, "duplicates": dup})
+    g = df.groupby(["rank", "pg"], sort=True)["seq"]
+    st = pd.DataFrame({"n": g.size(), "min": g.min(), "max": g.max(), "uniq": g.nunique()})
+    off = st[(st["min"] != 0) | (st["max"] != st["n"] - 1) | (st["uniq"] != st["n"])]
+    for (r, pg) in off.index:
+        seqs = df.loc[(df["rank"] == r) & (df["pg"] == pg), "seq"].to_numpy()
+        have = set(seqs.tolist())
+        # the first 10 gaps, never a loop bounded by a value read from a file
+        lost = list(itertools.islice((s for s in range(int(seqs.max()) + 1) if s not in have), 10))
+        gaps.append({"rank": int(r), "pg": pg, "missing_seq": lost,
+                     "duplicates": int(len(seqs) - len(have))})
     ranks_present = set(df["rank"].unique().tolist())
-    for key, g in df.groupby("group"):
-        members = [int(x) for x in key.split(":", 1)[1].split(",") if x not in ("?", "")]
-        counts = {}
-        for r, gr in g.groupby("rank"):
-            c = Counter(gr.loc[~gr["p2p"], "op"])
-            c["p2p"] = int(gr["p2p"].sum())
-            counts[int(r)] = c
-        absent = [m for m in members if m in ranks_present and m not in counts]
+    # per (group, rank): count of each collective op, and of p2p ops
+    kind = df["op"].astype(object).where(~df["p2p"], "p2p")
+    counts = (df.assign(kind=kind).groupby(["group", "rank", "kind"], observed=True).size()
+              .unstack("kind", fill_value=0))
+    if "p2p" not in counts.columns:
+        counts["p2p"] = 0
+    for key, c in counts.groupby(level=0, sort=True, observed=True):
+        c = c.droplevel(0)
+        members = [int(x) for x in str(key).split(":", 1)[1].split(",") if x not in ("?", "")]
+        logged = set(int(r) for r in c.index)
+        absent = [m for m in members if m in ranks_present and m not in logged]
         if absent:
-            missing.append({"group": key, "ranks": absent})
-        if len(counts) > 1:
-            ref = max(counts.values(), key=lambda c: sum(c.values()))
-            bad = {r: dict(c) for r, c in counts.items() if c != ref}
-            if bad:
-                mismatches.append({"group": key, "expected": dict(ref),
-                                   "ranks": {str(r): c for r, c in bad.items()}})
+            missing.append({"group": key, "ranks": absent[:MAX_LISTED],
+                            **({"ranks_count": len(absent)} if len(absent) > MAX_LISTED else {})})
+        if len(c) > 1:
+            tot = c.sum(axis=1).to_numpy()
+            ref = c.iloc[int(np.argmax(tot))]  # the first rank with the most records
+            bad = c[(c != ref).any(axis=1)]
+            if len(bad):
+                def counter(row):
+                    return {op: int(v) for op, v in row.items() if v or op == "p2p"}
+                listed = bad.iloc[:MAX_LISTED]
+                mismatches.append({"group": key, "expected": counter(ref),
+                                   "ranks": {str(int(r)): counter(row) for r, row in listed.iterrows()},
+                                   **({"ranks_count": len(bad)} if len(bad) > MAX_LISTED else {})})
     return {"ok": not (gaps or mismatches or missing), "seq_gaps": gaps,
             "count_mismatches": mismatches, "ranks_missing_group": missing}
 
 
 def _instances(df) -> pd.DataFrame:
     """One row per collective instance (group, ordinal) with all the members that logged it."""
-    c = df[~df["p2p"]]
+    c = df.loc[~df["p2p"], ["group", "ordinal", "op", "mesh_dim", "gsize", "bytes", "step", "rank",
+                            "t_enq", "t_end", "device_ms", "dur_ms", "blocked_ms"]]
     if c.empty:
         return pd.DataFrame()
     agg = c.groupby(["group", "ordinal"]).agg(
@@ -223,27 +271,33 @@ def _bandwidth_table(inst: pd.DataFrame) -> list[dict]:
 
 
 def _lateness(df, inst, kept_steps) -> dict:
-    c = df[~df["p2p"] & (df["gsize"] > 1)]
+    c = df.loc[~df["p2p"] & (df["gsize"] > 1), ["rank", "step", "group", "ordinal", "t_enq", "mesh_dim"]]
     if c.empty or inst.empty:
         return {"per_rank": [], "by_rank_step": {}}
     full = inst[(inst["members"] >= inst["gsize"]) & (inst["gsize"] > 1)]
     full = full[full["step"].isin(kept_steps)] if kept_steps is not None else full
-    m = c.merge(full[["group", "ordinal", "first_enq", "last_enq"]], on=["group", "ordinal"])
+    m = c[["rank", "step", "group", "ordinal", "t_enq", "mesh_dim"]].merge(
+        full[["group", "ordinal", "first_enq", "last_enq"]], on=["group", "ordinal"])
     if m.empty:
         return {"per_rank": [], "by_rank_step": {}}
     m["late_ms"] = m["t_enq"] - m["first_enq"]
     m["last"] = (m["t_enq"] >= m["last_enq"]) & (m["last_enq"] > m["first_enq"])
-    per_rank = []
-    for r, g in m.groupby("rank"):
-        lt = g["late_ms"].to_numpy(dtype=float)
-        by_dim = {str(d if d is not None else "other"): float(x["late_ms"].mean())
-                  for d, x in g.groupby(g["mesh_dim"].fillna("other"))}
-        per_rank.append({"rank": int(r), "n": int(len(lt)), "mean_ms": float(lt.mean()),
-                         "median_ms": float(np.median(lt)),
-                         "p90_ms": float(np.percentile(lt, 90)), "max_ms": float(lt.max()),
-                         "last_frac": float(g["last"].mean()), "by_dim_mean_ms": by_dim})
-    by_rank_step = {str(int(r)): {str(int(s)): float(v) for s, v in g.groupby("step")["late_ms"].mean().items()}
-                    for r, g in m.groupby("rank")}
+    m["dim"] = m["mesh_dim"].fillna("other").map(lambda d: str(d if d is not None else "other"))
+    g = m.groupby("rank")["late_ms"]
+    agg = pd.DataFrame({"n": g.size(), "mean_ms": g.mean(), "median_ms": g.median(),
+                        "p90_ms": g.quantile(0.9), "max_ms": g.max(),
+                        "last_frac": m.groupby("rank")["last"].mean()})
+    by_dim: dict[int, dict] = {}
+    for (r, d), v in m.groupby(["rank", "dim"])["late_ms"].mean().items():
+        by_dim.setdefault(int(r), {})[d] = float(v)
+    per_rank = [{"rank": int(r), "n": int(a.n), "mean_ms": float(a.mean_ms),
+                 "median_ms": float(a.median_ms), "p90_ms": float(a.p90_ms),
+                 "max_ms": float(a.max_ms), "last_frac": float(a.last_frac),
+                 "by_dim_mean_ms": by_dim.get(int(r), {})}
+                for r, a in zip(agg.index, agg.itertuples(index=False))]
+    by_rank_step: dict[str, dict] = {}
+    for (r, st), v in m.groupby(["rank", "step"])["late_ms"].mean().items():
+        by_rank_step.setdefault(str(int(r)), {})[str(int(st))] = float(v)
     return {"per_rank": per_rank, "by_rank_step": by_rank_step}
 
 
@@ -255,7 +309,7 @@ def _blocked(run, df, kept_steps):
     steps = steps[steps["step"].isin(kept_steps)]
     if steps.empty:
         return None
-    k = df[df["step"].isin(kept_steps)]
+    k = df.loc[df["step"].isin(kept_steps), ["rank", "group", "mesh_dim", "blocked_ms"]]
     blocked = k.groupby("rank")["blocked_ms"].sum()
     step_ms = steps.groupby("rank")["dur_ms"].sum()
     per_rank = []

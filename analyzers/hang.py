@@ -31,8 +31,11 @@ from __future__ import annotations
 import json
 import os
 
+import pandas as pd
+
 from trainprof import safeio
 from trainprof.analyzers import _flight_recorder as fr
+from trainprof.analyzers import _hang_ledger as led
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof import worker_exits
 from trainprof.rundir import RunDirError, rank_dir, read_json
@@ -60,8 +63,13 @@ def analyze(run) -> AnalyzerResult:
 # --------------------------------------------------------------------------- per rank
 
 
+def _rank_path(run, r):
+    """A rank's folder, in whichever of the analyzed run directories holds it."""
+    return run.rank_path(r) if hasattr(run, "rank_path") else rank_dir(run.path, r)
+
+
 def _read_dump(run, r):
-    p = rank_dir(run.path, r) / DUMP
+    p = _rank_path(run, r) / DUMP
     if not os.path.exists(p):  # (False also when its folder cannot be read: RunDir says so)
         return None
     try:
@@ -79,7 +87,7 @@ def _read_dump(run, r):
 
 def _read_fr(run, r):
     for name in fr.FILES:
-        p = rank_dir(run.path, r) / name
+        p = _rank_path(run, r) / name
         if os.path.exists(p):
             try:
                 return fr.load(p)
@@ -131,7 +139,8 @@ def _blocked_in_c10d(stack) -> bool:
 class RankView:
     def __init__(self, run, r):
         self.rank = r
-        self.heartbeats = run.stream(r, HEARTBEAT) or run.stream(r, HEARTBEAT_PREV)
+        # read for this post-mortem only (not kept in the run's cache)
+        self.heartbeats = run.stream_once(r, HEARTBEAT) or run.stream_once(r, HEARTBEAT_PREV)
         self.torn = _torn_tail(run.stream_path(r, HEARTBEAT))
         if self.torn:  # its newest state was lost: never accuse it on stale data alone
             run.problems.append(f"{run.stream_path(r, HEARTBEAT)}: last line torn (process killed "
@@ -140,8 +149,10 @@ class RankView:
         self.closed = bool(self.last_hb and self.last_hb.get("event") == "close")
         self.dump = _read_dump(run, r)
         self.fr = _read_fr(run, r)
-        self.steps = run.stream(r, "steps")
-        self.collectives = run.stream(r, "collectives")
+        last_step = run.stream_tail(r, "steps")  # the steps are read as one table too
+        self.steps = [last_step] if last_step else []
+        last = run.stream_tail(r, "collectives")  # the log itself is read as one table
+        self.collectives = [last] if last else []
         self.present = bool(self.heartbeats or self.dump or self.fr or self.steps
                             or run.rank_meta(r))
         progress = [h.get("t_ns") for h in self.heartbeats if h.get("event") != "close"]
@@ -197,52 +208,24 @@ class RankView:
 # --------------------------------------------------------------------------- collectives
 
 
-def _probe_ledger(run, views) -> tuple[dict, dict]:
-    """{pg: {rank: {seq: (op, bytes, step, inflight)}}} and {pg: members} from the probe."""
-    ledger: dict = {}
-    for v in views.values():
-        recs = list(v.collectives)
-        if v.last_collective:
-            recs.append(v.last_collective)
-        recs += [{**c, "_inflight": True} for c in v.inflight]
-        for c in recs:
-            if c.get("pg") is None or c.get("seq") is None:
-                continue
-            slot = ledger.setdefault(str(c["pg"]), {}).setdefault(v.rank, {})
-            prev = slot.get(int(c["seq"]))
-            slot[int(c["seq"])] = {
-                "op": c.get("op"), "bytes": c.get("bytes"), "step": c.get("step"),
-                "inflight": bool(c.get("_inflight")) or bool(prev and prev["inflight"])}
+def _longest_step_s(run) -> float:
+    """The longest step of any rank, in s (step 0, which includes set-up, left out)."""
+    st = run.steps()
+    if st.empty or "step" not in st or "dur_ms" not in st:
+        return 0.0
+    d = pd.to_numeric(st.loc[pd.to_numeric(st["step"], errors="coerce") >= 1, "dur_ms"],
+                      errors="coerce")
+    return float(d.max()) / 1e3 if d.notna().any() and d.max() > 0 else 0.0
+
+
+def _members(run) -> dict:
+    """{pg: member ranks} from every rank's groups.jsonl."""
     members: dict = {}
     for r in run.ranks:
         for g in run.stream(r, "groups"):
             if g.get("pg") is not None and isinstance(g.get("ranks"), list):
-                members.setdefault(str(g["pg"]), set()).update(int(x) for x in g["ranks"])
-    return ledger, members
-
-
-def _desync_probe(ledger) -> list[dict]:
-    out = []
-    for pg, by_rank in sorted(ledger.items()):
-        if any(e["op"] in P2P_OPS for recs in by_rank.values() for e in recs.values()):
-            continue  # p2p pairs legitimately differ (send vs recv)
-        seqs = sorted({s for recs in by_rank.values() for s in recs})
-        for seq in seqs:
-            here = {r: recs[seq] for r, recs in by_rank.items() if seq in recs}
-            if len(here) < 2:
-                continue
-            sigs: dict = {}
-            for r, e in sorted(here.items()):
-                key = (e["op"], e["bytes"] if e["op"] in SIZE_STRICT_OPS else None)
-                sigs.setdefault(key, []).append(r)
-            if len(sigs) > 1:
-                out.append({"source": "probe", "pg": pg, "seq": seq,
-                            "variants": [{"op": op, "bytes": b, "ranks": rs,
-                                          "steps": sorted({here[r]["step"] for r in rs
-                                                           if here[r]["step"] is not None})}
-                                         for (op, b), rs in sigs.items()]})
-                break  # every later seq is shifted by the first desync
-    return out
+                members.setdefault(str(g["pg"]), set()).update(g["ranks"])  # ints (checked)
+    return members
 
 
 def _desync_fr(cmp) -> list[dict]:
@@ -250,27 +233,6 @@ def _desync_fr(cmp) -> list[dict]:
              "variants": [{"op": s["op"], "input_sizes": s["input_sizes"], "ranks": s["ranks"]}
                           for s in m["by_signature"].values()]}
             for m in cmp.get("mismatches", [])]
-
-
-def _missing_probe(ledger, members, views) -> list[dict]:
-    out = []
-    for pg, by_rank in sorted(ledger.items()):
-        waiting = {r: max(s for s, e in recs.items() if e["inflight"])
-                   for r, recs in by_rank.items() if any(e["inflight"] for e in recs.values())}
-        waiting = {r: s for r, s in waiting.items() if views[r].blocked}
-        if not waiting:
-            continue
-        top = max(waiting.values())
-        group = members.get(pg) or set(by_rank)
-        behind = sorted(r for r in group if max(by_rank.get(r, {}) or {-1: None}) < top)
-        if behind:
-            op = next((by_rank[r][top]["op"] for r in waiting if waiting[r] == top), None)
-            out.append({"source": "probe", "pg": pg, "seq": top, "op": op,
-                        "waiting_ranks": sorted(r for r, s in waiting.items() if s == top),
-                        "missing_ranks": behind,
-                        "missing_last_seq": {str(r): max(by_rank.get(r, {}) or {-1: None})
-                                             for r in behind}})
-    return out
 
 
 def _missing_fr_heartbeats(views) -> list[dict]:
@@ -338,8 +300,7 @@ def _detect(run, views, exits=None) -> dict:
         gaps += [(b - a) / 1e9 for a, b in zip(ts, ts[1:])]
     gaps.sort()
     p90_gap = gaps[int(0.9 * (len(gaps) - 1))] if gaps else 0.0
-    longest_step = max(((s.get("dur_ms") or 0) / 1e3 for v in views.values() for s in v.steps
-                        if s.get("step", 0) >= 1), default=0.0)  # step 0 includes set-up
+    longest_step = _longest_step_s(run)
     threshold = max(MIN_STALL_S, 3 * p90_gap, 2 * longest_step)
     end_ns = (man.get("end_time") or {}).get("ns")
     closes = [w["t_close_ns"] for w in (exits or {}).get("first_failures", [])
@@ -439,6 +400,8 @@ def postmortem(run) -> dict | None:
     """The whole post-mortem as a JSON-able dict, or None when the run holds no hang data."""
     ranks = list(range(run.world_size)) if run.world_size else list(run.ranks)
     ranks = sorted(set(ranks) | set(run.ranks))
+    run.frame("collectives")  # one table of every rank's log; the views take its last records
+    run.steps()  # (the same for the steps)
     views = {r: RankView(run, r) for r in ranks}
     exits = _worker_exits(run)
     if not any(v.heartbeats or v.dump or v.fr for v in views.values()) \
@@ -446,11 +409,11 @@ def postmortem(run) -> dict | None:
         return None
     det = _detect(run, views, exits)
     died = _died(run, views, exits, det)
-    ledger, members = _probe_ledger(run, views)
+    ledger, members = led.Ledger(run, views), _members(run)
     fr_dumps = {r: v.fr for r, v in views.items() if v.fr}
     cmp = fr.compare(fr_dumps) if fr_dumps else {}
-    desync = _desync_probe(ledger) + _desync_fr(cmp)
-    missing = _missing_probe(ledger, members, views)
+    desync = led.desync(ledger, P2P_OPS, SIZE_STRICT_OPS) + _desync_fr(cmp)
+    missing = led.missing(ledger, members, views)
     missing += [{"source": "flight_recorder", **m} for m in cmp.get("missing", [])] if cmp \
         else _missing_fr_heartbeats(views)
     for m in missing:  # a torn heartbeat lost its rank's newest state: unknown, not missing

@@ -59,7 +59,7 @@ def _num(x):
 
 
 def analyze(run) -> AnalyzerResult:
-    recs = {r: run.stream(r, STREAM) for r in run.ranks}
+    recs = {r: run.stream_once(r, STREAM) for r in run.ranks}  # only this analyzer reads them
     recs = {r: v for r, v in recs.items() if v}
     if not recs:
         return AnalyzerResult()

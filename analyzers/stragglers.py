@@ -66,6 +66,8 @@ DATA_SHARE = 0.10    # data wait ≥ 10 % of the step ...
 DATA_MIN_MS = 20.0   # ... and ≥ 20 ms (median over analysed steps) → data starvation
 WAITER_SHARE = 0.25  # a rank waits for the straggler: ≥ 25 % of its excess per step
 P2P_OPS = ("send", "recv", "isend", "irecv")
+MAX_PEER_EVIDENCE = 32  # per-peer entries kept in a finding's evidence (largest first; the
+                        # count and median say what the rest are: summary.json at 1,000+ ranks)
 SCHED_FIELDS = cause.SCHED_FIELDS
 
 
@@ -111,7 +113,8 @@ def _table(run, groups_of) -> tuple[pd.DataFrame, pd.DataFrame]:
     fr = _lateness.frame(run) if not coll.empty else pd.DataFrame()
     if not fr.empty:
         blocked = _lateness.per_step(fr, "wait_ms", "sum").rename(columns={"wait_ms": "blocked_ms"})
-        p2p = _lateness.per_step(fr[fr["op"].isin(P2P_OPS)], "wait_ms", "sum").rename(
+        p2p = _lateness.per_step(fr.loc[fr["op"].isin(P2P_OPS), ["rank", "step", "wait_ms"]],
+                                 "wait_ms", "sum").rename(
             columns={"wait_ms": "p2p_ms"})
         fr = fr.assign(late_ms=_lateness.lateness(
             fr, groups_of(sorted(int(r) for r in fr["rank"].unique()))))
@@ -238,7 +241,7 @@ def _lateness_evidence(fr, kept) -> dict[int, dict]:
     arrive, and the share of instances it arrived last (collectives analyzer definitions)."""
     if fr.empty:
         return {}
-    c = fr[fr["complete"] & fr["step"].isin(kept)]
+    c = fr.loc[fr["complete"] & fr["step"].isin(kept), ["group", "ordinal", "t_enq", "rank"]]
     if c.empty:
         return {}
     inst = c.groupby(["group", "ordinal"])["t_enq"]
@@ -252,8 +255,9 @@ def _lateness_evidence(fr, kept) -> dict[int, dict]:
 
 def _matrix(t, col, steps) -> dict[str, list]:
     w = t.pivot(index="rank", columns="step", values=col).reindex(columns=steps)
-    return {str(int(r)): [None if pd.isna(v) else float(v) for v in row]
-            for r, row in zip(w.index, w.to_numpy(dtype=float))}
+    # ms to the ns the records hold (summary.json size at 1,000+ ranks: 17 digits → 10)
+    return {str(int(r)): [None if v != v else v for v in row.tolist()]
+            for r, row in zip(w.index, np.round(w.to_numpy(dtype=float), 6))}
 
 
 def _coords_text(c: dict) -> str:
@@ -300,6 +304,23 @@ def analyze(run) -> AnalyzerResult:
     return res
 
 
+def capped_waits(by_rank: dict) -> dict:
+    """A finding's per-peer waits: every entry up to MAX_PEER_EVIDENCE, else the largest ones,
+    with ``waits_caused_count`` / ``waits_caused_median_ms`` over all of them."""
+    items = sorted(((str(q), float(v)) for q, v in by_rank.items()), key=lambda kv: -kv[1])
+    out = {"waits_caused_ms": dict(items[:MAX_PEER_EVIDENCE])}
+    if len(items) > MAX_PEER_EVIDENCE:
+        out["waits_caused_count"] = len(items)
+        out["waits_caused_median_ms"] = float(np.median([v for _, v in items]))
+    return out
+
+
+def _full_waits(run) -> dict:
+    """{late rank (or tuple of ranks): {rank: ms}} uncapped, kept beside the cached result."""
+    cache = getattr(run, "_cache", None)
+    return cache.setdefault("analyzers.stragglers.waits", {}) if cache is not None else {}
+
+
 def waits_or_problem(run, analyzer: str) -> dict | None:
     """waits_for_stragglers, or None with a problem line (for analyzers that only refine a
     figure with it and keep the plain one when it fails)."""
@@ -316,12 +337,16 @@ def waits_for_stragglers(run) -> dict:
     analysed steps) it waits in collectives for them}}``; empty lists/dicts when there is none."""
     late: set[int] = set()
     wait: dict[int, float] = {}
-    for f in analyze(run).findings:
+    res = analyze(run)
+    full = _full_waits(run)
+    for f in res.findings:
         ev = f.evidence or {}
-        caused = ev.get("waits_caused_ms") or {}
+        who = tuple(ev.get("late_for_input") or ([ev["rank"]] if "rank" in ev else []))
+        # the evidence keeps the largest waits only: the whole table from this analysis
+        caused = full.get((f.kind, who)) or ev.get("waits_caused_ms") or {}
         if not caused:
             continue
-        late.update(ev.get("late_for_input") or ([ev["rank"]] if "rank" in ev else []))
+        late.update(who)
         for q, v in caused.items():
             wait[int(q)] = wait.get(int(q), 0.0) + float(v)
     return {"late": sorted(late), "wait_ms": wait}
@@ -399,9 +424,12 @@ def _analyze(run) -> AnalyzerResult:
             input_late[p["rank"]] = waits  # reported with the data starvation it is
             continue
         findings.append(_straggler_finding(p, peers, size, why, waits, kept))
+        _full_waits(run)[("straggler", (p["rank"],))] = dict(waits["by_rank"])
 
     if starving:
         findings.append(_starvation_finding(starving, per_rank, input_late))
+        _full_waits(run)[("data_starvation", tuple(sorted(input_late)))] = \
+            _sum_waits(input_late.values())
 
     shown = [s for s in sorted(int(x) for x in t["step"].unique()) if s not in excluded["warmup"]]
     metrics = {
@@ -458,8 +486,7 @@ def _straggler_finding(p, peers, size, why, waits, kept) -> Finding:
           "peer_blocked_ms": _f(np.median([q["blocked_ms"] for q in peers])) if peers else None,
           "data_wait_ms": p["data_wait_ms"], "cause": why["cause"], "cause_parts": why["parts"],
           "waiters": waits["waiters"], "waiters_wait_ms": waits["wait_ms"],
-          "waits_caused_ms": {str(q): v for q, v in waits["by_rank"].items()},
-          "waits_caused_by_op_ms": waits["ops"]}
+          **capped_waits(waits["by_rank"]), "waits_caused_by_op_ms": waits["ops"]}
     for c in SCHED_FIELDS:
         if c in p:
             ev[c] = p[c]
@@ -490,7 +517,7 @@ def _starvation_finding(starving, per_rank, input_late) -> Finding:
                             for p in starving},
                   "others_median_ms": _f(np.median(others)) if others else None,
                   "threshold_share": DATA_SHARE, "threshold_ms": DATA_MIN_MS,
-                  "waits_caused_ms": _sum_waits(input_late.values()),
+                  **capped_waits(_sum_waits(input_late.values())),
                   "late_for_input": sorted(input_late)})
 
 

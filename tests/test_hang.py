@@ -377,12 +377,14 @@ def test_postmortem_after_sigkill_with_torn_heartbeat(reference_run, tmp_path_fa
     for p in list(run.glob("ranks/*/hang-dump.json")) + list(run.glob("ranks/*/flight-recorder.*")):
         p.unlink()
     (run / "hang-trigger.json").unlink()
-    man = json.loads((run / "manifest.json").read_text())
-    for k in ("hangs", "job_exit_code", "job_signal"):
-        man.pop(k, None)
-    man.update(status="killed", exit_code=137, signal=9, signal_name="SIGKILL")
-    man["end_time"]["ns"] = max(man["end_time"]["ns"], _last_progress_ns(run) + int(60e9))
-    write_json_atomic(run / "manifest.json", man)
+    # the launcher's record: manifest.json and its node record (nodes/*.json, which wins on read)
+    for rec_path in [run / "manifest.json", *sorted(run.glob("nodes/*.json"))]:
+        man = json.loads(rec_path.read_text())
+        for k in ("hangs", "job_exit_code", "job_signal"):
+            man.pop(k, None)
+        man.update(status="killed", exit_code=137, signal=9, signal_name="SIGKILL")
+        man["end_time"]["ns"] = max(man["end_time"]["ns"], _last_progress_ns(run) + int(60e9))
+        write_json_atomic(rec_path, man)
     torn = 0 if HANG_RANK != 0 else 1
     hb = run / f"ranks/rank-{torn:05d}/heartbeat.jsonl"
     data = hb.read_bytes()
@@ -407,3 +409,24 @@ def test_clean_reference_run_has_no_hang(reference_run, tmp_path):
     assert [f for f in summary["findings"] if f["kind"] == "hang"] == []
     m = summary["metrics"]["hang"]
     assert m["hung"] is False and m["ranks_with_heartbeat"] == 8
+
+
+def test_dumps_found_in_every_run_directory_analyzed_together(tmp_path):
+    """`trainprof analyze node0 node1`: a rank's hang dump and flight recorder are read from the
+    directory that holds that rank, the second one included."""
+    hbs = [_hb(100, 0, "start"), _hb(101, 1)]
+    d0 = _write_run(tmp_path / "node0", {0: hbs}, status="hung", end_ns=int(200e9))
+    d1 = _write_run(tmp_path / "node1", {1: hbs}, status="hung", end_ns=int(200e9))
+    for d, r in ((d0, 0), (d1, 1)):
+        meta = d / "ranks" / f"rank-{r:05d}" / "meta.json"
+        write_json_atomic(meta, {"rank": r, "world_size": 2})
+        write_json_atomic(meta.parent / "hang-dump.json",
+                          {"complete": True, "rank": r,
+                           "threads": [{"name": "MainThread", "main": True, "stack": [
+                               {"file": "train.py", "line": 10 + r, "function": f"step_{r}"}]}]})
+    run = RunDir([d0, d1])
+    assert run.rank_path(1).parent.parent == d1
+    for r in (0, 1):
+        dump = hang_analyzer._read_dump(run, r)
+        assert dump is not None and dump["rank"] == r
+        assert hang_analyzer.RankView(run, r).dump is not None

@@ -210,12 +210,21 @@ def test_many_ranks_run(tmp_path):
     n, steps = 128, 8
     busy = noisy_busy(7, steps=steps, nranks=n, sd=20)
     busy[100] = [b + 150 for b in busy[100]]
-    res = stragglers.analyze(make_run(tmp_path, busy, steps=steps, nranks=n, mesh=False))
+    run = make_run(tmp_path, busy, steps=steps, nranks=n, mesh=False)
+    res = stragglers.analyze(run)
     assert [f.ranks for f in straggler_findings(res)] == [[100]]
     assert res.metrics["chronic"] == [100]
     f = straggler_findings(res)[0]
     assert f.evidence["waiters"] == [r for r in range(n) if r != 100]
     assert "ranks 0–99, 101–127 wait" in f.message
+    # the evidence keeps the 32 largest per-rank waits, the count and the median of all 127;
+    # the exposed-communication judgments still get every rank's wait
+    ev, full = f.evidence, stragglers.waits_for_stragglers(run)["wait_ms"]
+    assert set(full) == set(range(n)) - {100}
+    assert ev["waits_caused_count"] == n - 1 and len(ev["waits_caused_ms"]) == 32
+    top = sorted(full.values(), reverse=True)[:32]
+    assert sorted(ev["waits_caused_ms"].values(), reverse=True) == pytest.approx(top)
+    assert ev["waits_caused_median_ms"] == pytest.approx(float(np.median(list(full.values()))))
 
 
 def test_whole_stage_slow_is_not_a_straggler(tmp_path):

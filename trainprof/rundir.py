@@ -76,15 +76,39 @@ except ImportError:  # a dependency, but writers inside a job must not need it
         return json.dumps(obj, separators=(",", ":"), default=str, allow_nan=True)
 
 
+def _json_bytes(obj: Any, indent: int | None) -> bytes:
+    """obj as JSON text and a newline: orjson where it can (json's indented encoder is pure
+    Python: seconds for a 1,000-rank summary), the json module for what orjson refuses (integers
+    beyond 64 bits); NaN / Inf are written as null either way (strict JSON)."""
+    if indent in (None, 2):
+        try:
+            import orjson
+
+            opts = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
+            return orjson.dumps(obj, default=str, option=opts | (orjson.OPT_INDENT_2 if indent else 0))
+        except (ImportError, TypeError):  # orjson.JSONEncodeError is a TypeError
+            pass
+    return (json.dumps(_nan_to_none(obj), indent=indent, default=str) + "\n").encode()
+
+
+def _nan_to_none(x: Any) -> Any:
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_nan_to_none(v) for v in x]
+    return x
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> None:
     """Write JSON so that readers see the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=indent, default=str)
-            f.write("\n")
+        with open(tmp, "wb") as f:
+            f.write(_json_bytes(obj, indent))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -909,6 +933,18 @@ class RunDir:
 
             self._cache[key] = build_frame(self, name)
         return self._cache[key]
+
+    def stream_once(self, rank: int, name: str) -> list[dict]:
+        """stream(), without keeping the records for other readers: for a stream one analyzer
+        reads (at 1,000 ranks every rank's records held at once cost hundreds of MB)."""
+        key = f"stream:{name}:{rank}"
+        if key in self._cache:
+            return self._cache[key]
+        from trainprof.rundir_streams import read_records
+
+        p = self.stream_path(rank, name)
+        return read_records(p, self.problems, name, self._cache.setdefault("shared_lists", {})) \
+            if _exists(p, self._problems_of(rank)) else []
 
     def stream_tail(self, rank: int, name: str) -> dict | None:
         """A rank's last record of a stream (None when it has none), without caching the

@@ -326,6 +326,8 @@ class FrameBuilder:
             self.types.setdefault(k, set()).update(t)
             chunk[k] = _Chunk(vals, t, n, self._strings)
         self.chunks.append((n, chunk))
+        if len(self.chunks) % TRIM_EVERY == 0:
+            release_memory()
 
     def frame(self):
         import pandas as pd
@@ -358,15 +360,60 @@ class FrameBuilder:
         return pd.DataFrame(data, copy=False)
 
 
+def release_memory() -> None:
+    """Give the memory freed since the last call back to the system (glibc keeps freed heap
+    pages of the many small objects a parse leaves behind; elsewhere a no-op)."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL("libc.so.6")
+            _TRIM = libc.malloc_trim
+            # arrays of 128 KB and more in their own mappings, returned when freed (glibc
+            # otherwise raises that threshold as large blocks are freed, and the heap grows)
+            libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
+TRIM_EVERY = 10  # chunks
+
+
+class Tails:
+    """Each rank's last record, kept as text in one buffer: a dict per rank left alive among the
+    records read and dropped would pin the allocator's memory (hundreds of MB at 4,000 ranks)."""
+
+    def __init__(self):
+        self._buf = bytearray()
+        self._at: dict[int, tuple[int, int]] = {}
+
+    def put(self, rank: int, rec: dict | None) -> None:
+        if rec is None:
+            self._at.pop(rank, None)
+            return
+        b = json.dumps(rec, allow_nan=True).encode()  # json.loads gives the same record back
+        self._at[rank] = (len(self._buf), len(b))
+        self._buf += b
+
+    def get(self, rank: int, default=None):
+        at = self._at.get(rank)
+        return default if at is None else json.loads(self._buf[at[0]:at[0] + at[1]])
+
+
 def build_frame(run, name: str):
     """All ranks' records of stream ``name`` as one DataFrame with a ``rank`` column, as
     ``pd.DataFrame([{"rank": r, **rec} for r in run.ranks for rec in run.stream(r, name)])``
     would give, without caching every rank's records (ranks already read are reused)."""
     from trainprof.rundir import _exists
 
+    release_memory()  # (the first call sets the allocator up)
     b = FrameBuilder()
     cache = run._cache
-    tails = cache.setdefault("tails:" + name, {})  # each rank's last record (RunDir.stream_tail)
+    tails = cache.setdefault("tails:" + name, Tails())  # each rank's last record (stream_tail)
     for r in run.ranks:
         recs = cache.get(f"stream:{name}:{r}")
         if recs is not None:
@@ -374,7 +421,11 @@ def build_frame(run, name: str):
         else:
             p = run.stream_path(r, name)
             recs, cols = _read(p, run.problems, name) if _exists(p, run._problems_of(r)) else ([], None)
-        tails[r] = recs[-1] if recs else None
+        tails.put(r, recs[-1] if recs else None)
         if recs:
             b.add(r, len(recs), cols)
-    return b.frame()
+        del recs, cols
+    df = b.frame()
+    del b
+    release_memory()
+    return df
