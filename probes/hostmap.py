@@ -12,7 +12,7 @@ The thread never blocks inside a store call: a C++ call that returns while the i
 shutting down ends the process with std::terminate (exit code 134) on Python 3.11, so it polls a
 counter (one tiny request, then a Python sleep) rather than waiting on the store, stops once the
 job destroys its process group, and an atexit hook stops it before the interpreter finalizes
-(waiting, at most EXIT_WAIT_S, for a call in flight to return).
+(waiting, at most clock.EXIT_WAIT_S, for a call in flight to return).
 """
 
 from __future__ import annotations
@@ -24,48 +24,15 @@ import threading
 import time
 
 from trainprof.probes import runtime
+from trainprof.probes.clock import Stop  # store calls refused (and awaited) at exit
 
 PREFIX = "trainprof/hosts"
 WAIT_S = 120.0
 POLL_S = (0.05, 1.0)  # first and longest pause between two polls of the counter
-EXIT_WAIT_S = 2.0     # at exit: how long to let a store call in flight return
 
 
-class _Stopped(Exception):
-    """The process is exiting (or the job's process group is gone): no more store calls."""
-
-
-class _Guard:
-    """Store calls that never run while the interpreter finalizes: call() refuses once stop()
-    ran (from atexit, before finalization), and stop() waits for the call in flight."""
-
-    def __init__(self):
-        self.pid = os.getpid()
-        self.lock = threading.Lock()
-        self.stopped = False
-        self.idle = threading.Event()
-        self.idle.set()
-
-    def call(self, fn, *args):
-        with self.lock:
-            if self.stopped:
-                raise _Stopped
-            self.idle.clear()
-        try:
-            return fn(*args)
-        finally:
-            self.idle.set()
-
-    def stop(self) -> None:
-        if os.getpid() != self.pid:  # a forked child exiting: the thread is not in it
-            return
-        with self.lock:
-            self.stopped = True
-        self.idle.wait(EXIT_WAIT_S)
-
-
-def _run(session, guard: _Guard | None = None) -> None:
-    guard = guard or _Guard()
+def _run(session, guard: Stop | None = None) -> None:
+    guard = guard or Stop()
     try:
         import torch.distributed as dist
 
@@ -106,7 +73,7 @@ def _run(session, guard: _Guard | None = None) -> None:
 class _Starter:
     def __init__(self, session):
         self.session, self.started = session, False
-        self.guard = _Guard()
+        self.guard = Stop()
 
     def maybe_start(self, _rec=None) -> None:
         if self.started:
@@ -116,7 +83,7 @@ class _Starter:
         if not (dist.is_available() and dist.is_initialized()):
             return  # not yet: tried again at the next step
         self.started = True
-        atexit.register(self.guard.stop)
+        atexit.register(self.guard.set)
         threading.Thread(target=_run, args=(self.session, self.guard), daemon=True,
                          name="trainprof-hosts").start()
 
