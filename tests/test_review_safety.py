@@ -10,30 +10,41 @@ import textwrap
 
 import pytest
 
-_HOSTMAP_JOB = textwrap.dedent("""
-    import os, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+def _store_host_job(setup: str) -> str:
+    """A 3-rank spawn job whose rank 0 hosts the TCPStore and runs ``setup`` (a probe that
+    waits for peers that never answer), then all ranks finish and exit."""
+    return textwrap.dedent("""
+        import os, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
 
-    def worker(rank, port):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=3)
+        SETUP
+
+        def worker(rank, port):
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=rank, world_size=3)
+            if rank == 0:
+                setup()
+            t = torch.ones(1); dist.all_reduce(t)
+            time.sleep(0.5)
+            dist.destroy_process_group()
+            print(f"rank {rank} done", flush=True)
+
+        if __name__ == "__main__":
+            mp.spawn(worker, args=(int(sys.argv[1]),), nprocs=3)
+            print("ALL OK", flush=True)
+    """).replace("SETUP", textwrap.dedent(setup).strip())
+
+
+_HOSTMAP_JOB = _store_host_job("""
+    def setup():  # the store's host waits for keys rank 1 and 2 never write
         from trainprof.probes import hostmap
 
         class S:
             meta = {"local_rank": 0}
-            def __init__(s): s.rank = rank
+            rank = 0
             def update_meta(s, **kw): pass
             def on_step(s, fn): pass
 
-        if rank == 0:  # the store's host waits for keys rank 1 and 2 never write
-            hostmap.attach(S())
-        t = torch.ones(1); dist.all_reduce(t)
-        time.sleep(0.5)
-        dist.destroy_process_group()
-        print(f"rank {rank} done", flush=True)
-
-    if __name__ == "__main__":
-        mp.spawn(worker, args=(int(sys.argv[1]),), nprocs=3)
-        print("ALL OK", flush=True)
+        hostmap.attach(S())
 """)
 
 
@@ -42,19 +53,25 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+def _run_store_host_job(tmp_path, job: str):
+    """Run the job; it must exit 0 with every rank done and no abort."""
+    script = tmp_path / "job.py"
+    script.write_text(job)
+    p = subprocess.run([sys.executable, str(script), str(_free_port())], capture_output=True,
+                       text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "terminate called" not in out and "SIGABRT" not in out, out[-3000:]
+    assert "ALL OK" in p.stdout and p.stdout.count("done") == 3
+    return p
+
+
 
 @pytest.mark.multiproc
 def test_hostmap_wait_does_not_abort_the_store_host_at_exit(tmp_path):
     """The rank hosting the TCPStore exits while its hostmap thread still waits for peers' keys:
     a thread blocked in store.wait during finalization aborted the process (SIGABRT)."""
-    script = tmp_path / "job.py"
-    script.write_text(_HOSTMAP_JOB)
-    p = subprocess.run([sys.executable, str(script), str(_free_port())], capture_output=True,
-                       text=True, timeout=300)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-3000:]
-    assert "terminate called" not in out and "SIGABRT" not in out
-    assert "ALL OK" in p.stdout and p.stdout.count("done") == 3
+    _run_store_host_job(tmp_path, _HOSTMAP_JOB)
 
 
 def test_cached_digest_does_not_bypass_a_smaller_input_limit(tmp_path):
@@ -155,12 +172,8 @@ def test_rank_to_profile_without_a_trace_is_a_problem(tmp_path, profiled):
         assert lost == [], problems
 
 
-_CLOCK_JOB = textwrap.dedent("""
-    import os, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
-
-    def worker(rank, port):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=3)
+_CLOCK_JOB = _store_host_job("""
+    def setup():  # the store's host waits for pings ranks 1 and 2 never send
         from trainprof.probes import clock
 
         class W:
@@ -168,19 +181,10 @@ _CLOCK_JOB = textwrap.dedent("""
 
         class S:
             state = {}
-            def __init__(s): s.rank = rank
+            rank = 0
             def stream(s, name): return W()
 
-        if rank == 0:  # the store's host waits for pings ranks 1 and 2 never send
-            clock.ClockProbe(S()).start()
-        t = torch.ones(1); dist.all_reduce(t)
-        time.sleep(0.5)
-        dist.destroy_process_group()
-        print(f"rank {rank} done", flush=True)
-
-    if __name__ == "__main__":
-        mp.spawn(worker, args=(int(sys.argv[1]),), nprocs=3)
-        print("ALL OK", flush=True)
+        clock.ClockProbe(S()).start()
 """)
 
 
@@ -189,11 +193,5 @@ def test_clock_start_phase_leaves_the_job_exit_alone(tmp_path):
     """The clock probe's start phase waits on a daemon thread for peers' pings; the rank that
     hosts the TCPStore exits meanwhile: no abort, no C++ warnings or stack traces on the job's
     stderr (a blocking store.wait in flight at finalization gave them)."""
-    script = tmp_path / "job.py"
-    script.write_text(_CLOCK_JOB)
-    p = subprocess.run([sys.executable, str(script), str(_free_port())], capture_output=True,
-                       text=True, timeout=300)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-3000:]
-    assert "terminate called" not in out and "SIGABRT" not in out and "[W" not in p.stderr, out[-3000:]
-    assert "ALL OK" in p.stdout and p.stdout.count("done") == 3
+    p = _run_store_host_job(tmp_path, _CLOCK_JOB)
+    assert "[W" not in p.stderr, p.stderr[-3000:]
