@@ -41,14 +41,20 @@ def launch_calls(ev: pd.DataFrame, gpu_rows: np.ndarray) -> np.ndarray:
     out = np.full(len(gpu_rows), -1, np.int64)
     if not len(rt) or not len(gpu_rows):
         return out
-    order = np.argsort(corr[rt], kind="stable")
-    rc, rrows = corr[rt][order], rt[order]
-    want = corr[gpu_rows]
-    j = np.searchsorted(rc, want)
-    ok = (j < len(rc)) & (want >= 0)
-    ok[ok] = rc[j[ok]] == want[ok]
-    out[ok] = rrows[j[ok]]
+    ok, found = _match(corr[rt], rt, corr[gpu_rows])
+    out[ok] = found
     return out
+
+
+def _match(keys, rows, want):
+    """For each of ``want`` (ids; < 0 never matches): whether some key equals it, and for those
+    that match, the row of the first such key (stable order)."""
+    order = np.argsort(keys, kind="stable")
+    k, r = keys[order], rows[order]
+    j = np.searchsorted(k, want)
+    ok = (j < len(k)) & (want >= 0)
+    ok[ok] = k[j[ok]] == want[ok]
+    return ok, r[j[ok]]
 
 
 def _enclosing_ops(ev: pd.DataFrame, queries: np.ndarray) -> np.ndarray:
@@ -105,13 +111,8 @@ def launch_op_rows(ev: pd.DataFrame) -> np.ndarray:
     if not older_format(ev):
         # current traces: the GPU op's External id is its CPU op's
         cpu_rows = np.flatnonzero(cpu & (ext >= 0))
-        order = np.argsort(ext[cpu_rows], kind="stable")
-        ce, crows = ext[cpu_rows][order], cpu_rows[order]
-        want = ext[gpu_rows]
-        j = np.searchsorted(ce, want)
-        ok = (j < len(ce)) & (want >= 0)
-        ok[ok] = ce[j[ok]] == want[ok]
-        out[gpu_rows[ok]] = crows[j[ok]]
+        ok, found = _match(ext[cpu_rows], cpu_rows, ext[gpu_rows])
+        out[gpu_rows[ok]] = found
         rest = gpu_rows[~ok]
     else:
         rest = gpu_rows
