@@ -37,7 +37,7 @@ def _run(session, guard: Stop | None = None) -> None:
         import torch.distributed as dist
 
         from trainprof.probes.clock import own_client
-        from trainprof.probes.profile_ranks import ranges
+        from trainprof.rankranges import ranges
 
         runtime.name_native_thread()
         default = dist.distributed_c10d._get_default_store()

@@ -90,21 +90,6 @@ def canonical(spec: str | None) -> str:
     return p if isinstance(p, str) else p.text()
 
 
-def ranges(ranks, dash: str = "-") -> str:
-    """[0, 1, 2, 5, 8, 9] -> "0-2,5,8-9"."""
-    out, run = [], []
-    for r in sorted(set(ranks)):
-        if run and r == run[-1] + 1:
-            run.append(r)
-            continue
-        if run:
-            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}{dash}{run[-1]}")
-        run = [r]
-    if run:
-        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}{dash}{run[-1]}")
-    return ",".join(out)
-
-
 def _mesh_usable(mesh: dict | None, world_size: int) -> bool:
     if not mesh:
         return False

@@ -64,7 +64,7 @@ def run_info(run: RunDir) -> dict:
 
 
 def _nodes(records: list[dict]) -> list[dict]:
-    from trainprof.probes.profile_ranks import ranges
+    from trainprof.rankranges import ranges
 
     return [{"node": n.get("node"), "host": n.get("host"), "status": n.get("status"),
              "exit_code": n.get("exit_code"), "signal_name": n.get("signal_name"),
@@ -132,7 +132,7 @@ def lost_traces(run: RunDir) -> str | None:
     lost = [r for r in run.ranks if run.rank_meta(r).get("profiled") is True and r not in have]
     if not lost:
         return None
-    from trainprof.probes.profile_ranks import ranges
+    from trainprof.rankranges import ranges
 
     return (f"{len(lost)} rank(s) that were to record the profiler window left no trace "
             f"(ranks {ranges(lost)}: the job ended before the window, or the trace was lost): "

@@ -17,6 +17,8 @@ import argparse
 import os
 import sys
 
+from trainprof.rankranges import ranges
+
 
 def share(ranks: list[int], rank: int, world: int) -> list[int]:
     """The traced ranks one of ``world`` processes digests: every world-th, from its own."""
@@ -61,19 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainprof.reduce: process {me}/{world}: {len(mine)} trace(s): "
               f"{len(report['built'])} digested, {len(report['reused'])} already current, "
               f"{len(report['failed'])} failed ({report['seconds']:.1f} s, {workers} worker(s)); "
-              f"ranks {_ranges(mine)}")
+              f"ranks {ranges(mine, sep=', ') or 'none'}")
     return 1 if report["failed"] else 0
-
-
-def _ranges(ranks: list[int]) -> str:
-    out, i = [], 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ", ".join(out) or "none"
 
 
 if __name__ == "__main__":

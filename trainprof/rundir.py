@@ -764,7 +764,7 @@ class RunDir:
         host each ran on, where known: from the torchrun agents' worker-exits.jsonl, else from
         a present rank of the same node (torchrun numbers each node's ranks contiguously:
         rank // local world size), else from the only node record without ranks."""
-        from trainprof.probes.profile_ranks import ranges
+        from trainprof.rankranges import ranges
 
         host: dict[int, str] = {}
         try:
@@ -846,7 +846,7 @@ class RunDir:
             specs[m.get("profile_ranks") or "?"] += 1
         if not yes and not no:
             return None
-        from trainprof.probes.profile_ranks import ranges
+        from trainprof.rankranges import ranges
 
         policy = policies.most_common(1)[0][0]
         return {"count": len(yes), "of": self.world_size, "ranks": yes[:256],
