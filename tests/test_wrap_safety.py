@@ -438,16 +438,9 @@ def test_disable_0_captures_and_disable_1_never_reads_as_nothing_wrong(tmp_path)
 
 
 def _synthetic(root: Path, ranks: dict, status="failed", exits=None, end_ns=None) -> Path:
-    from trainprof.rundir import write_json_atomic
+    from test_hang import _write_run
 
-    man = {"schema_version": 1, "kind": "trainprof-run", "status": status,
-           "end_time": {"ns": end_ns or int(200e9)}}
-    write_json_atomic(root / "manifest.json", man)
-    for r, hbs in ranks.items():
-        d = root / "ranks" / f"rank-{r:05d}"
-        d.mkdir(parents=True)
-        write_json_atomic(d / "meta.json", {"rank": r, "world_size": len(ranks)})
-        (d / "heartbeat.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hbs))
+    _write_run(root, ranks, status=status, end_ns=end_ns or int(200e9))
     if exits is not None:
         (root / "worker-exits.jsonl").write_text(json.dumps(exits) + "\n")
     return root
