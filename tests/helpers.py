@@ -30,3 +30,16 @@ def wait_for(predicate, timeout=60.0, interval=0.1):
 def write_script(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def union_length(intervals) -> float:
+    """Total length covered by (start, end) intervals, computed plainly: an independent check
+    of the analyzers' interval unions."""
+    busy, cur_s, cur_e = 0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            busy += (cur_e - cur_s) if cur_e is not None else 0
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return busy + ((cur_e - cur_s) if cur_e is not None else 0)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import union_length
+
 from trainprof.analyzers import launch
 from trainprof.reports.sections import launch as section
 from trainprof.rundir import RunDir
@@ -158,14 +160,7 @@ def _independent(path: Path) -> dict:
                     "kernel_wait" if gap < launch.KERNEL_WAIT_NS else "other")
             acc[kind] += gap
         streams[s] = acc
-    busy, cur_s, cur_e = 0, None, None
-    for _, s, e, *_ in sorted(ops, key=lambda o: o[1]):
-        if cur_e is None or s > cur_e:
-            busy += (cur_e - cur_s) if cur_e is not None else 0
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
+    busy = union_length((o[1], o[2]) for o in ops)
     window = max(o[2] for o in ops) - min(o[1] for o in ops)
     delays = [max(o[1] - o[4], 0) for o in ops]
     return {"streams": streams, "idle_fraction": (window - busy) / window,

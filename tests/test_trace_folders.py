@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import run_cli
+from helpers import run_cli, union_length
 from trainprof.rundir import RunDir
 from trainprof.trace._discover import name_rank
 
@@ -194,15 +194,7 @@ def test_no_profiler_step_is_one_whole_trace_window(tmp_path):
           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     s_us = np.array([np.ceil(e["ts"]) for e in ev])
     e_us = np.array([np.floor(e["ts"] + e["dur"]) for e in ev])
-    order = np.argsort(s_us)
-    busy, cur_s, cur_e = 0.0, None, None
-    for a, b in zip(s_us[order], e_us[order]):
-        if cur_e is None or a > cur_e:
-            busy += (cur_e - cur_s) if cur_e is not None else 0
-            cur_s, cur_e = a, b
-        else:
-            cur_e = max(cur_e, b)
-    busy += cur_e - cur_s
+    busy = union_length(zip(s_us, e_us))
     window = e_us.max() - s_us.min()
     assert pr["hta_view"]["idle_pct"] == pytest.approx(100 * (window - busy) / window, abs=0.01)
     assert pr["hta_view"]["idle_pct"] > 99  # a benchmark with long pauses between its kernels
