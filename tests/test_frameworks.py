@@ -36,7 +36,7 @@ N_PARAMS_GPT2 = N_NON_EMBEDDING + 128 * 64 + 32 * 64      # every gradient DDP a
 GLOBAL_BATCH = BATCH * ACCUM * NPROC                       # 16 sequences per update
 TOKENS_PER_STEP = GLOBAL_BATCH * SEQ                       # 512
 MODEL_FLOPS_PER_TOKEN = 6 * N_NON_EMBEDDING + 12 * 2 * 2 * 32 * SEQ  # 6N + 12·L·H·Q·T (PaLM)
-N_PARAMS_MLP = 128 * 512 + 512 + 512 * 128 + 128           # the plain DDP job's model
+N_PARAMS_MLP = 64 * 256 + 256 + 256 * 64 + 64               # the plain DDP job's model
 
 COMMON = f"""
 import os, sys, time
@@ -62,11 +62,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 dist.init_process_group("gloo")
 torch.manual_seed(0)
-model = DDP(torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 128)))
+# compute-bound (a large batch through a small model): its one gradient bucket, reduced after the
+# backward, stays a small share of the step even on two shared cores
+model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 g = torch.Generator().manual_seed(RANK)
 for step in range(STEPS):
-    x = torch.randn(256, 128, generator=g)
+    x = torch.randn(8192, 64, generator=g)
     loss = torch.nn.functional.mse_loss(model(x), x)
     opt.zero_grad()
     loss.backward()
