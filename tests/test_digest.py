@@ -315,3 +315,143 @@ def test_launcher_digests_never_in_its_own_process(tmp_path, monkeypatch):
     notes = []
     reduce_local_ranks(run_dir, JobResult(0, None, local_ranks=[1]), notes)  # survives too
     assert notes == [] and not (run_dir / "digests" / "rank-00001.json").exists()
+
+
+def test_cached_digest_of_a_gzip_trace_respects_a_smaller_inflate_limit(tmp_path, monkeypatch):
+    """A cached digest of a .gz trace was reused whenever the compressed file was within
+    --max-input-mb / TRAINPROF_MAX_INPUT_MB, though a parse of that trace now refuses the JSON it
+    inflates to. The digest records how large its trace's JSON was (trace_bytes), and is reused
+    only where a fresh parse would read the trace; otherwise the trace is refused, named."""
+    import gzip
+
+    from trainprof import safeio
+
+    run_dir = synth_run(tmp_path / "run", 1)
+    trace = profiler_trace_path(run_dir, 0)
+    json_bytes = len(gzip.decompress(trace.read_bytes()))
+    cached(run_dir)
+    assert json_bytes > 4 * trace.stat().st_size
+    for how in ("option", "env"):  # a limit above the file, below its JSON
+        mb = (trace.stat().st_size + json_bytes) / 2 / (1 << 20)
+        if how == "option":
+            safeio.set_max_input_mb(mb)
+        else:
+            monkeypatch.setenv(safeio.ENV, f"{mb:.6f}")
+        try:
+            run = RunDir(run_dir)
+            assert 0 not in run.digest_docs(write=True)
+            said = [p for p in run.problems if str(trace) in p and "inflates past" in p]
+            assert said and "--max-input-mb" in said[0], run.problems
+            # the same refusal as a parse without any cached digest
+            (tmp_path / how).mkdir()
+            shutil.copy(trace, tmp_path / how / trace.name)
+            bare = RunDir(tmp_path / how)
+            assert not bare.digest_docs()
+            assert any("inflates past" in p and trace.name in p for p in bare.problems)
+        finally:
+            safeio.set_max_input_mb(None)
+            monkeypatch.delenv(safeio.ENV, raising=False)
+    doc = json.loads(digest.digest_path(run_dir, 0).read_text())
+    assert doc["trace_bytes"] == json_bytes
+    # the limit back: the cached digest is reused (the trace itself is not read again)
+    garble_keeping_stamp(trace)
+    run = RunDir(run_dir)
+    assert 0 in run.digest_docs(write=True)
+    assert not [p for p in run.problems if str(trace) in p]
+
+
+def test_cached_digest_without_its_json_size_is_rebuilt(tmp_path):
+    """A digest that does not say how large its trace's JSON was cannot be checked against the
+    limit: rebuilt, not trusted."""
+    run_dir = synth_run(tmp_path / "run", 1)
+    cached(run_dir)
+    p = digest.digest_path(run_dir, 0)
+    doc = json.loads(p.read_text())
+    del doc["trace_bytes"]
+    p.write_text(json.dumps(doc))
+    assert digest.build(run_dir)["built"] == [0]
+    assert isinstance(json.loads(p.read_text())["trace_bytes"], int)
+
+
+_FORKS_WITH_THREADS: list = []
+_WATCH_FORKS: list = []
+
+
+def _record_fork():
+    import threading
+
+    if _WATCH_FORKS and threading.active_count() > 1:
+        _FORKS_WITH_THREADS.append(threading.active_count())
+
+
+os.register_at_fork(before=_record_fork)
+
+
+class _ThreadRunning:
+    """A thread that runs meanwhile, as the launcher's node heartbeat does."""
+
+    def __enter__(self):
+        import threading
+
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.stop.wait, daemon=True)
+        self.thread.start()
+        _WATCH_FORKS.append(1)
+        return self
+
+    def __exit__(self, *exc):
+        _WATCH_FORKS.clear()
+        self.stop.set()
+        self.thread.join()
+
+
+def test_pool_never_forks_a_process_that_has_threads(tmp_path):
+    """wrap reduces its ranks' traces while the launcher has threads (node heartbeat, hang
+    watchdog): its pool forked the launcher then (a child forked while another thread holds a
+    lock, the import lock or an allocator's, can deadlock). A process with threads now runs the
+    pool in a fresh single-threaded child; the digests are the same."""
+    run_dir = synth_run(tmp_path / "run", 3)
+    _FORKS_WITH_THREADS.clear()
+    progress = []
+    with _ThreadRunning():
+        rep = digest.build(run_dir, workers=2, isolate=True, progress=progress.append)
+    assert _FORKS_WITH_THREADS == []
+    assert rep["built"] == [0, 1, 2] and rep["failed"] == {}
+    assert progress[-1] == "trace digests 3/3"
+    child = {r: json.loads(digest.digest_path(run_dir, r).read_text())["sections"]
+             for r in range(3)}
+    shutil.rmtree(run_dir / digest.DIGESTS_DIR)
+    assert digest.build(run_dir, workers=1)["built"] == [0, 1, 2]  # in this process
+    assert child == {r: json.loads(digest.digest_path(run_dir, r).read_text())["sections"]
+                     for r in range(3)}
+
+
+_DIE_ON_RANK = """
+import os
+if os.environ.get("TEST_DIGEST_DIE_ON_RANK"):
+    import trainprof.digest as _d
+    _parse = _d._parse
+
+    def _dying(path, rank, pieces):
+        if rank == int(os.environ["TEST_DIGEST_DIE_ON_RANK"]):
+            os._exit(137)  # as the out-of-memory killer ends a worker
+        return _parse(path, rank, pieces)
+
+    _d._parse = _dying
+"""
+
+
+def test_a_worker_killed_in_the_pool_process_costs_only_its_own_rank(tmp_path, monkeypatch):
+    """The pool run in a fresh child (this process has a thread): one worker killed costs its
+    rank only, and this process survives."""
+    run_dir = synth_run(tmp_path / "run", 3)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_DIE_ON_RANK)  # the child's workers die on rank 1
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    monkeypatch.setenv("TEST_DIGEST_DIE_ON_RANK", "1")
+    with _ThreadRunning():
+        rep = digest.build(run_dir, workers=2, isolate=True)
+    assert rep["built"] == [0, 2] and list(rep["failed"]) == [1]
+    assert "worker process failed" in rep["failed"][1]

@@ -9,13 +9,17 @@ A digest holds, per analyzer module that exposes ``trace_digest(run, rank, trace
 trace without parsing it (distributedInfo, deviceProperties, steps, whole-trace window, GPU ops
 without a launch). It is valid while the trace (path, size, mtime), trainprof's version, the
 analysis code and the digest schema are the ones it was built from; anything else (a changed
-trace, a newer trainprof, a malformed file) makes it rebuilt.
+trace, a newer trainprof, a malformed file) makes it rebuilt. It is reused only where a parse
+today would read its trace (within_limit: the input limit, for a gzip trace the JSON size it
+inflated to), else the trace is parsed, and refused, as without a digest.
 
 Building: ``build(run_dir, ranks=None, workers=None)`` (the launcher at the end of a job with its
 node's local ranks; ``python -m trainprof.reduce RUN_DIR`` under torchrun for traces on a shared
 file system; ``trainprof analyze`` for whatever is still missing) parses the traces in a process
 pool, each worker one trace at a time, so memory is bounded by workers × one parsed trace
-whatever the number of ranks. Digests are written atomically, only inside the run directory;
+whatever the number of ranks. Workers are forked only from a process without other threads; a
+process with threads (the launcher) runs the pool in a fresh child (run_jobs). Digests are
+written atomically, only inside the run directory;
 for bare trace inputs (a folder of the user's traces) nothing is written: the digests are
 computed the same way and kept in memory.
 """
@@ -194,6 +198,24 @@ def digest_trace(run, rank: int, tr, names: list[str]) -> dict:
     return doc
 
 
+def _json_bytes(tr) -> int | None:
+    n = (getattr(tr, "stats", None) or {}).get("json_bytes")
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+
+
+def within_limit(doc: dict, stamp: dict) -> bool:
+    """Whether a parse of the trace today would read it, as the digest's parse did: the file
+    within ``--max-input-mb`` / TRAINPROF_MAX_INPUT_MB, and, for a gzip trace, its JSON
+    (``trace_bytes``, what the digest's parse inflated) within what safeio lets that file
+    inflate to now. A digest that does not say how large its JSON was is not reused."""
+    if stamp["size"] > safeio.max_input_bytes():
+        return False
+    n = doc.get("trace_bytes")
+    if not isinstance(n, int) or isinstance(n, bool):
+        return False
+    return n == stamp["size"] or n <= safeio.inflate_limit(stamp["size"])[0]
+
+
 def _parse(path: Path, rank: int | None, pieces: int):
     from trainprof.trace import load_traces
 
@@ -239,6 +261,7 @@ def _job(job: tuple, run=None) -> tuple:
                                                    "trace_heads": {r: head}, "digest_docs": {}})
                 doc = digest_trace(view, r, tr, names)
         doc["trace"] = stamp
+        doc["trace_bytes"] = _json_bytes(tr)
         doc["seconds"] = {"parse": round(parse_s, 4), **doc.get("seconds", {})}
         del tr
         if kind == "run" and run is _WORKER_RUNS.get(json.dumps(base)):
@@ -314,7 +337,13 @@ def run_jobs(jobs: list[tuple], workers: int | None = None, run=None, progress=N
     (the launcher: a parse killed for memory must not take it, and the job's exit status, with
     it). A worker killed (out of memory?) breaks the pool: the traces it had not finished are
     digested again, each in a process of its own, so that only the one that kills its worker
-    is lost. Results in the jobs' order."""
+    is lost. Results in the jobs' order.
+
+    The workers are forked, and only from a process with no other thread (``fork_safe``): a
+    child forked while another thread holds a lock (the import lock, an allocator's) can
+    deadlock. A process with threads (the launcher: its node heartbeat, its hang watchdog)
+    runs the pool in a fresh child instead (``python -m trainprof.reduce --pool``), which
+    forks the workers from its only thread."""
     if not jobs:
         return []
     cpus = _cpus()
@@ -330,10 +359,13 @@ def run_jobs(jobs: list[tuple], workers: int | None = None, run=None, progress=N
             if progress:
                 progress(f"trace digests {i + 1}/{len(jobs)}")
         return out
+    if not fork_safe() and not _POOL_CHILD:
+        return pool_in_child(jobs, workers, progress)
     import multiprocessing as mp
     from concurrent.futures.process import BrokenProcessPool
 
-    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context("spawn")
+    # spawn only where there is no fork, in the pool's child (its main module is this package's)
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     broken = []
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futs = {pool.submit(_job, j): k for k, j in enumerate(jobs)}
@@ -347,13 +379,102 @@ def run_jobs(jobs: list[tuple], workers: int | None = None, run=None, progress=N
                 out[k] = _worker_failed(jobs[k], e)
             if progress:
                 progress(f"trace digests {i + 1}/{len(jobs)}")
-    if broken:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=workers) as threads:
-            for k, res in zip(broken, threads.map(lambda k: _alone(jobs[k], ctx), broken)):
-                out[k] = res
+    if broken:  # the pool (and its threads) are gone: fork again from this thread alone
+        for k, res in _alone(jobs, broken, workers, ctx).items():
+            out[k] = res
     return out
+
+
+def fork_safe() -> bool:
+    """This process may fork workers: the platform forks, and no other thread runs."""
+    import multiprocessing as mp
+    import threading
+
+    return "fork" in mp.get_all_start_methods() and threading.active_count() == 1
+
+
+POOL_MODULE = "trainprof.reduce"  # `python -m trainprof.reduce --pool FILE`: pool_child_main
+_POOL_CHILD = False  # this process is that child: its pool runs here, whatever fork_safe says
+
+
+def pool_in_child(jobs: list[tuple], workers: int, progress=None) -> list[tuple]:
+    """run_jobs in a fresh single-threaded child process (``python -m trainprof.reduce --pool
+    FILE``): the jobs, the pool size and this process's input limit go in FILE (pickle), the
+    results come back in FILE.out, progress lines on the child's stdout. A child that fails
+    (it could not start, or was killed) fails the jobs it did not return, each said."""
+    import pickle
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="trainprof-pool-") as tmp:
+        src = Path(tmp) / "jobs.pickle"
+        src.write_bytes(pickle.dumps({"jobs": jobs, "workers": workers,
+                                      "settings": _worker_settings()}))
+        why = None
+        try:
+            with subprocess.Popen([sys.executable, "-m", POOL_MODULE, "--pool", str(src)],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  text=True) as child:
+                try:
+                    for line in child.stdout:
+                        if progress and line.startswith("trace digests "):
+                            progress(line.strip())
+                    child.wait()
+                except BaseException:
+                    child.kill()
+                    raise
+            if child.returncode:
+                why = (f"killed by signal {-child.returncode}" if child.returncode < 0
+                       else f"exit status {child.returncode}")
+        except OSError as e:
+            why = f"could not start it: {e.strerror or e}"
+        try:
+            results = pickle.loads((Path(tmp) / "jobs.pickle.out").read_bytes())
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError) as e:
+            results = None
+            why = why or f"no results ({type(e).__name__})"
+    if isinstance(results, list) and len(results) == len(jobs):
+        return [tuple(r) if r is not None else _worker_failed(j, RuntimeError(why))
+                for r, j in zip(results, jobs)]
+    return [_worker_failed(j, RuntimeError(f"the digest pool process failed: {why}"))
+            for j in jobs]
+
+
+def pool_child_main(src: str) -> int:
+    """The child side of pool_in_child: this process has one thread, so its pool forks."""
+    import pickle
+
+    global _POOL_CHILD
+    _POOL_CHILD = True
+    spec = pickle.loads(Path(src).read_bytes())
+    _init_worker(*spec["settings"])
+    code_fingerprint()  # the parser and the analyzers imported once, before the workers fork
+    section_names()
+    importlib.import_module("trainprof.trace._frames")
+    out = run_jobs(spec["jobs"], spec["workers"], isolate=True,
+                   progress=lambda line: print(line, flush=True))
+    tmp = Path(src + ".out.tmp")
+    tmp.write_bytes(pickle.dumps(out))
+    os.replace(tmp, src + ".out")
+    return 0
+
+
+def _worker_settings() -> tuple:
+    """What the pool's child process must see as this process does: the input limit
+    (--max-input-mb, TRAINPROF_MAX_INPUT_MB)."""
+    return safeio._override_mb, os.environ.get(safeio.ENV)
+
+
+def _init_worker(override_mb, env_mb) -> None:
+    if env_mb is None:
+        os.environ.pop(safeio.ENV, None)
+    else:
+        os.environ[safeio.ENV] = env_mb
+    try:
+        safeio.set_max_input_mb(override_mb)
+    except safeio.SettingError:
+        pass
 
 
 def _worker_failed(j: tuple, e: BaseException) -> tuple:
@@ -362,13 +483,39 @@ def _worker_failed(j: tuple, e: BaseException) -> tuple:
             f"({type(e).__name__}: {e})")
 
 
-def _alone(j: tuple, ctx) -> tuple:
-    """One digest job in a process of its own."""
-    try:
-        with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-            return pool.submit(_job, j).result()
-    except Exception as e:  # noqa: BLE001 - this trace kills its worker (out of memory?)
-        return _worker_failed(j, e)
+def _alone(jobs: list[tuple], ks: list[int], workers: int, ctx) -> dict[int, tuple]:
+    """Digest jobs ``ks`` each in a process of its own, ``workers`` at a time, forked from this
+    thread (no pool, no other thread): one that kills its process fails alone."""
+    from multiprocessing.connection import wait
+
+    todo, running, out = list(ks), {}, {}
+    while todo or running:
+        while todo and len(running) < workers:
+            k = todo.pop(0)
+            r, w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_alone_child, args=(jobs[k], w))
+            p.start()
+            w.close()
+            running[k] = (p, r)
+        ready = wait([r for _, r in running.values()])
+        for k, (p, r) in list(running.items()):
+            if r not in ready:
+                continue
+            try:
+                out[k] = r.recv()
+            except (EOFError, OSError) as e:  # it died (out of memory?) before answering
+                p.join()
+                out[k] = _worker_failed(jobs[k], RuntimeError(
+                    f"{type(e).__name__}; exit status {p.exitcode}"))
+            r.close()
+            p.join()
+            del running[k]
+    return out
+
+
+def _alone_child(job: tuple, conn) -> None:
+    conn.send(_job(job))
+    conn.close()
 
 
 # --------------------------------------------------------------------------- cached digests
@@ -413,6 +560,8 @@ def read_cached(run, p: Path, rank: int, stamp: dict | None, names: list[str]) -
     if (doc["schema_version"] != SCHEMA_VERSION or doc.get("trainprof_version") != __version__
             or doc.get("code") != code_fingerprint() or stamp is None or doc["trace"] != stamp):
         return None
+    if not within_limit(doc, stamp):  # parsed again: refused as any parse would be
+        return None
     secs = doc["sections"]
     if any(n not in secs or "error" in secs[n] for n in names):  # errors are retried
         return None
@@ -441,9 +590,9 @@ def ensure(run: RunDir, names: list[str] | None = None, ranks=None, workers: int
         except OSError:
             stamp = None
         target = None if bare else digest_path(root, r)
-        # a trace over today's --max-input-mb is refused as its parse would be, cached or not
-        over = stamp is not None and stamp["size"] > safeio.max_input_bytes()
-        doc = None if bare or over else read_cached(run, target, r, stamp, names)
+        # a trace over today's --max-input-mb (its file, or the JSON it inflates to) is refused
+        # as its parse would be, cached or not (read_cached: within_limit)
+        doc = None if bare else read_cached(run, target, r, stamp, names)
         if doc is not None:
             docs[r] = doc
         else:

@@ -265,7 +265,7 @@ class JobResult:
 NODE_FIELDS = ("node", "job_id", "host", "launcher_pid", "command", "cwd", "start_time",
                "end_time", "status", "exit_code", "signal", "signal_name", "job_exit_code",
                "job_signal", "trainprof_version", "hangs", "first_failures", "signals_forwarded",
-               "files", "config", "env", "finished_ns")
+               "files", "config", "env", "finished_ns", "heartbeat_s")
 
 
 class _Manifest:
@@ -343,6 +343,7 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
                    **({"probes_disabled": True} if disabled else {})},
         "env": {k: v for k, v in os.environ.items() if k.startswith(RELEVANT_ENV_PREFIXES)},
         "status": "running",
+        "heartbeat_s": nodes.HEARTBEAT_S,
     }, notes, node, owner=not getattr(before, "joined", False))
     probes_ran = True
     try:
@@ -355,6 +356,11 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
         probes_ran = False
         notes[-1] += ": the job ran without probes"
         env_extra[runtime.ENV_DISABLE] = "1"
+    else:
+        try:  # until this launcher exits: the other nodes tell it from a killed one
+            nodes.Heartbeat(nodes.node_path(out, node)).start()
+        except Exception as e:  # noqa: BLE001 - bookkeeping, never the job
+            notes.append(f"node heartbeat not started ({reason(e)})")
     try:
         proc = subprocess.Popen(cmd, env=job_env(out, profile_steps, env_extra, settings),
                                 process_group=0)

@@ -12,10 +12,17 @@ each launcher did.
 The job is recognized by its job id: `wrap --job-id`, else torchrun's ``--rdzv-id`` in the
 command, else TORCHELASTIC_RUN_ID in the launcher's environment.
 
+While it lives, a launcher touches its record every HEARTBEAT_S (Heartbeat). Whether another
+launcher still runs (watch): on this host, its process exists; on another host, its record
+changes while this one watches it for up to STALE_AFTER_S by its own clock (clocks of different
+hosts are never compared). A launcher of the job that is gone means the run directory is not
+joined (trainprof/outdir.py).
+
 After the job, only the last node to finish analyzes: each node marks its record finished
-(after reducing its local ranks' digests), then looks at every node record; when all are
-finished it tries to create nodes/.analysis-claim with O_EXCL, and only the node that creates it
-analyzes. Standard library only.
+(after reducing its local ranks' digests), then looks at the other node records; when none of
+them is still running (finished, or gone: killed) it tries to create nodes/.analysis-claim with
+O_EXCL, and only the node that creates it analyzes; the claim names the nodes it took for gone,
+and such a node that finishes after all analyzes again. Standard library only.
 """
 
 from __future__ import annotations
@@ -168,9 +175,12 @@ def finished(rec: dict) -> bool:
     return rec.get("finished_ns") is not None
 
 
-def claim_analysis(run: str | os.PathLike, node: str) -> bool:
+def claim_analysis(run: str | os.PathLike, node: str, presumed_dead: list | None = None) -> bool:
     """True for exactly one caller per run directory: the one that creates nodes/.analysis-claim
-    (O_EXCL)."""
+    (O_EXCL), which says who analyzes and which nodes it took for gone (``presumed_dead``: such
+    a node that finishes after all analyzes again)."""
+    import json
+
     p = Path(run) / NODES_DIR / CLAIM
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -178,10 +188,27 @@ def claim_analysis(run: str | os.PathLike, node: str) -> bool:
     except FileExistsError:
         return False
     try:
-        os.write(fd, f'{{"node": "{node}", "t_ns": {time.time_ns()}}}\n'.encode())
+        os.write(fd, (json.dumps({"node": node, "t_ns": time.time_ns(),
+                                  "presumed_dead": [str(n) for n in presumed_dead or []]})
+                      + "\n").encode())
     finally:
         os.close(fd)
     return True
+
+
+def read_claim(run: str | os.PathLike) -> dict | None:
+    """nodes/.analysis-claim, or None when it cannot be read (yet)."""
+    from trainprof.rundir import RunDirError, read_json
+
+    try:
+        doc = read_json(Path(run) / NODES_DIR / CLAIM)
+    except RunDirError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    dead = doc.get("presumed_dead")
+    doc["presumed_dead"] = [x for x in dead if isinstance(x, str)] if isinstance(dead, list) else []
+    return doc
 
 
 def pending(run: str | os.PathLike, node: str) -> list[dict] | None:
@@ -191,3 +218,132 @@ def pending(run: str | os.PathLike, node: str) -> list[dict] | None:
     if not any(r.get("node") == node for r in recs):
         return None
     return [r for r in recs if r.get("node") != node and not finished(r)]
+
+
+# --------------------------------------------------------------------------- liveness
+HEARTBEAT_S = 5.0     # a running launcher touches its node record this often
+STALE_AFTER_S = 20.0  # a record of another host unchanged this long (watched): its launcher is gone
+
+
+class Heartbeat:
+    """A launcher's heartbeat: a daemon thread that touches (utime) its node record every
+    HEARTBEAT_S while the launcher lives, so that the other nodes can tell a running launcher
+    from one that was killed (SIGKILL, a lost node) and left its record saying "running".
+    It never creates, rewrites or removes a file; failures are ignored."""
+
+    def __init__(self, path: str | os.PathLike, interval: float | None = None):
+        import threading
+
+        self.path, self.interval = Path(path), interval or HEARTBEAT_S
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="trainprof-node-heartbeat",
+                                       daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval):
+            try:  # never through a symlink: only the record this launcher wrote
+                os.utime(self.path, follow_symlinks=os.utime not in os.supports_follow_symlinks)
+            except (OSError, NotImplementedError):
+                pass
+
+
+def _this_host() -> str:
+    return socket.gethostname()
+
+
+def _pid_alive(pid) -> bool | None:
+    """Whether a process of this host exists; None when the record names none."""
+    if type(pid) is not int or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):
+        return True  # exists, not ours to signal
+    return True
+
+
+def _stamp(path: Path):
+    """(inode, mtime, size) of a record, read through open() so that a network file system
+    revalidates its cached attributes (NFS close-to-open); None when it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        return st.st_ino, st.st_mtime_ns, st.st_size
+    finally:
+        os.close(fd)
+
+
+def state(rec: dict) -> str:
+    """What a node record says without watching it: "ended" (its launcher finished its work:
+    job, digests), "alive" / "dead" (a launcher of this host: its process exists or not), or
+    "unknown" (a launcher of another host: watch it; it heartbeats until it exits, also after
+    its job ended while it reduces its digests)."""
+    if finished(rec):
+        return "ended"
+    if rec.get("host") == _this_host():
+        alive = _pid_alive(rec.get("launcher_pid"))
+        if alive is not None:
+            return "alive" if alive else "dead"
+    return "unknown"
+
+
+def watch(run: str | os.PathLike, recs: list[dict], wait_s: float | None = None,
+          until_any_alive: bool = False, sleep=time.sleep) -> dict[str, dict]:
+    """The liveness of node records (from read_records): {file: {"node", "host", "state",
+    "seen_s", "stamp"}} with state ended / alive / dead. A record of this host is decided by its
+    launcher's process; one of another host by watching it for up to ``wait_s`` (default
+    STALE_AFTER_S) with this host's clock only (the hosts' and the file server's clocks may
+    disagree): a running launcher touches it every HEARTBEAT_S, so a record that changes (or
+    says its launcher ended) is alive (ended), one unchanged all along is dead. Returns as soon
+    as every record is decided (``until_any_alive``: as soon as one is alive)."""
+    wait_s = STALE_AFTER_S if wait_s is None else wait_s
+    root = Path(run)
+    out: dict[str, dict] = {}
+    first: dict[str, tuple] = {}
+    for r in recs:
+        f = r.get("_file") or f"{NODES_DIR}/{r.get('node')}.json"
+        out[f] = {"node": r.get("node"), "host": r.get("host"), "state": state(r),
+                  "seen_s": 0.0, "stamp": _stamp(root / f)}
+        st = out[f]["stamp"]
+        if out[f]["state"] == "dead" and st and time.time_ns() - st[1] < 2 * HEARTBEAT_S * 1e9:
+            out[f]["state"] = "unknown"  # touched just now: a container sharing the host name?
+        if out[f]["state"] == "unknown":
+            first[f] = out[f]["stamp"]
+    t0 = time.monotonic()
+    while first:
+        if until_any_alive and any(v["state"] == "alive" for v in out.values()):
+            break
+        elapsed = time.monotonic() - t0
+        for f, s0 in list(first.items()):
+            now = _stamp(root / f)
+            if now != s0:
+                from trainprof.rundir import RunDirError, read_json
+
+                try:
+                    rec = read_json(root / f)
+                    ended = isinstance(rec, dict) and state(rec) == "ended"
+                except RunDirError:
+                    ended = False
+                out[f].update(state="ended" if ended else "alive", stamp=now,
+                              seen_s=round(elapsed, 1))
+                del first[f]
+        if not first or elapsed >= wait_s:
+            break
+        sleep(min(0.5, max(0.05, wait_s / 40)))
+    for f in first:
+        out[f].update(state="dead", seen_s=round(time.monotonic() - t0, 1))
+    return out
+
+
+def describe(info: dict) -> str:
+    """One node of watch()'s result, for a message: "node N (host H)"."""
+    return f"node {info.get('node')} (host {info.get('host')})"

@@ -15,10 +15,12 @@ The rules (docs/security.md):
   other file stays, and is named.
 * Several `wrap` invocations of one job (one per node, docs/run-directory.md "Multi-node") share
   one --out: the first creates the run, the others join it without --force when its manifest
-  names the same job id and none of its nodes has finished yet (a finished one means a rerun,
-  refused like any previous run). The decision and the first records are made under a lock file
-  (RUN/.trainprof.lock, O_EXCL), so that nodes starting together never both create the run or
-  remove each other's files.
+  names the same job id and all of its launchers still run: none has finished (a finished one
+  means a rerun, refused like any previous run), and none is gone (killed: a process gone from
+  this host, or a record of another host that did not change while watched, trainprof/nodes.py
+  watch; refused too, naming it, with --out NEW_DIR or --force as the way out). The decision
+  and the first records are made under a lock file (RUN/.trainprof.lock, O_EXCL), so that nodes
+  starting together never both create the run or remove each other's files.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from trainprof.worker_exits import STREAM as WORKER_EXITS
 from trainprof.probes.hang_watchdog import TRIGGER as HANG_TRIGGER
+from trainprof import nodes
 from trainprof.nodes import CLAIM, NODE_FILE_RE, NODE_KIND, NODES_DIR
 from trainprof.rundir import INJECTED, MANIFEST, PROFILER_DIR, RANKS_DIR, REPORT, SUMMARY
 
@@ -319,8 +322,9 @@ def prepare(out: Path, force: bool, log=None, job_id: str | None = None,
         lock = _Lock(out)
     except OSError:  # nowhere to write: the launcher runs the job without probes (its note)
         return Prepared()
+    observed = _observe(out, job_id)  # outside the lock: watching takes seconds
     with lock:
-        result = _decide(out, force, log, job_id)
+        result = _decide(out, force, log, job_id, observed)
         if claim is not None:
             claim(result.joined)
     return result
@@ -345,7 +349,28 @@ def _foreign(out: Path) -> OutDirError:
         f"{RUN_KIND}); trainprof does not write into it, even with --force. Use --out NEW_DIR.")
 
 
-def _decide(out: Path, force: bool, log, job_id: str | None) -> Prepared:
+def _observe(out: Path, job_id: str | None) -> dict:
+    """The liveness of the launchers of a run of the same job in out (nodes.watch), when it
+    matters: a run whose launchers are all still running is joined, but one whose launcher of
+    another host was killed (its record says "running" forever) must not be."""
+    try:
+        man = read_run_manifest(out) if out.is_dir() else None
+        if job_id is None or man is None or man.get("job_id") != job_id \
+                or finished_nodes(out, man):
+            return {}
+        return nodes.watch(out, nodes.read_records(out))
+    except Exception:  # noqa: BLE001 - a damaged record: decided under the lock as before
+        return {}
+
+
+def _gone(out: Path, observed: dict) -> list[dict]:
+    """The launchers observed dead whose records are still unchanged (re-read under the lock)."""
+    return [dict(info, file=f) for f, info in observed.items()
+            if info["state"] == "dead" and nodes._stamp(out / f) == info["stamp"]]
+
+
+def _decide(out: Path, force: bool, log, job_id: str | None,
+            observed: dict | None = None) -> Prepared:
     result = Prepared()
     if not _entries(out):
         return result
@@ -355,7 +380,8 @@ def _decide(out: Path, force: bool, log, job_id: str | None) -> Prepared:
     same_job = job_id is not None and manifest.get("job_id") == job_id
     if same_job:
         done = finished_nodes(out, manifest)
-        if not done:
+        gone = [] if done else _gone(out, observed or {})
+        if not done and not gone:
             result.update(layout_files(out)[0])
             result.joined = True
             if log:
@@ -363,10 +389,20 @@ def _decide(out: Path, force: bool, log, job_id: str | None) -> Prepared:
             return result
     plan = plan_force(out, manifest)
     if not force:
-        if same_job:
+        if same_job and done:
             raise OutDirError(
                 f"{out}: holds a previous trainprof run of job {job_id!r} that already finished "
-                f"on {', '.join(done[:4])} (a rerun with the same rendezvous id?). Use --out "
+                f"on {', '.join(done[:4])} (its launcher recorded its end, or its process is gone "
+                f"from this host; a rerun with the same rendezvous id?). Use --out NEW_DIR, or "
+                f"--force to remove {plan.describe()}.")
+        if same_job:
+            who = ", ".join(nodes.describe(g) for g in gone[:4]) + \
+                (f" and {len(gone) - 4} more" if len(gone) > 4 else "")
+            raise OutDirError(
+                f"{out}: holds a trainprof run of job {job_id!r} whose launcher is gone: {who} "
+                f"still says running, but its record has not changed for {gone[0]['seen_s']:.0f} "
+                f"s (launchers touch theirs every {nodes.HEARTBEAT_S:g} s; killed?). This is not "
+                f"a node of that run joining it (a rerun with the same rendezvous id?). Use --out "
                 f"NEW_DIR, or --force to remove {plan.describe()}.")
         other = manifest.get("job_id")
         hint = (f" (job {other!r}; this is {'job ' + repr(job_id) if job_id else 'no known job'})"

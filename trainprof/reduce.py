@@ -9,6 +9,9 @@ local pool (CPUs ÷ LOCAL_WORLD_SIZE workers unless --workers); the run director
 file system every node sees. No process group is created: the launcher's environment is all
 it needs. Digests already current are kept. Exit status 0 when every trace of the share was
 digested, 1 when some could not be (each said on stderr), 2 when RUN_DIR cannot be read.
+
+(``--pool FILE`` is internal: the fresh single-threaded process in which a process with
+threads, such as the launcher, runs its digest pool; trainprof/digest.py pool_in_child.)
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ def _env_int(name: str, default: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "--pool":  # trainprof.digest.pool_in_child's process
+        from trainprof import digest
+
+        return digest.pool_child_main(argv[1])
     ap = argparse.ArgumentParser(prog="python -m trainprof.reduce", description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", help="a trainprof run directory")
     ap.add_argument("--workers", type=int, default=None,

@@ -183,24 +183,51 @@ def reduce_local_ranks(out: Path, result: JobResult, notes: list[str]) -> None:
 
 def analyzes_here(out: Path, result: JobResult) -> bool:
     """Of the nodes sharing one run directory, only the last to finish analyzes (its claim,
-    nodes/.analysis-claim, is created with O_EXCL: one winner when several finish together)."""
+    nodes/.analysis-claim, is created with O_EXCL: one winner when several finish together).
+    The other nodes' launchers that have not finished are watched (trainprof/nodes.py watch):
+    one still running analyzes when it finishes; when all of them are gone (killed: a launcher
+    of this host whose process is gone, one of another host whose record stopped changing),
+    this node is the last survivor and analyzes, naming them. A node that the analyzing node
+    took for gone, and that finishes after all, analyzes again with its own data."""
     from trainprof import nodes
 
     rec = result.record
     if rec is None:
         return True
+    cmd = f"trainprof analyze {out}"
     try:
         waiting = nodes.pending(out, rec.node)
         if waiting is None:  # our record could not be written: analyze, as a single node does
             return True
+        gone = []
         if waiting:
-            hosts = ", ".join(sorted({str(r.get("host")) for r in waiting})[:4])
-            _say(f"{len(waiting)} other node(s) of this job still running ({hosts}): the last "
-                 f"node to finish analyzes {out}")
-            return False
-        if not nodes.claim_analysis(out, rec.node):
+            seen = nodes.watch(out, waiting, until_any_alive=True)
+            alive = [v for v in seen.values() if v["state"] == "alive"]
+            if alive:
+                names = ", ".join(nodes.describe(v) for v in alive[:4]) + \
+                    (f" and {len(alive) - 4} more" if len(alive) > 4 else "")
+                _say(f"{len(alive)} other node(s) of this job still running ({names}): the last "
+                     f"node to finish analyzes {out}; should none do so (killed), run `{cmd}`")
+                return False
+            gone = [v for v in seen.values() if v["state"] == "dead"]
+        if not nodes.claim_analysis(out, rec.node, presumed_dead=[v["node"] for v in gone]):
+            claim = nodes.read_claim(out)
+            if claim is not None and rec.node in claim.get("presumed_dead", []):
+                _say(f"node {claim.get('node')} analyzed {out} taking this node for gone; "
+                     f"analyzing again with this node's data")
+                return True
             _say(f"another node of this job analyzes {out}")
             return False
+        if gone:
+            names = ", ".join(nodes.describe(v) for v in gone[:4]) + \
+                (f" and {len(gone) - 4} more" if len(gone) > 4 else "")
+            _say(f"the launcher of {names} is gone (its record still says running, unchanged "
+                 f"for {max(v['seen_s'] for v in gone):.0f} s: killed?); this node is the last "
+                 f"one left and analyzes {out} without waiting for it (its ranks' data may be "
+                 f"incomplete)")
+    except KeyboardInterrupt:  # while watching the other nodes: the job's exit status stands
+        _say(f"interrupted while waiting for the other nodes; run `{cmd}` later")
+        return False
     except Exception as e:  # noqa: BLE001 - another node's damaged record: never the exit status
         _say(f"could not decide which node analyzes ({reason(e)}); analyzing here")
     return True

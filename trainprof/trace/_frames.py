@@ -107,6 +107,7 @@ def _parse(path: Path, rank: int | None, fast: bool, pieces: int) -> Trace:
         raise TraceError(f"{path}: not valid JSON ({e}); truncated or corrupt trace?") from None
     except (TypeError, ValueError, AttributeError) as e:
         raise TraceError(f"{path}: not a Chrome trace ({e})") from None
+    json_bytes = len(data)  # the input limit's measure (digests record it)
     del data
     meta = cols.meta
     dist = meta.get("distributedInfo")
@@ -146,6 +147,7 @@ def _parse(path: Path, rank: int | None, fast: bool, pieces: int) -> Trace:
                  memory=_memory_frame(cols.mem, base), steps=steps,
                  stats={"events": cols.n_events, "complete": len(events), "malformed": cols.n_bad,
                         "gpu_ops_without_launch": int(unlaunched.sum()),
+                        "json_bytes": json_bytes,
                         "decoder": "msgspec" if fast and _decode.msgspec is not None else "orjson"})
 
 
