@@ -117,6 +117,14 @@ def test_tensorboard_folder_two_ranks_latest_window(tb_windows, tmp_path):
     assert {pr["rank"] for pr in s["metrics"]["comm_compute"]["per_rank"]} == {0, 1}
     assert "nothing_analyzed" not in s
     assert "2 ranks" in r.stdout
+    # bare traces carry none of a run directory's streams: said, never "nothing looks wrong"
+    cov = s["coverage"]
+    assert [m["analysis"] for m in cov["not_analyzed"]] == [
+        "step time", "stragglers over every step", "collective desync / mismatch", "NaN origin",
+        "hang"]
+    assert {"communication vs compute", "stragglers in the profiled steps"} <= set(cov["analyzed"])
+    assert s["problems"][0] == cov["text"] and "trainprof wrap" in cov["text"]
+    assert "nothing looks wrong" not in r.stdout and "heartbeat.jsonl" in r.stdout
 
 
 def test_hta_layout_matches_hta_numbers(tmp_path):

@@ -1,0 +1,153 @@
+"""Stragglers from profiler traces alone (no run directory's collective log): a rank that spends
+longer outside communication than its peers in every profiled step — computing longer, or off the
+CPU (sleeping, waiting on input or the OS) — while its peers wait for it in collectives.
+
+Reads only the comm_compute digests (``run.trace_digests("comm_compute")``: per rank and
+profiled step, the window and its compute / exposed communication / idle parts). It runs only
+when the input holds no collective log (bare traces): with one, the ``stragglers`` analyzer
+judges from every step, and this one stays silent so that a straggler is reported once.
+Definitions and thresholds: docs/stragglers-pipeline.md ("Stragglers from traces alone").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from trainprof.findings import AnalyzerResult, Finding
+
+NAME = "trace_stragglers"
+SOURCE = "comm_compute"
+MIN_STEPS = 2          # profiled steps common to every rank
+MIN_EXCESS = 0.20      # the late rank's excess ≥ 20 % of the median step window ...
+MIN_EXCESS_MS = 5.0    # ... and ≥ 5 ms per step (clean 2-rank CPU jobs: ≤ 2 ms)
+CHRONIC = 2 / 3        # ... in at least this share of the common steps
+WAITER_SHARE = 0.5     # a peer waits for it: collective wait ≥ half its excess (median)
+_P2P = frozenset({"send", "recv", "send_recv"})  # pipeline waits are not a late peer's
+
+
+def has_collective_log(run) -> bool:
+    """Whether the input holds a run directory's collective log (the stragglers analyzer's)."""
+    try:
+        coll = run.collectives()
+    except Exception:  # noqa: BLE001 - unreadable: the stragglers analyzer reports it
+        return True
+    return not coll.empty
+
+
+def _rows(run) -> dict[int, dict[int, dict]]:
+    """rank -> step -> comm_compute row. Warm-up steps stay: each step is judged across ranks,
+    and a slow first step slows every rank alike."""
+    out = {}
+    for rank, d in sorted(run.trace_digests(SOURCE).items()):
+        kept = {int(r["step"]): r for r in d.get("rows") or [] if isinstance(r, dict)}
+        if kept:
+            out[int(rank)] = kept
+    return out
+
+
+def _coll_wait(row: dict) -> float:
+    """The row's exposed communication in collectives (send/recv left out, pro rata)."""
+    types = row.get("comm_by_type_ms") or {}
+    total = sum(types.values())
+    if total <= 0:
+        return 0.0
+    share = sum(v for t, v in types.items() if t not in _P2P) / total
+    return float(row["exposed_comm_ms"]) * share
+
+
+def _own(row: dict) -> float:
+    """Time in the step not blocked in communication."""
+    return float(row["window_ms"]) - float(row["exposed_comm_ms"])
+
+
+def analyze(run) -> AnalyzerResult:
+    if not run.trace_inputs and has_collective_log(run):
+        return AnalyzerResult()  # the stragglers analyzer judges from the collective log
+    try:
+        rows = _rows(run)
+    except Exception as e:  # noqa: BLE001 - comm_compute reports an unreadable trace
+        run.problems.append(f"{NAME}: no trace breakdown ({type(e).__name__}: {e})")
+        return AnalyzerResult()
+    if len(rows) < 2:
+        return AnalyzerResult()
+    ranks = sorted(rows)
+    steps = sorted(set.intersection(*(set(rows[r]) for r in ranks)))
+    base = {"ranks": len(ranks), "steps": steps,
+            "thresholds": {"min_steps": MIN_STEPS, "min_excess": MIN_EXCESS,
+                           "min_excess_ms": MIN_EXCESS_MS, "chronic": CHRONIC,
+                           "waiter_share": WAITER_SHARE},
+            "definitions": "docs/stragglers-pipeline.md"}
+    if len(steps) < MIN_STEPS:
+        run.problems.append(
+            f"{NAME}: stragglers not judged from the traces: {len(steps)} profiled step(s) common "
+            f"to every rank (needs {MIN_STEPS}; profile more steps)")
+        return AnalyzerResult(metrics=base)
+    own = np.array([[_own(rows[r][s]) for s in steps] for r in ranks])        # rank × step
+    wait = np.array([[_coll_wait(rows[r][s]) for s in steps] for r in ranks])
+    step_ms = float(np.median([[rows[r][s]["window_ms"] for s in steps] for r in ranks]))
+    floor = max(MIN_EXCESS * step_ms, MIN_EXCESS_MS)
+    excess = np.array([own[i] - np.median(np.delete(own, i, axis=0), axis=0)
+                       for i in range(len(ranks))])
+    per_rank = [{"rank": r, "own_ms_per_step": round(float(np.median(own[i])), 3),
+                 "excess_ms_per_step": round(float(np.median(excess[i])), 3),
+                 "collective_wait_ms_per_step": round(float(np.median(wait[i])), 3)}
+                for i, r in enumerate(ranks)]
+    late = [i for i in range(len(ranks))
+            if np.median(excess[i]) >= floor and np.mean(excess[i] >= floor) >= CHRONIC]
+    findings, waits = [], {}
+    for i in late:
+        e = float(np.median(excess[i]))
+        peers = [j for j in range(len(ranks)) if j not in late]
+        waiting = [j for j in peers if np.median(wait[j]) >= WAITER_SHARE * e]
+        if not peers or len(waiting) * 2 < len(peers):  # a late rank the others wait for
+            continue
+        findings.append(_finding(ranks, rows, steps, i, e, step_ms, waiting, wait))
+        for j in waiting:
+            waits[ranks[j]] = waits.get(ranks[j], 0.0) + round(float(np.median(wait[j])), 3)
+    metrics = {**base, "step_window_ms": round(step_ms, 3), "floor_ms": round(floor, 3),
+               "per_rank": per_rank,
+               **({"late": [f.ranks[0] for f in findings],
+                   "waits_ms_per_step": {str(k): v for k, v in waits.items()}} if findings else {})}
+    return AnalyzerResult(metrics=metrics, findings=findings)
+
+
+def _finding(ranks, rows, steps, i, e, step_ms, waiting, wait) -> Finding:
+    r = ranks[i]
+    others = [q for q in ranks if q != r]
+    med = lambda q, k: float(np.median([rows[q][s][k] for s in steps]))  # noqa: E731
+    part = {k: med(r, k) - float(np.median([med(q, k) for q in others]))
+            for k in ("compute_ms", "idle_ms", "other_ms", "data_ms")}
+    busy = part["compute_ms"] + part["other_ms"] + part["data_ms"]
+    what = (f"computes {busy:.1f} ms/step longer than its peers" if busy >= part["idle_ms"] else
+            f"is idle (off the CPU / no op running: sleeping, waiting on input or the OS) "
+            f"{part['idle_ms']:.1f} ms/step longer than its peers")
+    types: dict[str, float] = {}
+    for j in waiting:
+        for s in steps:
+            for t, v in (rows[ranks[j]][s].get("comm_by_type_ms") or {}).items():
+                types[t] = types.get(t, 0.0) + v
+    kind = max(types, key=types.get) if types else "collectives"
+    wait_ms = {str(ranks[j]): round(float(np.median(wait[j])), 3) for j in waiting}
+    who = (f"ranks {', '.join(str(ranks[j]) for j in waiting)} wait" if len(waiting) > 1
+           else f"rank {ranks[waiting[0]]} waits")
+    msg = (f"straggler (from the profiler traces): rank {r} {what} ({e:.1f} ms/step more outside "
+           f"communication, {e / step_ms:.0%} of the {step_ms:.1f} ms step) in "
+           f"{len(steps)} profiled steps; {who} "
+           f"{float(np.median(list(wait_ms.values()))):.1f} ms/step in {kind} for rank {r}")
+    return Finding("straggler", "warning", [r], msg, evidence={
+        "rank": r, "source": "profiler traces", "excess_ms_per_step": round(e, 3),
+        "step_window_ms": round(step_ms, 3), "profiled_steps": steps,
+        "excess_by_part_ms_per_step": {k: round(v, 3) for k, v in part.items()},
+        "waits_caused_ms": wait_ms, "waited_in": kind})
+
+
+def waits(run) -> dict:
+    """Like stragglers.waits_for_stragglers, from the traces: ``{"late": [ranks], "wait_ms":
+    {rank: ms per profiled step it waits in collectives for them}}`` (empty when none)."""
+    res = analyze(run)
+    late, wait = set(), {}
+    for f in res.findings:
+        late.update(f.ranks)
+        for q, v in (f.evidence.get("waits_caused_ms") or {}).items():
+            wait[int(q)] = wait.get(int(q), 0.0) + float(v)
+    return {"late": sorted(late), "wait_ms": wait}

@@ -1,0 +1,80 @@
+"""A profiler window that holds no training step (the job ended before trainprof's window, so
+the trace recorded teardown only) is no measurement: the trace-based figures are withheld with a
+problem saying so (and how to profile steps the job runs), never "0 % exposed communication"
+followed by "nothing looks wrong". A window of real steps that mostly sleep is still measured."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from helpers import run_cli
+
+JOB = r"""
+import os, time, torch
+m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+opt = torch.optim.SGD(m.parameters(), lr=0.01)
+for step in range(int(os.environ["STEPS"])):
+    loss = m(torch.randn(32, 64)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    time.sleep(float(os.environ.get("SLEEP_MS", "0")) / 1000)
+"""
+
+
+def _wrap(tmp_path, name: str, steps: int, sleep_ms: int = 0) -> tuple[str, dict]:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    out = tmp_path / name
+    res = run_cli(["wrap", "--out", out, "--", sys.executable, script],
+                  env={"STEPS": str(steps), "SLEEP_MS": str(sleep_ms)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout, json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.multiproc
+def test_window_after_the_last_step_is_withheld_not_measured(tmp_path):
+    stdout, s = _wrap(tmp_path, "short", steps=3)  # default window: steps 3-4
+    assert (tmp_path / "short" / "profiler" / "rank-00000.pt.trace.json.gz").exists()
+    cc = s["metrics"]["comm_compute"]
+    assert "exposed_comm_fraction" not in cc and "job" not in cc
+    why = cc["withheld"]
+    assert "did not cover training steps" in why and "last recorded training step (2)" in why
+    assert "--profile-steps 1-2" in why and why in s["problems"]
+    for name in ("ops", "roofline", "launch"):  # the other window-only figures too
+        assert s["metrics"].get(name, {"withheld": why}) == {"withheld": why}
+    assert not [f for f in s["findings"] if f["analyzer"] in ("comm_compute", "ops", "launch")]
+    cover = s["coverage"]
+    assert "communication vs compute" in {m["analysis"] for m in cover["not_analyzed"]}
+    assert "step time" in cover["analyzed"]
+    assert "exposed communication" not in stdout and "nothing looks wrong" not in stdout
+    assert "no findings in what was analyzed" in stdout or "coverage:" in stdout
+
+
+@pytest.mark.multiproc
+def test_window_of_sleeping_steps_is_still_measured(tmp_path):
+    """Steps that sleep 20 ms around 1 ms of ops are training steps: measured as before."""
+    _, s = _wrap(tmp_path, "sleepy", steps=7, sleep_ms=20)
+    cc = s["metrics"]["comm_compute"]
+    assert "withheld" not in cc and "coverage" not in s
+    assert cc["job"]["idle_fraction"] > 0.5 and cc["job"]["compute_fraction"] > 0
+    assert not [p for p in s["problems"] if "did not cover training steps" in p]
+
+
+def test_off_training_rule_on_the_breakdown():
+    """The rule on comm_compute's per-rank figures: < 50 µs of ops and no communication per
+    profiled step on every rank is no training step; one rank with work keeps the figures."""
+    from trainprof.analyzers._profiled_window import off_training
+
+    class Run:
+        trace_inputs = ["traces"]
+
+    def rank(r, compute, comm, window=50.0):
+        return {"rank": r, "compute_fraction": compute, "overlapped_fraction": 0.0,
+                "comm_fraction": comm, "step_window_ms": window}
+
+    idle = [rank(0, 0.0, 0.0, 4.0), rank(1, 0.0005, 0.0, 8.0)]  # ≤ 4 µs of ops per step
+    assert "no training work" in off_training(Run(), idle)
+    assert off_training(Run(), [rank(0, 0.01, 0.0), rank(1, 0.0, 0.0)]) is None  # 0.5 ms of ops
+    assert off_training(Run(), [rank(0, 0.0, 0.3), rank(1, 0.0, 0.0)]) is None   # communication
