@@ -43,7 +43,9 @@ def session(out: str | os.PathLike = "traces", profile_steps: str | None = None)
     if existing is not None:
         yield existing
         return
-    saved = {k: os.environ.get(k) for k in (runtime.ENV_RUN_DIR, runtime.ENV_PROFILE_STEPS)}
+    from trainprof.probes.rank_claim import ENV as ENV_CLAIM
+
+    saved = {k: os.environ.get(k) for k in (runtime.ENV_RUN_DIR, runtime.ENV_PROFILE_STEPS, ENV_CLAIM)}
     os.environ[runtime.ENV_RUN_DIR] = os.fspath(out)
     if profile_steps is not None:
         os.environ[runtime.ENV_PROFILE_STEPS] = profile_steps

@@ -18,13 +18,14 @@ _lock = threading.RLock()
 _session = None
 _run_info: dict = {}
 _failed = False
+_aside = False  # another process of this run is this rank (probes/rank_claim.py): no probes here
 
 
 def enabled() -> bool:
     from trainprof.settings import flag_on  # standard library only
 
     return bool(os.environ.get(ENV_RUN_DIR)) and not flag_on(os.environ.get(ENV_DISABLE)) \
-        and not _failed
+        and not _failed and not _aside
 
 
 def active():
@@ -37,21 +38,35 @@ def active():
 
 def activate(reason: str):
     """Start the probes in this process (idempotent). Returns the session or None."""
-    global _session, _failed
+    global _session, _failed, _aside
     if not enabled():
         return None
     with _lock:
         if active() is not None:
             return _session
+        run_dir = os.environ[ENV_RUN_DIR]
+        try:
+            from trainprof.probes import rank_claim
+
+            if rank_claim.stands_aside(run_dir):  # a process a rank started, not a rank
+                _aside = True
+                return None
+        except Exception:  # noqa: BLE001 - undecided: probe this process, as before
+            rank_claim = None
         try:
             _warn_bad_settings()
             from trainprof.probes.session import ProbeSession
 
-            _session = ProbeSession(os.environ[ENV_RUN_DIR], reason=reason, run_info=_run_info)
+            _session = ProbeSession(run_dir, reason=reason, run_info=_run_info)
         except Exception as e:  # noqa: BLE001 - a probe failure must never stop the job
             _failed = True
             warn(f"probes disabled in this process: {type(e).__name__}: {e}")
             return None
+        try:
+            if rank_claim is not None:
+                rank_claim.claim(run_dir, _session.rank, int(_session.meta.get("world_size") or 1))
+        except Exception as e:  # noqa: BLE001
+            warn(f"rank claim not recorded: {type(e).__name__}: {e}")
         return _session
 
 
@@ -81,6 +96,12 @@ def shutdown() -> None:
         s = active()
         _session = None
     if s is not None:
+        try:
+            from trainprof.probes import rank_claim
+
+            rank_claim.release()  # a process without a session claims no rank
+        except Exception:  # noqa: BLE001
+            pass
         s.close()
 
 

@@ -101,8 +101,9 @@ class ProbeSession:
     # -- plumbing other probes use
     def stream(self, name: str) -> JsonlWriter:
         """A deferred JSONL stream of this rank: records are queued on the job's thread and
-        written by the ticker thread (one write per stream per interval, off the hot path);
-        records that must survive a SIGKILL at once are written with ``urgent=True``."""
+        written at every step boundary (one write per stream that has records) and by the
+        ticker thread every flush interval (what is queued between steps); records that must
+        survive a SIGKILL at once are written with ``urgent=True``."""
         if name not in self._writers:
             self._writers[name] = JsonlWriter(self.dir / f"{name}.jsonl", deferred=True)
         return self._writers[name]
@@ -286,6 +287,9 @@ class ProbeSession:
             except Exception as e:  # noqa: BLE001
                 runtime.warn(f"step listener {getattr(fn, '__qualname__', fn)} failed: {e}")
         t0 = time.perf_counter_ns()
+        # the step's records reach disk now, one write per stream with news: a job that aborts
+        # (a C++ terminate, SIGKILL, torchrun's SIGTERM) keeps every step it finished
+        self.flush_streams()
         if self.profiler is not None:
             self.profiler.step()  # may export the trace: book that time as probe overhead
             if self.profiler.done:  # exported (or failed: never retried)

@@ -370,3 +370,43 @@ with trainprof.session("run", profile_steps="none"):
     recs = [json.loads(x) for x in (tmp_path / "run/ranks/rank-00000/collectives.jsonl").read_text().splitlines()]
     assert [(x["api"], x["bytes"]) for x in recs] == [("funcol.all_reduce", 16)]
     assert recs[0]["end_ns"] >= recs[0]["enqueue_ns"]
+
+
+KILLED_AFTER_STEPS = r'''
+import os, signal, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+m = torch.nn.Linear(8, 8); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for step in range(5):
+    loss = m(torch.randn(4, 8)).pow(2).mean()
+    loss.backward()
+    for p in m.parameters():
+        dist.all_reduce(p.grad)
+    opt.step(); opt.zero_grad()
+os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no flush: what is on disk is all there is
+'''
+
+
+def test_records_reach_disk_at_every_step_boundary(tmp_path):
+    """A job killed right after a step keeps the collective, memory and NaN-watch records of
+    every step it finished, whatever the background flush interval (set here far beyond the
+    job's life)."""
+    from helpers import run_cli, write_script
+
+    script = write_script(tmp_path / "job.py", KILLED_AFTER_STEPS)
+    out = tmp_path / "run"
+    res = run_cli(["wrap", "--out", out, "--profile-steps", "none", "--no-analyze", "--",
+                   sys.executable, script, str(tmp_path / "store")],
+                  env={"TRAINPROF_FLUSH_S": "600", "TRAINPROF_HEARTBEAT_S": "600"}, timeout=300)
+    assert res.returncode == -9, res.stderr  # wrap dies as its job did
+
+    def stream(name):
+        return [json.loads(x) for x in (out / f"ranks/rank-00000/{name}.jsonl").read_text().splitlines()]
+
+    assert [s["step"] for s in stream("steps")] == list(range(5))
+    coll = stream("collectives")
+    assert [(c["step"], c["seq"], c["op"]) for c in coll] == \
+        [(s, 2 * s + i, "all_reduce") for s in range(5) for i in range(2)]
+    assert all(c["end_ns"] is not None for c in coll)
+    assert [g["size"] for g in stream("groups")] == [1]
+    assert [r["step"] for r in stream("memory")] == list(range(5))
+    assert [r["step"] for r in stream("nan") if r.get("kind") == "step"] == list(range(5))

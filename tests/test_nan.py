@@ -541,3 +541,10 @@ def test_stale_parameter_check_and_replay_decision_units():
     assert nan_watch.NanWatch._decide(None, store, "p/", "abort", "timed out") == (False, "timed out")
     assert nan_watch.NanWatch._decide(None, store, "p/", "go", None)[0] is False
     assert nan_watch.NanWatch._decide(None, store, "q/", "go", None) == (True, None)
+
+
+def test_loss_series_with_a_repeated_step_lacking_a_loss():
+    # a step recorded twice, once without a loss: ordered by step, never by comparing losses
+    recs = {0: [{"kind": "step", "step": 1, "loss": 0.5}, {"kind": "step", "step": 0, "loss": 0.7},
+                {"kind": "step", "step": 1, "loss": None}, {"kind": "step", "step": 2, "loss": 0.4}]}
+    assert nan_origin.loss_series(recs) == {0: [[0, 0.7], [1, 0.5], [1, None], [2, 0.4]]}

@@ -87,3 +87,59 @@ with trainprof.session("{d}", profile_steps="none"):
     assert summary["run"]["probes_off"] == {"heartbeat": [0], "nan_watch": [0]}
     assert any("nan_watch was left out" in p for p in summary["problems"])
     assert "probes_off" not in analyze(on)["run"]
+
+
+def _claim(monkeypatch, run_dir, pid, rank, world, env):
+    from trainprof.probes import rank_claim
+
+    monkeypatch.setenv(rank_claim.ENV, json.dumps({"pid": pid, "run_dir": str(run_dir), "rank": rank,
+                                                   "world": world, "env": env}))
+
+
+def test_rank_claim_decides_who_is_a_rank(tmp_path, monkeypatch):
+    import os
+
+    from trainprof.probes import rank_claim
+
+    for k in rank_claim.ID_KEYS:
+        monkeypatch.delenv(k, raising=False)
+    run = tmp_path / "run"
+    monkeypatch.setenv("RANK", "0"); monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    torchrun_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+    assert not rank_claim.stands_aside(run)                       # no claim: the first process
+    _claim(monkeypatch, run, os.getpid(), 0, 2, torchrun_env)
+    assert not rank_claim.stands_aside(run)                       # its own claim
+    _claim(monkeypatch, run, 1, 0, 2, torchrun_env)
+    assert rank_claim.stands_aside(run)                           # a rank's child, same variables
+    assert not rank_claim.stands_aside(tmp_path / "other")        # a run of its own (nested wrap)
+    monkeypatch.setenv("LOCAL_RANK", "1")                         # Lightning's child for rank 1
+    _claim(monkeypatch, run, 1, 0, 2, {"LOCAL_RANK": "0", "WORLD_SIZE": "2", "NODE_RANK": "0"})
+    monkeypatch.setenv("NODE_RANK", "0")
+    assert not rank_claim.stands_aside(run)
+    for k in rank_claim.ID_KEYS:                                  # `python train.py`, no variables
+        monkeypatch.delenv(k, raising=False)
+    _claim(monkeypatch, run, 1, 0, 1, {})
+    assert rank_claim.stands_aside(run)                           # its child would be 0 of 1 too
+    monkeypatch.setenv("RANK", "1"); monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not rank_claim.stands_aside(run)                       # a spawned rank 1 of 2
+    monkeypatch.setenv(rank_claim.ENV, "not json")
+    assert not rank_claim.stands_aside(run)                       # unreadable: decides nothing
+
+
+def test_process_that_stands_aside_starts_no_probes(tmp_path, monkeypatch):
+    import os
+
+    from trainprof.probes import rank_claim, runtime
+
+    run = tmp_path / "run"
+    monkeypatch.setenv(runtime.ENV_RUN_DIR, str(run))
+    monkeypatch.delenv(runtime.ENV_DISABLE, raising=False)
+    monkeypatch.setattr(runtime, "_aside", False)
+    for k in rank_claim.ID_KEYS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RANK", "0"); monkeypatch.setenv("WORLD_SIZE", "2")
+    _claim(monkeypatch, run, os.getpid() + 1, 0, 2, {"RANK": "0", "WORLD_SIZE": "2"})
+    assert runtime.activate("optimizer_step") is None
+    assert not runtime.enabled() and runtime.active() is None
+    assert not run.exists()  # nothing written, not even a rank directory

@@ -157,3 +157,118 @@ def test_usage_errors(tmp_path):
     assert res.returncode != 0 and "profile steps" in res.stderr
     res = run_cli(["wrap", "--out", tmp_path / "r2", "--", "/nonexistent/cmd"])
     assert res.returncode != 0 and "cannot start" in res.stderr
+
+
+def _stream(out, rank, name):
+    path = out / f"ranks/rank-{rank:05d}/{name}.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+CHILD_EVAL = """
+import os, torch
+m = torch.nn.Linear(8, 8); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(4):
+    m(torch.randn(4, 8)).sum().backward(); opt.step(); opt.zero_grad()
+print("child-done", os.getpid(), flush=True)
+"""
+
+
+@pytest.mark.multiproc
+def test_processes_a_rank_starts_are_not_probed_as_that_rank(tmp_path):
+    """A rank's subprocess inherits RANK/LOCAL_RANK/WORLD_SIZE; a rank's fork inherits even the
+    probes' state. Neither may write into the rank's directory. The DataLoader workers (fork)
+    go on serving batches."""
+    write_script(tmp_path / "child_eval.py", CHILD_EVAL)
+    script = write_script(tmp_path / "ddp.py", """
+import os, subprocess, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo"); rank = dist.get_rank()
+data = torch.utils.data.TensorDataset(torch.randn(48, 8))
+loader = torch.utils.data.DataLoader(data, batch_size=8, num_workers=1)
+model = DDP(torch.nn.Linear(8, 8)); opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step, (x,) in enumerate(loader):
+    model(x).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+    if step == 2 and rank == 0:
+        subprocess.run([sys.executable, "child_eval.py"], check=True)
+    if step == 2 and rank == 1:
+        pid = os.fork()
+        if pid == 0:
+            m = torch.nn.Linear(4, 4); o = torch.optim.SGD(m.parameters(), lr=0.1)
+            for _ in range(4):
+                m(torch.randn(2, 4)).sum().backward(); o.step()
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+dist.barrier()
+open(f"pid{rank}", "w").write(str(os.getpid()))
+dist.destroy_process_group()
+""")
+    out = tmp_path / "run"
+    res = run_cli(["wrap", "--out", out, "--profile-steps", "none", "--no-analyze", "--",
+                   sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "2", str(script)], cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "child-done" in res.stdout
+    pids = {r: int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)}
+    for r in (0, 1):
+        assert [s["step"] for s in _stream(out, r, "steps")] == list(range(6))
+        assert {h["pid"] for h in _stream(out, r, "heartbeat")} == {pids[r]}
+        assert [h["event"] for h in _stream(out, r, "heartbeat")].count("close") == 1
+        meta = json.loads((out / f"ranks/rank-{r:05d}/meta.json").read_text())
+        assert meta["pid"] == pids[r] and meta["world_size"] == 2
+    assert sorted(p.name for p in (out / "ranks").iterdir()) == ["rank-00000", "rank-00001"]
+
+
+def test_child_process_of_a_single_process_job_is_not_probed(tmp_path):
+    """A plain `python train.py` (no rank variables at all) that runs an evaluation script:
+    the child would be rank 0 of 1 as well."""
+    write_script(tmp_path / "child_eval.py", CHILD_EVAL)
+    script = write_script(tmp_path / "train.py", """
+import os, subprocess, sys, torch
+m = torch.nn.Linear(8, 8); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for step in range(5):
+    m(torch.randn(4, 8)).sum().backward(); opt.step(); opt.zero_grad()
+    if step == 1:
+        subprocess.run([sys.executable, "child_eval.py"], check=True)
+print("parent", os.getpid(), flush=True)
+""")
+    out = tmp_path / "run"
+    res = run_cli(["wrap", "--out", out, "--profile-steps", "none", "--no-analyze", "--",
+                   sys.executable, script], cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "child-done" in res.stdout
+    parent = int(res.stdout.split("parent")[1].split()[0])
+    assert [s["step"] for s in _stream(out, 0, "steps")] == list(range(5))
+    assert {h["pid"] for h in _stream(out, 0, "heartbeat")} == {parent}
+    assert json.loads((out / "ranks/rank-00000/meta.json").read_text())["pid"] == parent
+
+
+@pytest.mark.multiproc
+def test_mp_spawn_ranks_are_probed(tmp_path):
+    """The PyTorch DDP tutorial's layout: `python train.py` whose mp.spawn children are the
+    ranks (rank given to init_process_group, no rank variables in the environment)."""
+    script = write_script(tmp_path / "spawn.py", """
+import os, socket, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def work(rank, world, port):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"; os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = DDP(torch.nn.Linear(8, 8)); opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(4):
+        model(torch.randn(4, 8)).sum().backward(); opt.step(); opt.zero_grad()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    mp.spawn(work, args=(2, port), nprocs=2, join=True)
+""")
+    out = tmp_path / "run"
+    res = run_cli(["wrap", "--out", out, "--profile-steps", "none", "--no-analyze", "--",
+                   sys.executable, script], cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr
+    for r in (0, 1):
+        assert [s["step"] for s in _stream(out, r, "steps")] == list(range(4))
+        meta = json.loads((out / f"ranks/rank-{r:05d}/meta.json").read_text())
+        assert meta["rank"] == r and meta["world_size"] == 2
+        assert meta["activated_by"] == "init_process_group"

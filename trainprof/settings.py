@@ -129,6 +129,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINPROF_PROFILE_RANKS", "profile_ranks", "auto",
             "ranks that record a profiler trace (wrap --profile-ranks; probes/profile_ranks.py)"),
     Setting("TRAINPROF_NODE", "internal", "", "this launcher's node record (set by wrap)"),
+    Setting("TRAINPROF_RANK_CLAIM", "internal", "",
+            "the process that is this rank (set by the probes; probes/rank_claim.py)"),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 
