@@ -18,8 +18,11 @@ gap between heartbeats, 2x the longest step)) without the ranks closing their he
 desynchronization (different op or size at one sequence number of a group) is reported even if
 the job crashed instead of hanging. A rank whose process died first (a signal or a non-zero exit
 the launcher saw before it stopped the others; or, without that record, a heartbeat that stopped
-while the other ranks went on) is named with its step, last collective and signal. Clean runs
-(every heartbeat closed) are silent.
+while the other ranks went on) is named with its step, last collective and signal, and with the
+exception it recorded (heartbeat ``failure`` records, probes/heartbeat_exit.py); a rank that died
+waiting in a collective another, live rank never arrived at is its victim, not the culprit. The
+finding's kind is ``hang``, ``desync`` or ``rank_failure`` (kind_of): a crash is never a hang.
+Clean runs (every heartbeat closed) are silent.
 
 Two collective sources are analyzed side by side and never mixed, as their sequence numbers
 differ: "probe" (collectives probe: 0-based seq per group) and "flight_recorder" (torch's
@@ -45,6 +48,8 @@ DUMP = "hang-dump.json"       # written by probes/hang_watchdog.py
 HEARTBEAT, HEARTBEAT_PREV = "heartbeat", "heartbeat.prev"
 MIN_STALL_S = 5.0
 MIN_LEAD_S = 2.0   # a heartbeat must stop this long before the others' to single its rank out
+PROGRESS_EVENTS = (None, "start", "progress")  # heartbeat events that mean progress
+FAILURE_KINDS = ("exception", "exit")          # how a rank recorded that its process failed
 P2P_OPS = fr.P2P_OPS
 SIZE_STRICT_OPS = {"all_reduce", "allreduce", "broadcast", "reduce", "all_gather",
                    "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "barrier"}
@@ -132,6 +137,39 @@ def _torn_tail(path) -> bool:
         return False
 
 
+def _failure(heartbeats) -> dict | None:
+    """How the rank's process failed, as it recorded it (probes/heartbeat_exit.py): the last
+    heartbeat's ``failure`` {kind, exc_type, exc, exit_code, t_ns}, unless the rank stepped on
+    after it (a sys.exit the job caught)."""
+    for i in range(len(heartbeats) - 1, -1, -1):
+        h = heartbeats[i]
+        f = h.get("failure")
+        if not isinstance(f, dict) or f.get("kind") not in FAILURE_KINDS:
+            continue
+        step = h.get("step") if isinstance(h.get("step"), int) else -1
+        if any(isinstance(x.get("step"), int) and x["step"] > step for x in heartbeats[i + 1:]):
+            return None
+        out = {"kind": f["kind"]}
+        for k, typ in (("exc_type", str), ("exc", str), ("exit_code", int), ("t_ns", int)):
+            if isinstance(f.get(k), typ) and not isinstance(f.get(k), bool):
+                out[k] = f[k]
+        if "t_ns" not in out and isinstance(h.get("t_ns"), int):
+            out["t_ns"] = h["t_ns"]
+        return out
+    return None
+
+
+def describe_failure(f: dict | None) -> str | None:
+    """'raised RuntimeError: boom' / 'called sys.exit(7)' from a rank's failure record."""
+    if not f:
+        return None
+    if f["kind"] == "exception":
+        text = f": {f['exc']}" if f.get("exc") else ""
+        return f"raised {f.get('exc_type') or 'an exception'}{text}"
+    msg = f" ({f['exc']})" if f.get("exc") else ""
+    return f"called sys.exit with exit code {f.get('exit_code')}{msg}"
+
+
 def _blocked_in_c10d(stack) -> bool:
     return any("torch/distributed" in str(f.get("file") or "") for f in stack or [])
 
@@ -155,7 +193,8 @@ class RankView:
         self.collectives = [last] if last else []
         self.present = bool(self.heartbeats or self.dump or self.fr or self.steps
                             or run.rank_meta(r))
-        progress = [h.get("t_ns") for h in self.heartbeats if h.get("event") != "close"]
+        self.failure = _failure(self.heartbeats)
+        progress = [h.get("t_ns") for h in self.heartbeats if h.get("event") in PROGRESS_EVENTS]
         progress += [s.get("end_ns") for s in self.steps[-1:]]
         progress += [c.get("end_ns") for c in self.collectives[-1:]]
         self.last_progress_ns = max((int(t) for t in progress if t), default=None)
@@ -296,7 +335,8 @@ def _detect(run, views, exits=None) -> dict:
         reasons.append(f"hang dumps present on {len(dumped)} rank(s)")
     gaps = []
     for v in views.values():
-        ts = [h["t_ns"] for h in v.heartbeats[1:] if h.get("event") != "close" and h.get("t_ns")]
+        ts = [h["t_ns"] for h in v.heartbeats[1:] if h.get("event") in PROGRESS_EVENTS
+              and h.get("t_ns")]
         gaps += [(b - a) / 1e9 for a, b in zip(ts, ts[1:])]
     gaps.sort()
     p90_gap = gaps[int(0.9 * (len(gaps) - 1))] if gaps else 0.0
@@ -307,6 +347,15 @@ def _detect(run, views, exits=None) -> dict:
               if isinstance(w.get("t_close_ns"), int)]
     if closes:  # the torchrun agent stopped the workers then: the job's end, not its own exit
         end_ns = min([end_ns] + closes) if end_ns else min(closes)
+    # A rank's own failure ends the job: the others' wait for the launcher to stop them after it
+    # (and its own exit) is no stall. Its failure record dates it; without one, a rank the agent
+    # saw fail first ended no later than it closed its heartbeat.
+    failed_at = [v.failure["t_ns"] for v in views.values() if v.failure and v.failure.get("t_ns")]
+    first_ranks = {w["rank"] for w in (exits or {}).get("first_failures", [])}
+    failed_at += [v.last_hb["t_ns"] for r, v in views.items() if r in first_ranks and v.closed
+                  and isinstance(v.last_hb.get("t_ns"), int)]
+    if failed_at:
+        end_ns = min([end_ns] + failed_at) if end_ns else min(failed_at)
     if end_ns is None:
         ended = [run.rank_meta(r).get("ended_ns") for r in views]
         end_ns = max((e for e in ended if e), default=None)
@@ -352,6 +401,16 @@ def _died(run, views, exits, det) -> list[dict]:
         if row["exitcode"]:
             first = [dict(row, rank=r, pid=None, host=man.get("host"),
                           source="the launcher's exit status (manifest.json)")]
+    recorded = sorted((v.failure.get("t_ns") or 0, r) for r, v in views.items() if v.failure)
+    if not first and not exits["workers"] and recorded and man.get("status") != "ok" \
+            and not stopped_ns:  # no agent record: the ranks' own records of their failure
+        t0 = recorded[0][0]
+        for t, r in recorded:
+            if t - t0 <= MIN_LEAD_S * 1e9 or t == 0:  # the first failure and those beside it
+                code = views[r].failure.get("exit_code")
+                first.append(dict(worker_exits.describe_exit(code if code is not None else 1),
+                                  rank=r, pid=None, host=None,
+                                  source="the rank's own failure record (heartbeat.jsonl)"))
     if not first and not exits["workers"] and man.get("status") in ("failed", "killed") \
             and not det["reasons"] and not stopped_ns:
         lp = {r: v.last_progress_ns for r, v in views.items() if v.last_progress_ns and v.heartbeats}
@@ -365,7 +424,9 @@ def _died(run, views, exits, det) -> list[dict]:
                                      f"any other rank's and never closed")]
     # a death by a signal is a cause; an error exit beside it is usually its consequence (a
     # collective failing on the dead peer): signals first, then the earliest last progress
-    first.sort(key=lambda w: (not w.get("signal"), views[w["rank"]].last_progress_ns or 0))
+    # (of error exits, the one its rank recorded first)
+    first.sort(key=lambda w: (not w.get("signal"), (views[w["rank"]].failure or {}).get("t_ns")
+                              or views[w["rank"]].last_progress_ns or 0))
     out = []
     for w in first:
         v = views[w["rank"]]
@@ -373,7 +434,8 @@ def _died(run, views, exits, det) -> list[dict]:
                                                "signal_name", "source")},
                     "step": v.step, "last_step_done": v.last_step_done,
                     "last_collective": v.latest_collective(),
-                    "last_progress_ns": v.last_progress_ns})
+                    "last_progress_ns": v.last_progress_ns, "failure": v.failure,
+                    "waiting_in": v.waiting_in() if v.blocked else None})
     return out
 
 
@@ -402,6 +464,9 @@ def postmortem(run) -> dict | None:
     ranks = sorted(set(ranks) | set(run.ranks))
     run.frame("collectives")  # one table of every rank's log; the views take its last records
     run.steps()  # (the same for the steps)
+    unrecorded = worker_exits.launcher_unrecorded(run.launcher)
+    if unrecorded and unrecorded["state"] != "alive":
+        run.problems.append(f"{run.path}/manifest.json: {unrecorded['text']}")
     views = {r: RankView(run, r) for r in ranks}
     exits = _worker_exits(run)
     if not any(v.heartbeats or v.dump or v.fr for v in views.values()) \
@@ -443,6 +508,7 @@ def postmortem(run) -> dict | None:
             "user_frame": fmt_frame(v.user_frame),
             "code": (v.user_frame or {}).get("code"),
             "stack_group": next((g["id"] for g in stacks if r in g["ranks"]), None),
+            "failure": v.failure,
             "exit": {k: ex.get(k) for k in ("pid", "host", "exitcode", "signal", "signal_name",
                                             "first", "ended_by_launcher")} if ex else None})
     pm = {
@@ -451,7 +517,8 @@ def postmortem(run) -> dict | None:
         "died": died,
         "ranks": rows, "job": {k: run.launcher.get(k) for k in ("status", "exit_code", "signal",
                                                                   "signal_name", "job_exit_code",
-                                                                  "hangs", "signals_forwarded")},
+                                                                  "hangs", "signals_forwarded")}
+        | {"exit_not_recorded": unrecorded["text"] if unrecorded else None},
         "last_progress_ns": det["last_progress_ns"], "stalled_s": det["stalled_s"],
         "stall_threshold_s": det["threshold_s"],
         "ranks_with_heartbeat": sum(1 for v in views.values() if v.heartbeats),
@@ -459,8 +526,22 @@ def postmortem(run) -> dict | None:
         "flight_recorder": {"ranks": sorted(fr_dumps), "groups": cmp.get("groups", {}),
                             "inflight": cmp.get("inflight", {})} if fr_dumps else None,
     }
+    pm["kind"] = kind_of(pm)
     pm["message"] = _message(pm)
     return pm
+
+
+def kind_of(pm) -> str:
+    """The finding's kind: ``hang`` (the ranks stopped progressing: the watchdog fired, ranks
+    dumped, or every rank stalled before the job ended), ``desync`` (a rank issued another
+    collective than its peers, or never arrived at one they entered), ``rank_failure`` (a rank's
+    process failed: an exception, an error exit, a signal). A crash is never a hang."""
+    if pm["hung"]:
+        return "hang"
+    c = pm["culprit"]
+    if c and c["reason"] in ("desync", "never_arrived"):
+        return "desync"
+    return "rank_failure" if pm["died"] else "desync"
 
 
 def _culprit(views, desync, missing, stacks, hung, died=()) -> dict | None:
@@ -470,18 +551,70 @@ def _culprit(views, desync, missing, stacks, hung, died=()) -> dict | None:
                 "frame": fmt_frame(v.user_frame or v.frame), "innermost_frame": fmt_frame(v.frame),
                 "code": (v.user_frame or v.frame or {}).get("code"), "step": v.step}
 
-    if died:  # a process that died is the cause of whatever the others did next
+    victims = _victims(died, desync, missing)
+    if died and not victims:  # a process that died is the cause of whatever the others did next
         d = died[0]
         what = worker_exits.how(d) if d.get("exitcode") is not None else "stopped (its process died?)"
+        raised = describe_failure(d.get("failure"))
+        if raised:
+            what = f"{raised} ({what})"
         where = f" in step {d['step']}" if d.get("step") is not None else ""
         done = f" (last completed step {d['last_step_done']})" if d.get("last_step_done") is not None else ""
         coll = _fmt_collective(d.get("last_collective"))
         how = f"{what}{where}{done}" + (f"; its last recorded collective: {coll}" if coll else "")
+        if d.get("signal_name") == "SIGABRT" and not d.get("failure"):
+            how += (" (gloo and NCCL abort a rank with SIGABRT on a collective mismatch or a "
+                    "timeout: its stderr says which)")
         c = describe([d["rank"]], "died", how)
         c.update({k: d.get(k) for k in ("exitcode", "signal", "signal_name", "pid", "host", "source",
                                         "last_step_done", "last_collective")})
         c["also_failed"] = [x["rank"] for x in died[1:]]
+        c["failure"] = d.get("failure")
         return c
+    c = _culprit_alive(views, desync, missing, stacks, hung)
+    if c is not None and victims:
+        c["victims"] = [{"rank": d["rank"], "how": _victim_how(d)} for d in victims]
+        c["also_failed"] = [d["rank"] for d in died if d not in victims]
+    return c
+
+
+def _victims(died, desync, missing) -> list[dict]:
+    """The ranks that died while waiting for a peer that never came: in a collective some rank
+    never arrived at, or on the majority side of a desynchronized one (the backend aborts a
+    rank whose peers disagree, or time out). Empty when a rank that died is itself one of those
+    that never arrived or issued the odd collective: its death is then the cause."""
+    if not died:
+        return []
+    dead = {d["rank"] for d in died}
+    absent = {r for m in missing for r in m["missing_ranks"] + m.get("unknown_ranks", [])}
+    waiting = {r for m in missing for r in m["waiting_ranks"]}
+    for d in desync:
+        variants = sorted(d["variants"], key=lambda x: len(x["ranks"]))
+        if len(variants) > 1 and len(variants[0]["ranks"]) < len(variants[-1]["ranks"]):
+            absent |= set(variants[0]["ranks"])
+            waiting |= {r for v in variants[1:] for r in v["ranks"]}
+    if not absent or absent & dead or died[0]["rank"] not in waiting:
+        return []
+    return [d for d in died if d["rank"] in waiting]
+
+
+def _victim_how(d: dict) -> str:
+    what = worker_exits.how(d) if d.get("exitcode") is not None else "died"
+    raised = describe_failure(d.get("failure"))
+    if raised:
+        what = f"{raised} ({what})"
+    w = d.get("waiting_in")
+    where = (f" while it waited in {w.get('op') or 'collective'} #{w.get('seq')} of group "
+             f"{w.get('pg')}" if w else " while it waited for its peer")
+    return what + where
+
+
+def _culprit_alive(views, desync, missing, stacks, hung) -> dict | None:
+    def describe(ranks, reason, how):
+        v = views[ranks[0]]
+        return {"ranks": ranks, "reason": reason, "how": how,
+                "frame": fmt_frame(v.user_frame or v.frame), "innermost_frame": fmt_frame(v.frame),
+                "code": (v.user_frame or v.frame or {}).get("code"), "step": v.step}
 
     if desync:
         d = desync[0]
@@ -535,8 +668,8 @@ def _rank_s(rs) -> str:
 def _message(pm) -> str:
     parts = []
     c = pm["culprit"]
-    head = "Hang" if pm["hung"] else "Collective desynchronization" if pm["desync"] \
-        else "Rank failure"
+    head = {"hang": "Hang", "desync": "Collective desynchronization",
+            "rank_failure": "Rank failure"}[pm.get("kind") or kind_of(pm)]
     if pm["recovered"]:
         head = "Stall (the job recovered)"
     if c:
@@ -548,6 +681,13 @@ def _message(pm) -> str:
             if c.get("also_failed"):
                 parts.append(f"{_rank_s(c['also_failed'])} had also ended before the launcher "
                              f"stopped the job")
+        for v in c.get("victims") or []:
+            parts.append(f"rank {v['rank']} was the first to end ({v['how']}): a victim of "
+                         f"the mismatch, not its cause")
+        if c.get("victims") and c.get("also_failed"):
+            parts.append(f"{_rank_s(c['also_failed'])} had also ended before the launcher "
+                         f"stopped the job")
+        if c["reason"] == "died" or c.get("victims"):
             ended = [row["rank"] for row in pm["ranks"] if row["state"] == "ended_by_launcher"]
             if ended:
                 parts.append(f"the launcher then ended {_rank_s(ended)}")
@@ -578,9 +718,10 @@ def finding(pm) -> Finding:
     severity = "warning" if pm["recovered"] else ("critical" if pm["hung"] else "error")
     evidence = {k: pm[k]
                 for k in ("culprit", "desync", "never_arrived", "detected_by", "stalled_s", "died")}
+    evidence["failures"] = {str(r["rank"]): r["failure"] for r in pm["ranks"] if r.get("failure")}
     keys = ("ranks", "majority", "frame", "user_frame", "code", "in_collective")
     evidence["stack_groups"] = [{k: g[k] for k in keys} for g in pm["stack_groups"]]
     evidence["waiting_in"] = {str(r["rank"]): r["waiting_in"] for r in pm["ranks"]
                               if r["waiting_in"]}
-    return Finding(kind="hang", severity=severity, ranks=ranks, message=pm["message"],
+    return Finding(kind=pm.get("kind") or kind_of(pm), severity=severity, ranks=ranks, message=pm["message"],
                    evidence=evidence)

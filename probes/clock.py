@@ -9,7 +9,9 @@ sees the ping and t2 when it answers, rank r notes t3 when the answer arrives. T
 
 and the round with the smallest round trip wins. Rank 0 answers the ranks one after the other.
 The start estimate runs on a daemon thread so the job never waits for it; the end estimate
-runs at close with short timeouts, because other ranks may already be gone. A rank that gets
+runs at close with short timeouts, because other ranks may already be gone. A process dying of
+an uncaught exception or sys.exit(non-zero) (probes/heartbeat_exit.py) skips the end estimate:
+it never waits on its peers (the launcher stops them only once it has exited). A rank that gets
 no answer in time writes nothing for that phase (analyzers then fall back to the other phase
 or to no correction).
 """
@@ -54,6 +56,10 @@ class Stop:
 
     def call(self, fn, *args):
         with self.lock:
+            if not self.stopped and not _dist_alive():
+                # the job destroyed its process group: the store's host may be gone with it,
+                # and a check on a closed connection prints C++ warnings on the job's stderr
+                self.stopped = True
             if self.stopped:
                 raise RuntimeError("process exiting")
             self.idle.clear()
@@ -68,6 +74,12 @@ class Stop:
         with self.lock:
             self.stopped = True
         self.idle.wait(EXIT_WAIT_S)
+
+
+def _dist_alive() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized()
 
 
 def _await(store, key: str, seconds: float, stop: Stop | None) -> bool:
@@ -195,6 +207,10 @@ class ClockProbe:
     def end(self) -> None:
         if not self.started or self.store is None:
             return
+        from trainprof.probes import heartbeat_exit
+
+        if heartbeat_exit.failure() is not None:
+            return  # dying of an error: peers may be gone, and must not wait for this one
         budget = float(os.environ.get(ENV_END_TIMEOUT, 5))
         self._run("end", budget, budget)
 
@@ -227,6 +243,9 @@ class ClockProbe:
 
 
 def attach(session) -> None:
+    from trainprof.probes import heartbeat_exit
+
+    heartbeat_exit.install()  # end() asks it whether this process is failing
     probe = ClockProbe(session)
     session.state["clock_probe"] = probe
     probe.start()

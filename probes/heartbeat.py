@@ -9,8 +9,12 @@ sleep therefore stops writing; the time of its last record is the time of its la
 (within one interval). The launcher's watchdog (`trainprof wrap --hang-timeout`) watches these
 files grow; `analyzers/hang.py` reads them after the fact, also after SIGKILL.
 
-Record: {t_ns, event: "start"|"progress"|"close", pid, step, last_collective, inflight,
-inflight_count, fr}. ``last_collective``/``inflight`` carry the collectives.jsonl fields
+Record: {t_ns, event: "start"|"progress"|"failure"|"thread_exception"|"close", pid, step,
+last_collective, inflight, inflight_count, fr}. A process that dies of an uncaught exception or
+``sys.exit(non-zero)`` writes a ``failure`` record at that moment (probes/heartbeat_exit.py), with
+``failure``: {kind: "exception"|"exit", exc_type, exc, exit_code, t_ns}; its ``close`` record
+carries the same ``failure``. An exception that ends another thread is a ``thread_exception``
+record (the process may go on). ``last_collective``/``inflight`` carry the collectives.jsonl fields
 (pg, seq, op, bytes, enqueue_ns, ...); ``fr`` is {pg_name: [last_enqueued, last_completed]} from
 PyTorch's flight recorder, which counts collectives even without the collectives probe.
 
@@ -38,10 +42,14 @@ COLLECTIVE_FIELDS = ("step", "pg", "seq", "op", "bytes", "dtype", "numel", "enqu
 
 
 def attach(session) -> None:
+    from trainprof.probes import heartbeat_exit
+
     hb = Heartbeat(session)
     session.state["heartbeat"] = hb
     session.on_close(hb.close)
     hb.start()
+    heartbeat_exit.install()
+    heartbeat_exit.on_failure(hb.failed)
 
 
 def compact(rec) -> dict | None:
@@ -132,7 +140,13 @@ class Heartbeat:
                 "inflight": inflight[:MAX_INFLIGHT], "inflight_count": len(inflight),
                 "fr": fr}
 
-    def beat(self, event: str = "progress", force: bool = False) -> None:
+    def failed(self, failure: dict) -> None:
+        """The process is dying of ``failure`` (or a thread died): say so at once."""
+        event = "thread_exception" if failure.get("kind") == "thread_exception" else "failure"
+        self.beat(event, force=True, extra={"failure": failure})
+
+    def beat(self, event: str = "progress", force: bool = False,
+             extra: dict | None = None) -> None:
         try:
             snap = self.snapshot()
             lc = snap["last_collective"] or {}
@@ -143,7 +157,7 @@ class Heartbeat:
             if key == self._key and not force:
                 return
             self._key = key
-            rec = {"t_ns": time.time_ns(), "event": event, **snap}
+            rec = {"t_ns": time.time_ns(), "event": event, **snap, **(extra or {})}
             self._append(dumps_compact(rec) + "\n")  # orjson where present: ~5x json's speed
             self.last = rec
         except Exception:  # noqa: BLE001 - never raise into the job
@@ -169,7 +183,14 @@ class Heartbeat:
         if self._stopped:
             return
         self._stopped = True
-        self.beat("close", force=True)
+        failure = None
+        try:
+            from trainprof.probes import heartbeat_exit
+
+            failure = heartbeat_exit.failure()
+        except Exception:  # noqa: BLE001
+            pass
+        self.beat("close", force=True, extra={"failure": failure} if failure else None)
         with self._lock:
             self._closed = True
             self._fd = close_quietly(self._fd)

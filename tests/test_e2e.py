@@ -48,7 +48,8 @@ def test_analyze_writes_summary_and_report(reference_run, tmp_path):
     for name in ("step_time", "comm_compute"):
         assert name in summary["metrics"], sorted(summary["metrics"])
     # a clean run: nothing is wrong with it
-    faults = {"straggler", "nan_origin", "hang", "stage_imbalance", "data_starvation"}
+    faults = {"straggler", "nan_origin", "hang", "rank_failure", "desync", "stage_imbalance",
+              "data_starvation"}
     assert [f for f in summary["findings"] if f["kind"] in faults] == []
     html = (tmp_path / "report.html").read_text()
     assert html.startswith("<!DOCTYPE html>") or html.lower().startswith("<!doctype html>")

@@ -406,7 +406,7 @@ def test_postmortem_after_sigkill_with_torn_heartbeat(reference_run, tmp_path_fa
 @pytest.mark.skipif(not HAVE_REFERENCE, reason="reference workload not in this build")
 def test_clean_reference_run_has_no_hang(reference_run, tmp_path):
     summary = _analyze(reference_run("clean8"), tmp_path)
-    assert [f for f in summary["findings"] if f["kind"] == "hang"] == []
+    assert [f for f in summary["findings"] if f["analyzer"] == "hang"] == []
     m = summary["metrics"]["hang"]
     assert m["hung"] is False and m["ranks_with_heartbeat"] == 8
 
@@ -430,3 +430,137 @@ def test_dumps_found_in_every_run_directory_analyzed_together(tmp_path):
         dump = hang_analyzer._read_dump(run, r)
         assert dump is not None and dump["rank"] == r
         assert hang_analyzer.RankView(run, r).dump is not None
+
+
+# --------------------------------------------------------------------------- failures vs hangs
+
+
+def _exits(root: Path, t_s: float, at_close: dict, final: dict) -> None:
+    """RUN/worker-exits.jsonl as the torchrun agent writes it (probes/elastic_agent.py)."""
+    rec = {"t_ns": int(t_s * 1e9), "event": "workers_closed", "host": "h", "agent_pid": 1,
+           "restart": 0, "workers": [{"rank": r, "local_rank": r, "pid": 100 + r,
+                                      "exitcode_at_close": at_close.get(r), "exitcode": final[r]}
+                                     for r in sorted(final)]}
+    (root / "worker-exits.jsonl").write_text(json.dumps(rec) + "\n")
+
+
+BOOM = {"kind": "exception", "exc_type": "RuntimeError", "exc": "boom: corrupt batch at step 5",
+        "t_ns": int(105.0e9), "thread": "MainThread"}
+_COLL = {"pg": "0", "op": "all_reduce", "bytes": 4}
+
+
+@pytest.mark.parametrize("failure, said", [
+    (BOOM, "raised RuntimeError: boom: corrupt batch at step 5 (exited with code 1)"),
+    ({"kind": "exit", "exit_code": 7, "t_ns": int(105.0e9)}, "called sys.exit with exit code 7"),
+])
+def test_crash_is_a_rank_failure_with_its_exception_never_a_hang(tmp_path, failure, said):
+    # Rank 1 fails at 105 s while rank 0 waits in the collective rank 1 never issued. Rank 1's
+    # heartbeat closed 5.5 s later (as when its probes waited on the dead peer at exit), and the
+    # agent stopped rank 0 at 111 s: 6 s without progress, above the 5 s stall threshold, yet
+    # the stall is the crash's, not a hang.
+    code = failure.get("exit_code", 1)
+    r0 = [_hb(100, 0, "start"), _hb(104, 5, inflight=[dict(_COLL, seq=6, step=5)])]
+    r1 = [_hb(100, 0, "start"), dict(_hb(104, 5), last_collective=dict(_COLL, seq=5, step=4)),
+          dict(_hb(105, 5, "failure"), failure=failure),
+          dict(_hb(110.5, 5, "close"), failure=failure)]
+    run = _write_run(tmp_path / "r", {0: r0, 1: r1}, status="failed", end_ns=int(111.5e9))
+    _exits(run, 111, {1: code}, {0: -15, 1: code})
+    res = hang_analyzer.analyze(RunDir(run))
+    (f,) = res.findings
+    assert f.kind == "rank_failure" and f.severity == "error" and f.ranks == [1]
+    assert res.metrics["hung"] is False and res.metrics["detected_by"] == []
+    assert f.message.startswith(f"Rank failure: rank 1 was the first to fail: {said}")
+    assert "Hang" not in f.message and "hang" not in f.message.lower()
+    assert f.evidence["failures"]["1"]["kind"] == failure["kind"]
+    assert res.metrics["stalled_s"] == pytest.approx(1.0)  # until the failure, not the agent's stop
+
+
+def test_a_real_hang_that_ends_in_a_crash_stays_a_hang(tmp_path):
+    # Every rank stopped at 104 s; at 164 s rank 0's collective timed out and raised: 60 s of no
+    # progress before the first failure is a hang, the crash its consequence.
+    late = dict(BOOM, exc="Timed out waiting 60000ms for recv operation", t_ns=int(164e9))
+    r0 = [_hb(100, 0, "start"), _hb(104, 5, inflight=[dict(_COLL, seq=6, step=5)]),
+          dict(_hb(164, 5, "failure"), failure=late), dict(_hb(164.1, 5, "close"), failure=late)]
+    r1 = [_hb(100, 0, "start"), dict(_hb(104, 5), last_collective=dict(_COLL, seq=5, step=4))]
+    run = _write_run(tmp_path / "r", {0: r0, 1: r1}, status="failed", end_ns=int(165e9))
+    _exits(run, 164.5, {0: 1}, {0: 1, 1: -15})
+    (f,) = hang_analyzer.analyze(RunDir(run)).findings
+    assert f.kind == "hang" and f.severity == "critical"
+    assert "no rank progressed during the last 60.0 s" in f.evidence["detected_by"][0]
+
+
+def test_rank_aborted_for_a_peers_missed_collective_is_the_victim(tmp_path):
+    # Rank 1 skipped all_reduce #14 and went on; gloo aborted rank 0 (SIGABRT) while it waited
+    # in #14. The culprit is rank 1, who never arrived; rank 0 died first but is the victim.
+    r0 = [_hb(100, 0, "start"),
+          dict(_hb(103, 7, inflight=[dict(_COLL, seq=14, step=7)]),
+               last_collective=dict(_COLL, seq=13, step=6))]
+    r1 = [_hb(100, 0, "start"), dict(_hb(103, 7), last_collective=dict(_COLL, seq=13, step=6))]
+    run = _write_run(tmp_path / "r", {0: r0, 1: r1}, status="failed", end_ns=int(104e9))
+    _exits(run, 103.5, {0: -6}, {0: -6, 1: -15})
+    res = hang_analyzer.analyze(RunDir(run))
+    (f,) = res.findings
+    c = f.evidence["culprit"]
+    assert f.kind == "desync" and f.ranks == [1] and c["reason"] == "never_arrived"
+    assert [v["rank"] for v in c["victims"]] == [0]
+    assert f.message.startswith("Collective desynchronization: rank 1 never reached collective "
+                                "all_reduce #14 of group 0")
+    assert "rank 0 was the first to end (killed by SIGABRT (signal 6) while it waited in " \
+           "all_reduce #14 of group 0): a victim" in f.message
+    assert "Rank failure" not in f.message
+
+
+def test_rank_that_died_and_never_arrived_is_the_culprit_not_a_victim(tmp_path):
+    # The same wait, but rank 1 is the one that died (SIGKILL) before #14: it is the cause.
+    r0 = [_hb(100, 0, "start"), dict(_hb(103, 7, inflight=[dict(_COLL, seq=14, step=7)]))]
+    r1 = [_hb(100, 0, "start"), dict(_hb(103, 7), last_collective=dict(_COLL, seq=13, step=6))]
+    run = _write_run(tmp_path / "r", {0: r0, 1: r1}, status="failed", end_ns=int(104e9))
+    _exits(run, 103.5, {1: -9}, {0: -15, 1: -9})
+    (f,) = hang_analyzer.analyze(RunDir(run)).findings
+    assert f.kind == "rank_failure" and f.ranks == [1]
+    assert f.evidence["culprit"]["reason"] == "died" and "victims" not in f.evidence["culprit"]
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_launcher_killed_without_recording_the_exit_is_said(tmp_path):
+    import socket
+
+    hbs = {r: [_hb(100, 0, "start"), _hb(101, 1)] for r in range(2)}
+    run = _write_run(tmp_path / "r", hbs, status="running")
+    man = json.loads((run / "manifest.json").read_text())
+    man.update(launcher_pid=_dead_pid(), host=socket.gethostname(), exit_code=None)
+    write_json_atomic(run / "manifest.json", man)
+    for r in range(2):  # hang dumps: a hang (the run `timeout -s KILL` ended, wrap included)
+        write_json_atomic(run / f"ranks/rank-{r:05d}/hang-dump.json", {"complete": True, "rank": r})
+    res = run_cli(["hang", run])
+    out = " ".join(res.stdout.split())
+    assert res.returncode == 0, res.stderr
+    assert "ended without recording the job's exit" in out, out
+    assert not [x for x in res.stdout.splitlines() if x.rstrip().endswith("exit code")], res.stdout
+    res = run_cli(["analyze", run, "--json", "--no-report"])
+    problems = json.loads(res.stdout)["problems"]
+    assert [p for p in problems if "manifest.json" in p and "ended without recording" in p], problems
+
+
+def test_hang_on_a_directory_without_hang_data_exits_3(tmp_path):
+    traces = tmp_path / "tb"
+    traces.mkdir()
+    shutil.copy(Path(__file__).parent / "fixtures/hta/trace_filter/sampled_rank-0.json.gz",
+                traces / "rank-0.pt.trace.json.gz")
+    res = run_cli(["hang", traces])
+    assert res.returncode == 3, (res.returncode, res.stdout, res.stderr)
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "profiler trace" in lines[0] and "expected" in lines[0], lines
+    assert "heartbeat" in lines[0]
+    bare = tmp_path / "bare"  # rank folders without any hang data
+    (bare / "ranks/rank-00000").mkdir(parents=True)
+    write_json_atomic(bare / "ranks/rank-00000/meta.json", {"rank": 0, "world_size": 1})
+    res = run_cli(["hang", bare])
+    assert res.returncode == 3 and "1 rank folder(s) without heartbeats" in res.stderr

@@ -26,6 +26,8 @@ def _store_host_job(setup: str) -> str:
             t = torch.ones(1); dist.all_reduce(t)
             time.sleep(0.5)
             dist.destroy_process_group()
+            if rank == 0:  # the store's host exits last: its clients' teardown never races it
+                time.sleep(1.0)
             print(f"rank {rank} done", flush=True)
 
         if __name__ == "__main__":

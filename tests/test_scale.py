@@ -27,7 +27,8 @@ TRACES = 2  # the benchmark keeps 8: here a trace's digest is fixed cost, not th
 STRAGGLER = RANKS * 3 // 4 + 1  # 769 (node096) at 1,024 ranks
 HOST = f"node{STRAGGLER // 8:03d}"  # 8 ranks per host
 DELAY_MS = 300.0  # ~35 % of the source's median step (800-1000 ms)
-STRAGGLER_KINDS = ("straggler", "data_starvation", "stage_imbalance", "hang")
+STRAGGLER_KINDS = ("straggler", "data_starvation", "stage_imbalance", "hang", "rank_failure",
+                   "desync")
 
 
 def _analyze(run: Path, out: Path) -> tuple[dict, int]:

@@ -530,7 +530,7 @@ def test_sigkilled_rank_is_named_first_failure(tmp_path):
     (first,) = [f for f in man["first_failures"] if f["rank"] == 1]
     assert first["signal"] == signal.SIGKILL and first["exitcode"] == -9
     summary = json.loads((out / "summary.json").read_text())
-    (f,) = [f for f in summary["findings"] if f["kind"] == "hang"]
+    (f,) = [f for f in summary["findings"] if f["kind"] == "rank_failure"]  # a crash, not a hang
     c = f["evidence"]["culprit"]
     assert f["ranks"] == [1] and c["reason"] == "died" and c["signal_name"] == "SIGKILL"
     assert c["last_step_done"] == 5 and c["step"] == 6

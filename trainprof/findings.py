@@ -20,7 +20,8 @@ SUMMARY_SCHEMA_VERSION = 1
 SEVERITIES = ("info", "warning", "error", "critical")
 
 KINDS = (
-    "straggler", "nan_origin", "loss_spike", "hang", "pipeline_bubble", "stage_imbalance",
+    "straggler", "nan_origin", "loss_spike", "hang", "rank_failure", "desync", "pipeline_bubble",
+    "stage_imbalance",
     "exposed_comm", "fragmentation", "memory", "roofline", "data_starvation", "host_stall",
     "device_starved",
 )

@@ -61,3 +61,28 @@ def how(row: dict) -> str:
     if row.get("signal"):
         return f"killed by {row.get('signal_name')} (signal {row['signal']})"
     return f"exited with code {row.get('exitcode')}"
+
+
+def launcher_unrecorded(man: dict) -> dict | None:
+    """When the launcher's record (manifest.json) never got the job's end: {"state", "text"},
+    state "dead" (a launcher of this host whose process is gone: killed, e.g. by SIGKILL),
+    "unknown" (of another host: still running there, or killed) or "alive" (the job is still
+    running); None when the end is recorded, or there is no launcher record (a probe-only run)."""
+    if not isinstance(man, dict) or not man or man.get("end_time") \
+            or man.get("status") not in (None, "running") or isinstance(man.get("exit_code"), int):
+        return None
+    from trainprof import nodes
+
+    pid, host = man.get("launcher_pid"), man.get("host")
+    who = "the launcher (`trainprof wrap`" + (f", pid {pid}" if isinstance(pid, int) else "") \
+        + (f" on {host}" if isinstance(host, str) else "") + ")"
+    state = nodes.state(man)
+    if state == "alive":
+        return {"state": state, "text": f"{who} is still running: the job has not ended yet"}
+    if state == "dead":
+        text = (f"{who} ended without recording the job's exit (killed, e.g. by SIGKILL?): the "
+                f"job's status and exit code are unknown")
+    else:
+        text = (f"{who} has not recorded the job's exit: it is still running there, or it was "
+                f"killed (e.g. by SIGKILL); the job's status and exit code are unknown")
+    return {"state": "dead" if state == "dead" else "unknown", "text": text}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from trainprof.reports import kit, ranks as rk
+from trainprof.wording import ranks_phrase, share_label
 
 TITLE = "Hangs"
 
@@ -16,7 +17,7 @@ def _wait(w) -> str:
 
 
 def render(metrics: dict, summary: dict) -> str:
-    if not metrics.get("hung") and not metrics.get("desync"):
+    if not metrics.get("hung") and not metrics.get("desync") and not metrics.get("died"):
         stalled = metrics.get("stalled_s")
         return kit.para(f"No hang: {metrics.get('ranks_with_heartbeat', 0)} rank(s) sent "
                         f"heartbeats" + (f"; last progress {stalled:.1f} s before the job ended"
@@ -40,7 +41,7 @@ def render(metrics: dict, summary: dict) -> str:
                                                      "code", "stalled s")],
                              worst_label="rarest state, then longest stalled"))
     desync = [{"source": d["source"], "group": d["pg"], "seq": d["seq"],
-               "variants": "; ".join(f"{v['op']} on ranks {rk.rank_list(v['ranks'])}"
+               "variants": "; ".join(f"{v['op']} on {ranks_phrase(v['ranks'])}"
                                      for v in d["variants"])}
               for d in metrics.get("desync") or []]
     if desync:
@@ -54,7 +55,8 @@ def render(metrics: dict, summary: dict) -> str:
     if missing:
         out.append(kit.para("Ranks that never arrived at a collective the others wait in"))
         out.append(kit.table(missing))
-    groups = [{"ranks": rk.rank_list(g["ranks"]), "majority": "yes" if g["majority"] else "no",
+    sizes = [len(g.get("ranks") or []) for g in metrics.get("stack_groups") or []]
+    groups = [{"ranks": rk.rank_list(g["ranks"]), "share": share_label(len(g.get("ranks") or []), sizes),
                "in collective": "yes" if g["in_collective"] else "no",
                "frame": g.get("user_frame") or g.get("frame"), "code": g.get("code"),
                "innermost frames": " ← ".join(f"{f['function']}:{f['line']}"

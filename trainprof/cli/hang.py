@@ -11,6 +11,7 @@ import click
 
 from trainprof.cli._output import InputError, apply_input_limit, max_input_option
 from trainprof.rundir import RunDirError
+from trainprof.wording import ranks_phrase, share_label, verb
 
 
 @click.command()
@@ -28,9 +29,13 @@ def hang(run_dir, as_json, request_dump, wait_s, max_input_mb):
 
     Works on a run that is still hanging (with --dump), one ended by `wrap --on-hang kill`, and
     one killed with SIGKILL (from heartbeats alone; some ranks' files may be missing).
-    A run directory that cannot be read (or of a newer schema) exits 2.
+
+    Exit codes: 0 analyzed (a hang or not), 2 input refused (a run directory that cannot be
+    read, or of a newer schema), 3 nothing analyzed (no heartbeats, hang dumps or flight
+    recorder, e.g. a folder of profiler traces).
     """
     from trainprof.analyzers.hang import postmortem
+    from trainprof.cli.analyze import NOTHING_ANALYZED_EXIT
     from trainprof.rundir import RunDir
 
     apply_input_limit(max_input_mb)
@@ -50,8 +55,28 @@ def hang(run_dir, as_json, request_dump, wait_s, max_input_mb):
     if as_json:
         click.echo(json.dumps({"postmortem": pm, "problems": list(dict.fromkeys(run.problems))},
                               indent=2, default=str))
-        return
-    render(pm, run)
+    else:
+        render(pm, run)
+    if pm is None:  # never "no hang" about a directory that holds no hang data
+        from trainprof.reports.terminal import printable
+
+        click.echo(printable(f"trainprof: nothing analyzed: {run_dir}: {_found(run)}"), err=True)
+        raise SystemExit(NOTHING_ANALYZED_EXIT)
+
+
+def _found(run) -> str:
+    """What RUN_DIR holds, for a directory without hang data, and what was expected."""
+    if run.trace_inputs:
+        what = f"found {len(run.trace_inputs)} profiler trace(s) only"
+    elif getattr(run, "bare_snapshots", None):
+        what = f"found {len(run.bare_snapshots)} allocator snapshot(s) only"
+    elif run.ranks:
+        what = (f"found {len(run.ranks)} rank folder(s) without heartbeats, hang dumps or "
+                f"flight-recorder files")
+    else:
+        what = "found no rank folders (ranks/rank-N)"
+    return (f"{what}; expected a run directory written by `trainprof wrap` (its ranks' "
+            f"heartbeat.jsonl, hang-dump.json or flight-recorder files)")
 
 
 def _request_dump(run_dir: Path, wait_s: float) -> None:
@@ -90,8 +115,7 @@ def render(pm: dict | None, run) -> None:
     from trainprof.reports.terminal import text as escape
 
     console = Console()
-    if pm is None:
-        console.print(f"{escape(run.path)}: no hang data (no heartbeats, dumps or flight recorder).")
+    if pm is None:  # said on stderr by the caller (exit 3)
         return
     if not pm["hung"] and not pm["desync"] and not pm.get("died"):
         console.print(f"[green]No hang[/green] in {escape(run.path)}: "
@@ -103,8 +127,12 @@ def render(pm: dict | None, run) -> None:
     for reason in pm["detected_by"]:
         console.print(f"  detected: {pr(reason)}", highlight=False, markup=False)
     job = pm["job"]
-    if job.get("status"):
-        console.print(f"  job: status {pr(job['status'])}, exit code {pr(job.get('exit_code'))}",
+    if job.get("exit_not_recorded"):  # never a blank exit code
+        console.print(pr(f"  job: {job['exit_not_recorded']}"), highlight=False, markup=False)
+    elif job.get("status"):
+        code = job.get("exit_code")
+        console.print(pr(f"  job: status {job['status']}, exit code "
+                         f"{code if code is not None else 'not recorded'}"),
                       highlight=False, markup=False)
 
     t = Table(title="ranks", show_lines=False)
@@ -119,16 +147,18 @@ def render(pm: dict | None, run) -> None:
     console.print(t)
     for d in pm["desync"]:  # plain text: ops and sizes contain brackets
         console.print(pr(f"desync ({d['source']}): group {d['pg']} collective #{d['seq']}: "
-                         + "; ".join(f"{v['op']} on ranks {v['ranks']}" for v in d["variants"])),
+                         + "; ".join(f"{v['op']} on {ranks_phrase(v['ranks'])}" for v in d["variants"])),
                       highlight=False, markup=False)
     for m in pm["never_arrived"]:
-        console.print(pr(f"never arrived ({m['source']}): ranks {m['missing_ranks']} at "
+        console.print(pr(f"never arrived ({m['source']}): {ranks_phrase(m['missing_ranks'])} at "
                          f"{m.get('op') or 'collective'} #{m['seq']} of group {m['pg']} "
-                         f"(ranks {m['waiting_ranks']} wait in it)"), highlight=False, markup=False)
+                         f"({ranks_phrase(m['waiting_ranks'])} "
+                         f"{verb(len(m['waiting_ranks']), 'waits', 'wait')} in it)"),
+                      highlight=False, markup=False)
     for g in pm["stack_groups"]:
-        label = "majority" if g["majority"] else "minority"
-        ranks = escape(str(g["ranks"]))
-        console.print(f"\n[bold]stack group {escape(g['id'])} ({label}): ranks {ranks}[/bold]")
+        label = share_label(len(g["ranks"]), [len(x["ranks"]) for x in pm["stack_groups"]])
+        console.print(f"\n[bold]stack group {escape(g['id'])} ({label}): "
+                      f"{escape(ranks_phrase(g['ranks']))}[/bold]")
         for f in g["frames"][:8]:
             console.print(pr(f"    {f['file']}:{f['line']} in {f['function']}"
                              + (f"  | {f['code']}" if f.get("code") else "")), highlight=False,
