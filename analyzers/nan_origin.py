@@ -158,6 +158,9 @@ def find_origin(recs: dict, align: dict) -> dict | None:
         out["evidence"].update({k: op.get(k) for k in EVIDENCE_KEYS if op.get(k) is not None})
     if out["evidence"].get("op_module"):
         out["evidence"]["op_module"] = clean_path(out["evidence"]["op_module"])
+    if _model_input(rec, recs[rank]):
+        out["module"] = MODEL  # DDP's attribute name ("module") or the root's "<Class>"
+        out["input_batch"] = True
     out["replays"] = [{"module": clean_path(x.get("module")), "op": x.get("op"), "note": x.get("note")}
                       for x in ops]
     # every other rank: its first detection (and its replay's verdict: received how)
@@ -174,6 +177,36 @@ def find_origin(recs: dict, align: dict) -> dict | None:
     return out
 
 
+MODEL = "<model>"  # the job's model as a whole (a root call)
+
+
+def _model_input(rec: dict, recs: list) -> bool:
+    """The replay's verdict says the root call's inputs — the step's input batch — were already
+    non-finite: nothing in the model made the value (the root's name is "<Class>", or under DDP
+    "module", the attribute DDP keeps the job's model in)."""
+    if rec.get("kind") != "origin" or rec.get("role") != "inputs" or rec.get("phase") != "forward":
+        return False
+    roots = [x for x in recs if x.get("kind") == "root"]
+    names = {x.get("module") for x in roots}
+    if any(x.get("module_class") == "DistributedDataParallel" for x in roots):
+        names.add("module")
+    m = rec.get("module")
+    return m in names or (isinstance(m, str) and m.startswith("<") and m.endswith(">"))
+
+
+def _nonfinite_count(inputs) -> str | None:
+    """'1 NaN', '3 NaNs and 2 +Inf' over the input tensors' stats."""
+    from trainprof.wording import plural
+
+    tot = {"NaN": 0, "+Inf": 0, "−Inf": 0}
+    for x in inputs or []:
+        if isinstance(x, dict):
+            for k, key in (("NaN", "nan"), ("+Inf", "posinf"), ("−Inf", "neginf")):
+                tot[k] += _int(x.get(key), 0) or 0
+    parts = [plural(n, k) for k, n in tot.items() if n]
+    return " and ".join(parts) if parts else None
+
+
 def _recovered(recs: dict, s0: int) -> bool:
     """Did every rank's later steps come back finite (e.g. AMP loss scaling skipping a step)?"""
     last = {}
@@ -188,12 +221,31 @@ def _recovered(recs: dict, s0: int) -> bool:
                for x in last.values())
 
 
+def _input_batch_message(o: dict) -> str:
+    ev = o["evidence"]
+    ins = [x for x in ev.get("inputs") or [] if isinstance(x, dict)]
+    count = _nonfinite_count(ins) or f"a {o.get('value') or 'non-finite value'}"
+    msg = (f"The input batch of step {o['step']} on rank {o['rank']} already contained {count} "
+           f"(before any op): it came with the data, no computation of the model made it")
+    if ins and ins[0].get("max_abs") is not None:
+        shape = "×".join(map(str, ins[0].get("shape") or [])) or "?"
+        msg += (f" (input {ins[0].get('dtype')} [{shape}]; its finite values min "
+                f"{ins[0].get('min', 0):.3g}, max |x| {ins[0]['max_abs']:.3g})")
+    return msg
+
+
 def origin_finding(o: dict) -> Finding:
+    from trainprof.wording import ranks_phrase
+
     ev = o["evidence"]
     what = o.get("value") or "non-finite value"
     where = o["module"] or "?"
-    msg = (f"First {what} on rank {o['rank']} at step {o['step']}, {o['phase']} phase, "
-           f"{'created' if o['created'] else 'first seen'} in {where}")
+    batch = bool(o.get("input_batch"))
+    if batch:
+        msg = _input_batch_message(o)
+    else:
+        msg = (f"First {what} on rank {o['rank']} at step {o['step']}, {o['phase']} phase, "
+               f"{'created' if o['created'] else 'first seen'} in {where}")
     if o.get("op"):
         msg += f" by {o['op']}"
         if ev.get("hidden_by"):
@@ -205,11 +257,15 @@ def origin_finding(o: dict) -> Finding:
     if ev.get("origin_steps") and isinstance(ev.get("evidence"), str):  # found stale in parameters
         msg += f": {ev['evidence']}"
     ins = ev.get("op_inputs") or ev.get("inputs") or []
-    if ins and isinstance(ins[0], dict) and ins[0].get("max_abs") is not None:
+    if not batch and ins and isinstance(ins[0], dict) and ins[0].get("max_abs") is not None:
         msg += f"; input {ins[0].get('dtype')} min {ins[0].get('min', 0):.3g}, max |x| {ins[0]['max_abs']:.3g}"
     if o.get("received_by"):
-        msg += f". Ranks {', '.join(map(str, o['received_by']))} received it."
-    if not o["created"]:
+        msg += f". {ranks_phrase(o['received_by']).capitalize()} received it"
+    msg += "" if msg.endswith(".") else "."
+    if batch:
+        msg += (" Look at that step's data: a corrupt sample, a division by zero or a log of zero"
+                " in preprocessing, a normalisation by a zero spread.")
+    if not o["created"] and not batch:
         msg += " No rank showed it being created from finite values (the replay was refused or" \
                " did not reproduce it, or it was created on a rank without probes)."
         if ev.get("notes"):
@@ -226,7 +282,7 @@ def origin_finding(o: dict) -> Finding:
     evidence = dict(ev)
     evidence.update({k: o[k] for k in ("step", "phase", "module", "module_class", "op", "value", "role",
                                        "created", "method", "received_by", "creating_ranks", "replays",
-                                       "other_ranks", "recovered") if o.get(k) is not None})
+                                       "other_ranks", "recovered", "input_batch") if o.get(k) is not None})
     return Finding("nan_origin", sev, [o["rank"]], msg, evidence)
 
 
@@ -240,7 +296,7 @@ def loss_series(recs: dict) -> dict:
         pts = [[_int(x.get("step")), _num(x.get("loss"))] for x in v
                if x.get("kind") == "step" and _int(x.get("step")) is not None]
         if any(p[1] is not None for p in pts):
-            out[r] = sorted(pts)
+            out[r] = sorted(pts, key=lambda p: p[0])  # by step: a repeated step may lack a loss
     return out
 
 

@@ -39,6 +39,7 @@ import pandas as pd
 from trainprof.analyzers import _intervals as iv
 from trainprof.findings import AnalyzerResult
 from trainprof.trace import name_mask
+from trainprof.wording import ranks_phrase
 
 NAME = "ops"
 TOP_DIGEST = 100          # names kept per ranking in a rank's digest
@@ -456,8 +457,7 @@ def combine(digests: dict) -> dict:
     elif len(gpu_ranks) < nr:
         notes.append(f"GPU kernels on {len(gpu_ranks)} of {nr} ranks only")
     if whole:
-        notes.append(f"ranks {', '.join(map(str, whole[:8]))}{', …' if len(whole) > 8 else ''}: no "
-                     f"ProfilerStep, the whole trace counts as one step")
+        notes.append(f"{ranks_phrase(whole)}: no ProfilerStep, the whole trace counts as one step")
     return {"job": job, "kernel_groups": _groups(digests), "kernel_overlap": _overlap(digests),
             "kernels": kernels, "kernels_other": ksum["other"], "kernels_total": ksum["total"],
             "cpu_ops": cpu, "cpu_ops_other": csum["other"], "cpu_ops_total": csum["total"],

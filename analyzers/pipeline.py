@@ -27,6 +27,7 @@ from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._clock import offsets
 from trainprof.analyzers._pipeline_replay import replay_window
 from trainprof.findings import AnalyzerResult, Finding
+from trainprof.wording import ranks_phrase
 
 NAME = "pipeline"
 BUBBLE_MARGIN = 0.10       # finding when measured share > theory + 10 percentage points
@@ -343,7 +344,7 @@ def _imbalance(stage_df, cfg, stage_ranks) -> tuple[list[dict], list[Finding]]:
             lay = f" (layers per stage: {layers})" if layers else ""
             findings.append(Finding(
                 "stage_imbalance", "warning", st["ranks"],
-                f"pipeline stage {s} (ranks {', '.join(map(str, st['ranks']))}) computes "
+                f"pipeline stage {s} ({ranks_phrase(st['ranks'])}) computes "
                 f"{st['compute_ms_per_mb']:.1f} ms per micro-batch, {ratio.median():.2f}× the median "
                 f"of the other stages ({other_med:.1f} ms) in {100 * hit:.0f} % of steps{lay}; "
                 "every other stage waits for it: move layers off stage "

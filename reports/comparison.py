@@ -118,8 +118,9 @@ def rows(result: Mapping) -> list[dict]:
             "change": fmt_change(m), "ci": fmt_ci(m), "p": fmt_p(m),
             "n": fmt_n(m), "test": TEST_SHORT.get(m.get("test"), m.get("test") or ""),
             "threshold": m.get("threshold") or "report only",
-            "verdict": m.get("verdict") if m.get("gate", True) else
-            f"{INFO_WORD.get(m.get('verdict'), m.get('verdict'))} (not gated)",
+            "verdict": (("not significant, underpowered" if m.get("underpowered") else m.get("verdict"))
+                        if m.get("gate", True) else
+                        f"{INFO_WORD.get(m.get('verdict'), m.get('verdict'))} (not gated)"),
             "detail": "; ".join(x for x in (m.get("detail"), m.get("reason")) if x),
         })
     return out
@@ -135,7 +136,41 @@ def headline(result: Mapping) -> str:
         return f"REGRESSION in {', '.join(regressed)} (exit {code})"
     if inconclusive:
         return f"INCONCLUSIVE: {', '.join(inconclusive)} (exit {code})"
+    named = result.get("underpowered") or []
+    weak = [m for m in result.get("metrics", []) if m.get("gate", True) and m.get("underpowered")
+            and m.get("metric") in named]
+    if verdict == "pass" and weak:  # a large move the runs cannot confirm: not a clean pass
+        return f"PASS (inconclusive): {underpowered_text(weak)} (exit {code})"
     return f"PASS: no regression (exit {code})" if verdict == "pass" else f"{verdict} (exit {code})"
+
+
+def underpowered_text(weak: list) -> str:
+    """'cpu_time +34.1% not significant with 3 candidate vs 6 baseline runs (p=0.095); the
+    smallest change this gate can detect at this noise is ~78%; add runs' (several metrics:
+    each with its p and detectable change, the runs once)."""
+    def p_of(m):
+        p = m.get("p_adjusted") if m.get("p_adjusted") is not None else m.get("p_value")
+        return f"p={p:.2g}" if isinstance(p, (int, float)) else None
+
+    def mde(m):
+        return f"~{m['mde'] * 100:.0f}%" if isinstance(m.get("mde"), (int, float)) else None
+
+    runs = weak[0].get("runs") or []
+    with_runs = (f" with {runs[1]} candidate vs {runs[0]} baseline run{'s' * (runs[0] != 1)}"
+                 if len(runs) == 2 else "")
+    if len(weak) == 1:
+        m = weak[0]
+        text = f"{m.get('metric')} {fmt_change(m)} not significant{with_runs}"
+        text += f" ({p_of(m)})" if p_of(m) else ""
+        if mde(m):
+            text += f"; the smallest change this gate can detect at this noise is {mde(m)}"
+        return text + "; add runs"
+    parts = []
+    for m in weak:
+        inner = ", ".join(x for x in (p_of(m), mde(m) and f"detectable {mde(m)}") if x)
+        parts.append(f"{m.get('metric')} {fmt_change(m)}" + (f" ({inner})" if inner else ""))
+    return (f"{', '.join(parts)} not significant{with_runs} (detectable: the smallest change this "
+            f"gate can detect at this noise); add runs")
 
 
 def render_terminal(result: Mapping, console=None) -> None:
@@ -171,7 +206,8 @@ def render_terminal(result: Mapping, console=None) -> None:
     for line in op_diff_lines(result.get("op_diff")):
         console.print(line, markup=False)
     code = result.get("exit_code")
-    colour = {0: "green", 1: "bold red", 3: "yellow"}.get(code, "")
+    colour = {0: "yellow" if result.get("underpowered") else "green", 1: "bold red",
+              3: "yellow"}.get(code, "")
     console.print(f"[{colour}]{escape(headline(result))}[/]" if colour else escape(headline(result)))
 
 

@@ -79,7 +79,7 @@ def _rank_labels(summary: dict) -> dict[int, str]:
         if not isinstance(r, Mapping) or "rank" not in r:
             continue
         coords = r.get("coords") or {}
-        c = " ".join(f"{k}{v}" for k, v in coords.items()) if isinstance(coords, Mapping) else ""
+        c = kit.coord_text(coords)
         try:
             out[int(r["rank"])] = f"rank {r['rank']}" + (f" ({c})" if c else "")
         except (TypeError, ValueError):
@@ -104,7 +104,7 @@ def _header(summary: dict) -> str:
     cmd = run.get("command")
     cmd_s = " ".join(str(c) for c in cmd) if isinstance(cmd, (list, tuple)) else (cmd or "")
     mesh = run.get("mesh") or {}
-    mesh_s = "·".join(f"{k}{v}" for k, v in mesh.items()) if isinstance(mesh, Mapping) else str(mesh)
+    mesh_s = kit.mesh_text(mesh) if isinstance(mesh, Mapping) else str(mesh)
     exit_s = run.get("exit_code")
     if run.get("signal"):
         exit_s = f"{exit_s} (signal {run['signal']})"
@@ -146,13 +146,18 @@ def _findings(summary: dict) -> str:
     findings = [f for f in (summary.get("findings") or []) if isinstance(f, Mapping)]
     if summary.get("nothing_analyzed"):
         return f'<h2>Findings</h2><p class="error">Nothing analyzed: {kit.esc(summary["nothing_analyzed"])}</p>'
+    cover = summary.get("coverage")
+    note = (f'<p class="error">Not everything was analyzed: {kit.esc(cover.get("text"))}</p>'
+            if isinstance(cover, Mapping) else "")
+    if not findings and note:  # never "nothing looks wrong" about analyses that did not run
+        return '<h2>Findings</h2><p class="none">No findings in what was analyzed.</p>' + note
     if not findings:
         return '<h2>Findings</h2><p class="none">No findings: nothing looks wrong with this run.</p>'
     counts: dict[str, int] = {}
     for f in findings:
         counts[str(f.get("severity"))] = counts.get(str(f.get("severity")), 0) + 1
     tally = ", ".join(f"{n:,} {s}" for s, n in counts.items())
-    head = f"<h2>Findings ({kit.esc(tally)})</h2>"
+    head = f"<h2>Findings ({kit.esc(tally)})</h2>" + note
     if len(findings) <= rk.MANY_FINDINGS:
         return head + "".join(_finding(f, summary) for f in findings)
     return head + _many_findings(findings, summary)

@@ -84,12 +84,30 @@ def para(text: Any, cls: str | None = None) -> str:
     return f"<p{c}>{esc(text)}</p>"
 
 
+EPOCH_NS_MIN = 10 ** 17  # a time in ns since the epoch is after 1973: larger than any duration here
+
+
+def fmt_wall_ns(x) -> str:
+    """A wall-clock time in ns since the epoch as '2026-11-25 13:37:59.123 UTC'."""
+    from trainprof.wording import wall_time
+
+    return wall_time(x) or fmt_value(x)
+
+
+def _default_fmt(key) -> Callable:
+    """fmt_value, except for epoch timestamps (keys ending in _ns, e.g. detected_ns, t_ns)."""
+    if isinstance(key, str) and key.endswith("_ns"):
+        return lambda v: fmt_wall_ns(v) if (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                            and EPOCH_NS_MIN <= v < 10 ** 20) else fmt_value(v)
+    return fmt_value
+
+
 def kv(mapping: Mapping, fmt: Mapping[str, Callable] | None = None) -> str:
     """A two-column key/value table."""
     fmt = fmt or {}
     rows = []
     for k, v in mapping.items():
-        f = fmt.get(k, fmt_value)
+        f = fmt.get(k) or _default_fmt(k)
         rows.append(f"<tr><th>{esc(k)}</th><td>{esc(_safe_fmt(f, v))}</td></tr>")
     return f'<table class="kv">{"".join(rows)}</table>'
 
@@ -121,7 +139,7 @@ def table(rows: Iterable[Mapping], columns: list[tuple[str, str]] | None = None,
         for key, _ in columns:
             v = r.get(key)
             cls = ' class="num"' if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
-            cells.append(f"<td{cls}>{esc(_safe_fmt(fmt.get(key, fmt_value), v))}</td>")
+            cells.append(f"<td{cls}>{esc(_safe_fmt(fmt.get(key) or _default_fmt(key), v))}</td>")
         body.append(f"<tr>{''.join(cells)}</tr>")
     note = ""
     if len(rows) > max_rows:
@@ -129,3 +147,17 @@ def table(rows: Iterable[Mapping], columns: list[tuple[str, str]] | None = None,
                     "full data in summary.json.", "note")
     return (f'<div class="tablewrap"><table class="data"><thead><tr>{head}</tr></thead>'
             f"<tbody>{''.join(body)}{''.join(extra_rows)}</tbody></table></div>{note}")
+
+
+def _dim_text(k, v) -> str:
+    return f"{k}={v}" if str(k)[-1:].isdigit() else f"{k}{v}"  # dim0=1, not dim01
+
+
+def coord_text(coords) -> str:
+    """Mesh coordinates as "dp1 pp0 tp1" (an unnamed mesh's dim: "dim0=1")."""
+    return " ".join(_dim_text(k, v) for k, v in coords.items()) if isinstance(coords, Mapping) else ""
+
+
+def mesh_text(sizes) -> str:
+    """Mesh sizes as "dp2·pp1·tp1" (an unnamed mesh's dim: "dim0=2")."""
+    return "·".join(_dim_text(k, v) for k, v in sizes.items()) if isinstance(sizes, Mapping) else ""

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Mapping
 
 from trainprof.reports import kit, ranks as rk
+from trainprof.wording import plural
 
 SEVERITY_STYLES = {"critical": "bold white on red", "error": "bold red", "warning": "yellow",
                    "info": "cyan"}
@@ -60,7 +61,9 @@ def key_metrics(summary: Mapping) -> list[tuple[str, str]]:
     if job.get("median_ms") is not None:
         txt = kit.fmt_ms(job["median_ms"])
         if job.get("p90_ms") is not None:
-            txt += f" (p90 {kit.fmt_ms(job['p90_ms'])}, {job.get('steps', '?')} steps)"
+            n = job.get("steps")
+            n_s = plural(n, "step") if isinstance(n, int) else f"{n or '?'} steps"
+            txt += f" (p90 {kit.fmt_ms(job['p90_ms'])}, {n_s})"
         out.append(("step time (median)", txt + _partial(job)))
     if job.get("tokens_per_s") is not None:
         out.append(("throughput", f"{kit.fmt_value(float(job['tokens_per_s']))} tokens/s"
@@ -128,8 +131,9 @@ def render_terminal(summary, report_path=None, console=None) -> None:
     summary = summary if isinstance(summary, Mapping) else {}
     run = _get(summary, "run") or {}
     mesh = run.get("mesh") or {}
-    mesh_s = "·".join(f"{k}{v}" for k, v in mesh.items()) if isinstance(mesh, Mapping) else ""
-    bits = [f"{run.get('world_size', '?')} ranks"]
+    mesh_s = kit.mesh_text(mesh)
+    ws = run.get("world_size")
+    bits = [f"{ws if ws is not None else '?'} rank{'' if ws == 1 else 's'}"]
     n_hosts = len(set(rk.hosts(summary).values()))
     if n_hosts > 1:
         bits.append(f"{n_hosts:,} hosts")
@@ -139,8 +143,8 @@ def render_terminal(summary, report_path=None, console=None) -> None:
         bits.append(str(run["device"]))
     if run.get("exit_code") is not None:
         bits.append(f"exit {run['exit_code']}" + (f" (signal {run['signal']})" if run.get("signal") else ""))
-    console.print(f"[bold]trainprof[/bold] {escape(str(run.get('dir') or ''))}: {escape(', '.join(bits))}")
     inp = run.get("input")
+    console.print(f"[bold]trainprof[/bold] {escape(_input_label(run, inp))}: {escape(', '.join(bits))}")
     if isinstance(inp, Mapping):  # bare profiler traces: how much of the input was analyzed
         console.print(escape(
             f"input: {inp.get('files', '?')} trace file(s), {inp.get('traces_read', '?')} read"
@@ -162,10 +166,15 @@ def render_terminal(summary, report_path=None, console=None) -> None:
         console.print(f"  {escape(label)}: [bold]{escape(value)}[/bold]")
 
     findings = [f for f in (summary.get("findings") or []) if isinstance(f, Mapping)]
+    cover = summary.get("coverage")
+    if findings and isinstance(cover, Mapping):
+        console.print(f"[yellow]coverage[/yellow]: {escape(str(cover.get('text', '')))}")
     if summary.get("nothing_analyzed"):
         console.print(f"[bold red]nothing analyzed[/bold red]: {escape(str(summary['nothing_analyzed']))}")
     elif not findings and isinstance(partial, Mapping):  # never "nothing wrong" about ranks not seen
         console.print(f"[yellow]no findings in the ranks analyzed[/yellow]: {escape(partial_text(partial))}")
+    elif not findings and isinstance(cover, Mapping):  # nor about analyses that did not run
+        console.print(f"[yellow]no findings in what was analyzed[/yellow]: {escape(str(cover.get('text', '')))}")
     elif not findings:
         console.print("[green]no findings[/green]: nothing looks wrong with this run")
     else:
@@ -185,6 +194,15 @@ def render_terminal(summary, report_path=None, console=None) -> None:
         console.print(f"[yellow]{n_err} analyzer error(s), {n_prob} input problem(s)[/yellow] (see the report)")
     if report_path:
         console.print(f"report: {escape(str(report_path))}")
+
+
+def _input_label(run: Mapping, inp) -> str:
+    """What was analyzed: the run directory, or for bare traces the one file or folder given
+    (several: the folder they were found in)."""
+    given = inp.get("inputs") if isinstance(inp, Mapping) else None
+    if isinstance(given, list) and len(given) == 1 and str(given[0]) not in (".", "./", ""):
+        return str(given[0])
+    return str(run.get("dir") or "")
 
 
 def partial_text(p: Mapping) -> str:

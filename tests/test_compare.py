@@ -467,3 +467,66 @@ def test_recorded_a_a_every_four_against_four_passes():
         a = [0, *pick]
         results, _ = compare_runs([base[i] for i in a], [base[i] for i in range(8) if i not in a], Settings())
         assert overall_verdict(results) == (0, "pass"), (a, [r.to_dict() for r in results])
+
+
+# --- underpowered comparisons and different jobs --------------------------------------------------
+
+def _levels(tmp_path, prefix, levels, **kw):
+    return [write(tmp_path, f"{prefix}{i}.json", summary(steps(v, seed=i), **kw)) for i, v in enumerate(levels)]
+
+
+def test_large_change_not_significant_is_not_a_clean_pass(tmp_path):
+    """3 candidate vs 6 baseline runs, +30 % at ±15 % run-to-run noise: not significant, and the
+    verdict line says so (exit 0 with a warning, docs/ci-gate.md); 6 vs 6 finds it."""
+    bases = _levels(tmp_path, "b", [100, 80, 125, 95, 110, 90])
+    cands = _levels(tmp_path, "c", [130, 105, 160])
+    proc = compare(*bases, "--", *cands)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    text = " ".join(proc.stdout.split())
+    assert "PASS: no regression" not in text
+    assert text.count("PASS (inconclusive): step_time +") == 1
+    assert "not significant with 3 candidate vs 6 baseline runs (p=" in text
+    assert "the smallest change this gate can detect at this noise is ~" in text and "add runs" in text
+    assert last.endswith("(exit 0)")
+    res = json.loads(compare(*bases, "--", *cands, "--json").stdout)
+    assert res["verdict"] == "pass" and res["underpowered"] == ["step_time"]
+    st = {m["metric"]: m for m in res["metrics"]}["step_time"]
+    assert st["underpowered"] and st["mde"] > st["change"] > 0.25
+    # a change well above what the gate can detect at this noise is a regression, no warning
+    more = _levels(tmp_path, "d", [v * 1.8 for v in (100, 80, 125, 95, 110, 90)])
+    proc = compare(*bases, "--", *more)
+    assert proc.returncode == 1 and "inconclusive" not in proc.stdout, proc.stdout
+
+
+def test_runs_of_different_jobs_are_refused(tmp_path):
+    pl = {"command": ["torchrun", "--nproc-per-node", "2", "pl_tiny.py"],
+          "run_info": {"framework": "lightning", "n_params_non_embedding": 4740, "global_batch": 64}}
+    hf = {"command": ["torchrun", "--nproc-per-node", "2", "hf_gpt2.py"],
+          "run_info": {"framework": "transformers", "n_params_non_embedding": 100096, "global_batch": 16}}
+    b = write(tmp_path, "pl.json", summary(steps(100), run=pl))
+    c = write(tmp_path, "hf.json", summary(steps(100), run=hf))
+    proc = compare(b, c)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "runs of different jobs" in proc.stderr and "--allow-different" in proc.stderr
+    for line in ("script: baseline 'pl_tiny.py', candidate 'hf_gpt2.py'",
+                 "framework: baseline 'lightning', candidate 'transformers'",
+                 "model parameters (non-embedding): baseline 4740, candidate 100096",
+                 "global batch: baseline 64, candidate 16"):
+        assert line in proc.stderr
+    ok = compare(b, c, "--allow-different")
+    assert ok.returncode == 0 and "different jobs (allowed)" in ok.stdout
+    # the same job, facts known on one side only (an older summary): compared as usual
+    old = write(tmp_path, "old.json", summary(steps(100), run={"mesh": {}}))
+    assert compare(old, b).returncode == 0
+
+
+def test_baseline_history_leaves_out_other_jobs(tmp_path):
+    hist = tmp_path / "history"
+    job = {"command": ["python", "train.py"], "run_info": {"framework": "lightning"}}
+    for p in side(tmp_path, "main", 100, k=3, seed=4, run=job):
+        assert compare("--baseline-dir", hist, "--save-baseline", p).returncode in (0, 3)
+    other = write(tmp_path, "other.json", summary(steps(100), run={**job, "command": ["python", "eval.py"]}))
+    proc = compare("--baseline-dir", hist, other)
+    assert proc.returncode == 2 and "no run of the candidate's job" in proc.stderr
+    assert compare("--baseline-dir", hist, other, "--allow-different").returncode == 0

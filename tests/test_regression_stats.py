@@ -512,3 +512,55 @@ def test_throughput_and_mfu_are_one_hypothesis_with_step_time():
     lone = [made("step_time", 0.5), made("cpu_time", 0.003, "value"), made("metrics.x", 0.5), made("metrics.y", 0.5)]
     adjust(lone, 0.01)  # four distinct hypotheses: 0.003 × 4 = 0.012
     assert lone[1].p_adjusted == pytest.approx(0.012) and lone[1].verdict == UNCHANGED
+
+
+# --- a large change the runs cannot confirm: underpowered, with the detectable change -----------
+
+BASE_LEVELS = [100.0, 80.0, 125.0, 95.0, 110.0, 90.0]  # six runs, ±15 % run to run
+CAND_LEVELS = [130.0, 105.0, 160.0]  # three runs, +30 %
+
+
+def test_large_but_not_significant_change_is_underpowered_with_its_detectable_change():
+    from scipy.stats import t as t_dist
+
+    from trainprof.regression import compare_run_values, min_detectable_change
+
+    r = compare_run_values("cpu_time", BASE_LEVELS, CAND_LEVELS, STEP)
+    assert r.verdict == UNCHANGED and r.moved == REGRESSION and r.underpowered
+    assert r.change > 0.25 and r.p_value >= 0.01
+    # by hand: Welch on the logs, then (t(1-α/2) + t(0.8)) standard errors
+    lb, lc = np.log(BASE_LEVELS), np.log(CAND_LEVELS)
+    vb, vc = lb.var(ddof=1) / 6, lc.var(ddof=1) / 3
+    se = np.sqrt(vb + vc)
+    df = (vb + vc) ** 2 / (vb ** 2 / 5 + vc ** 2 / 2)
+    mde = np.expm1((t_dist.ppf(0.995, df) + t_dist.ppf(0.8, df)) * se)
+    assert r.mde == pytest.approx(mde, rel=1e-9) and min_detectable_change(r, 0.01) == r.mde
+    assert r.mde > r.change  # the gate could not have seen this change
+    assert "not significant with 3 candidate vs 6 baseline runs" in r.reason
+    assert f"~{mde * 100:.0f}%" in r.reason and r.reason.endswith("add runs")
+    assert overall_verdict([r]) == (0, "pass")  # exit 0 (docs/ci-gate.md): a warning, not a failure
+
+
+def test_significant_regression_and_small_moves_are_not_underpowered():
+    from trainprof.regression import compare_run_values
+
+    big = compare_run_values("cpu_time", [100, 101, 99, 100, 102, 98], [130, 131, 129], STEP)
+    assert big.verdict == REGRESSION and not big.underpowered and big.mde is None
+    small = compare_run_values("cpu_time", BASE_LEVELS, [101.0, 99.0, 100.0], STEP)
+    assert not small.underpowered  # within the threshold: nothing to warn about
+    faster = compare_run_values("cpu_time", BASE_LEVELS, [70.0, 85.0, 60.0], STEP)
+    assert not faster.underpowered  # an improvement that is not significant is no warning
+
+
+def test_job_facts_differ_only_where_both_runs_know_them():
+    from trainprof.regression import job_differences, same_fact
+
+    a = {"run": {"command": ["torchrun", "--nproc-per-node", "2", "/x/pl_tiny.py", "--lr", "1"],
+                 "run_info": {"framework": "lightning", "n_params_non_embedding": 4740}}}
+    b = {"run": {"command": ["torchrun", "hf_gpt2.py"],
+                 "run_info": {"framework": "transformers", "global_batch": 16}}}
+    assert job_differences(a, b) == [("script", "pl_tiny.py", "hf_gpt2.py"),
+                                     ("framework", "lightning", "transformers")]
+    assert job_differences(a, a) == [] and job_differences(a, {"run": {}}) == []
+    assert same_fact("mesh", {}, {"dp": 2, "pp": 1, "tp": 1})  # an older summary's unknown mesh
+    assert not same_fact("mesh", {"dp": 2}, {"dp": 1})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from datetime import datetime, timezone
@@ -9,6 +10,7 @@ from typing import Callable
 
 from trainprof import __version__
 from trainprof.findings import SUMMARY_SCHEMA_VERSION
+from trainprof.meshinfo import group_sizes, mesh_sizes
 from trainprof.rundir import RunDir
 
 SEVERITY_ORDER = {"critical": 0, "error": 1, "warning": 2, "info": 3}
@@ -18,7 +20,7 @@ SNAPSHOT_ANALYZERS = ("memory", "fragmentation")
 def run_info(run: RunDir) -> dict:
     launcher = run.launcher
     mesh = run.mesh
-    sizes = dict(zip(mesh.get("dim_names", []), mesh.get("shape", [])))
+    sizes = mesh_sizes(mesh) if mesh else _group_sizes(run)
     ranks = []
     for r in run.ranks:
         meta = run.rank_meta(r)
@@ -35,7 +37,8 @@ def run_info(run: RunDir) -> dict:
         for name in run.rank_meta(r).get("probes_off") or ():
             off.setdefault(str(name), []).append(r)
     return {
-        "dir": str(run.path),
+        # bare traces: the folder they were found in, absolute ("." says nothing in a header)
+        "dir": os.path.abspath(run.path) if run.trace_inputs else str(run.path),
         **({"dirs": [str(d) for d in run.roots]} if len(getattr(run, "roots", ())) > 1 else {}),
         "command": launcher.get("command"),
         "start_time": launcher.get("start_time"),
@@ -43,7 +46,7 @@ def run_info(run: RunDir) -> dict:
         "exit_code": launcher.get("exit_code"),
         "signal": launcher.get("signal"),
         "world_size": run.world_size,
-        "mesh": {k: int(sizes.get(k, 1)) for k in ("dp", "pp", "tp")} if sizes else {},
+        "mesh": sizes,  # dp/pp/tp sizes plus other dims by name (trainprof/meshinfo.py)
         "mesh_dims": mesh,
         "device": first.get("device_name") or first.get("device"),
         "backend": first.get("backend"),
@@ -61,6 +64,14 @@ def run_info(run: RunDir) -> dict:
         # bare profiler traces: what was found and read, and the facts only the traces carry
         **({"input": dict(run.input_facts), **run.trace_run_facts()} if run.trace_inputs else {}),
     }
+
+
+def _group_sizes(run: RunDir) -> dict:
+    """Without a DeviceMesh: the layout the probes' process-group labels give (plain DDP)."""
+    try:
+        return group_sizes(run.stream(run.ranks[0], "groups"), run.world_size) if run.ranks else {}
+    except Exception:  # noqa: BLE001 - the group records are optional
+        return {}
 
 
 def _nodes(records: list[dict]) -> list[dict]:
@@ -97,17 +108,22 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
         for f in result.findings:
             f.analyzer = f.analyzer or mod.NAME
             findings.append(f.to_dict())
+    findings = withhold_window(metrics, findings)
     findings.sort(key=lambda f: (SEVERITY_ORDER.get(f["severity"], 9), f["kind"], f["ranks"]))
     info = run_info(run)
     for name, rs in info.get("probes_off", {}).items():  # absent data must not read as "nothing found"
         run.problems.append(f"probe {name} was left out (TRAINPROF_PROBES_OFF) on {len(rs)} of "
-                            f"{len(run.ranks)} ranks: analyses that need it saw no data there")
+                            f"{len(run.ranks)} rank{'s' * (len(run.ranks) != 1)}: analyses that need "
+                            f"it saw no data there")
     lost = lost_traces(run) if info.get("profiled") else None
     if lost:
         run.problems.append(lost)
     nothing = nothing_captured(run)
     if nothing:
         run.problems.insert(0, nothing)
+    cover = None if nothing else coverage(run, metrics)
+    if cover:
+        run.problems.insert(0, cover["text"])
     return {
         "schema_version": SUMMARY_SCHEMA_VERSION,
         "trainprof_version": __version__,
@@ -119,7 +135,65 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
         "errors": errors,
         "analyzer_seconds": timings,
         **({"nothing_analyzed": nothing} if nothing else {}),
+        # what could not be analyzed (and why): never "nothing looks wrong" about it
+        **({"coverage": cover} if cover else {}),
     }
+
+
+# analyzers whose figures come from the profiled window alone (withheld with comm_compute's
+# when that window holds no training step)
+WINDOW_ANALYZERS = ("comm_compute", "ops", "roofline", "launch", "trace_stragglers")
+# what a run directory's streams give and bare profiler traces cannot: (analysis, stream)
+RUN_DIR_ANALYSES = (("step time", "step timings (steps.jsonl)"),
+                    ("stragglers over every step", "the collective log (collectives.jsonl)"),
+                    ("collective desync / mismatch", "the collective log (collectives.jsonl)"),
+                    ("NaN origin", "the NaN watch (nan.jsonl)"),
+                    ("hang", "heartbeats (heartbeat.jsonl)"))
+_LABELS = {"comm_compute": "communication vs compute", "trace_stragglers": "stragglers in the "
+           "profiled steps", "launch": "kernel launch", "step_time": "step time",
+           "nan_origin": "NaN origin"}
+
+
+def withhold_window(metrics: dict, findings: list[dict]) -> list[dict]:
+    """When comm_compute withheld its figures (the profiled window holds no training step), the
+    other window-only analyzers' figures and findings are withheld too: the findings kept."""
+    why = (metrics.get("comm_compute") or {}).get("withheld")
+    if not why:
+        return findings
+    for name in WINDOW_ANALYZERS[1:]:
+        if name in metrics:
+            metrics[name] = {"withheld": why}
+    return [f for f in findings if f.get("analyzer") not in WINDOW_ANALYZERS]
+
+
+def coverage(run: RunDir, metrics: dict) -> dict | None:
+    """What was analyzed and what could not be, with why: bare profiler traces carry none of a
+    run directory's streams; a profiled window without training steps gives no trace figures.
+    None when everything that applies was analyzed."""
+    analyzed = [_LABELS.get(n, n) + (" (from the traces)" if n == "memory" and run.trace_inputs else "")
+                for n, m in metrics.items() if isinstance(m, dict) and not m.get("withheld")]
+    missing: list[dict] = []
+    if run.trace_inputs:
+        missing += [{"analysis": a, "needs": need} for a, need in RUN_DIR_ANALYSES]
+    why = (metrics.get("comm_compute") or {}).get("withheld")
+    if why:
+        missing += [{"analysis": _LABELS.get(n, n), "needs": "a profiled window of training steps"}
+                    for n in WINDOW_ANALYZERS if n in metrics]
+    if not missing:
+        return None
+    needs = list(dict.fromkeys(m["needs"] for m in missing))
+    if run.trace_inputs:
+        text = ("profiler traces only (no run directory): not analyzed — "
+                + ", ".join(m["analysis"] for m in missing if m["needs"] in dict(RUN_DIR_ANALYSES).values())
+                + "; they need a run directory's " + ", ".join(n for n in needs if "window" not in n)
+                + " (record one with `trainprof wrap -- CMD`)")
+    else:
+        text = ("not analyzed: " + ", ".join(m["analysis"] for m in missing)
+                + " (the profiler window did not cover training steps: see problems)")
+    if why and run.trace_inputs:
+        text += "; the profiled window holds no training step: trace figures withheld"
+    text += "; analyzed: " + (", ".join(analyzed) if analyzed else "nothing")
+    return {"analyzed": analyzed, "not_analyzed": missing, "text": text}
 
 
 def lost_traces(run: RunDir) -> str | None:

@@ -121,6 +121,11 @@ class Comparison:
     gate: bool = True  # False: shown, never fails
     moved: str | None = None  # the threshold's decision on the point estimates alone
     reason: str = ""  # why the verdict is not `moved` (not significant, within the threshold)
+    se: float | None = None  # standard error of the tested difference (log scale when log_scale)
+    df: float | None = None  # its degrees of freedom
+    log_scale: bool = False
+    underpowered: bool = False  # moved beyond its threshold the bad way, but not significant
+    mde: float | None = None  # smallest relative change detectable at α with POWER (underpowered)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -137,17 +142,9 @@ def mann_whitney_p(b, c) -> float:
     return p if math.isfinite(p) else 1.0
 
 
-def t_test(xb, xc, level: float = CI_LEVEL) -> tuple[float, float, list[float]]:
-    """Two-sample t-test: p-value, mean(xc) - mean(xb) and its CI. Welch's (unequal variances,
-    Welch–Satterthwaite degrees of freedom) when both sides have ≥2 values: a side whose runs
-    scatter more — a load burst hitting some of them — is not judged by the other side's
-    tighter spread. Student's pooled test when one side has a single value (its variance is
-    unknown; needs ≥3 values in all). No spread at all: p = 1 if the means are equal, else 0."""
-    from scipy.stats import t as t_dist
-
-    xb, xc = np.asarray(xb, dtype=float), np.asarray(xc, dtype=float)
+def _se_df(xb: np.ndarray, xc: np.ndarray) -> tuple[float, float]:
+    """Standard error and degrees of freedom of mean(xc) - mean(xb), as t_test uses them."""
     nb, nc = len(xb), len(xc)
-    d = float(xc.mean() - xb.mean())
     vb = float(xb.var(ddof=1)) if nb > 1 else 0.0
     vc = float(xc.var(ddof=1)) if nc > 1 else 0.0
     if nb > 1 and nc > 1:
@@ -158,7 +155,20 @@ def t_test(xb, xc, level: float = CI_LEVEL) -> tuple[float, float, list[float]]:
         df = nb + nc - 2
         pooled = ((nb - 1) * vb + (nc - 1) * vc) / df if df > 0 else 0.0
         se2 = pooled * (1 / nb + 1 / nc)
-    se = math.sqrt(se2)
+    return math.sqrt(se2), float(df)
+
+
+def t_test(xb, xc, level: float = CI_LEVEL) -> tuple[float, float, list[float]]:
+    """Two-sample t-test: p-value, mean(xc) - mean(xb) and its CI. Welch's (unequal variances,
+    Welch–Satterthwaite degrees of freedom) when both sides have ≥2 values: a side whose runs
+    scatter more — a load burst hitting some of them — is not judged by the other side's
+    tighter spread. Student's pooled test when one side has a single value (its variance is
+    unknown; needs ≥3 values in all). No spread at all: p = 1 if the means are equal, else 0."""
+    from scipy.stats import t as t_dist
+
+    xb, xc = np.asarray(xb, dtype=float), np.asarray(xc, dtype=float)
+    d = float(xc.mean() - xb.mean())
+    se, df = _se_df(xb, xc)
     if se == 0:
         return (1.0 if d == 0 else 0.0), d, [d, d]
     p = float(2 * t_dist.sf(abs(d) / se, df))
@@ -230,10 +240,37 @@ def _decide(th: Threshold, base: float, cand: float) -> str:
     return UNCHANGED
 
 
+POWER = 0.8  # the power at which min_detectable_change is stated
+
+
+def min_detectable_change(out: Comparison, alpha: float, power: float = POWER) -> float | None:
+    """The smallest relative change the test would find significant at `alpha` with `power`
+    at the noise it measured: (t(1-α/2) + t(power)) standard errors of the difference, as a
+    fraction of the baseline (log scale: exp(·) - 1). None without a standard error."""
+    from scipy.stats import t as t_dist
+
+    if not out.se or not out.df or out.df <= 0 or not math.isfinite(out.se):
+        return None
+    k = float(t_dist.ppf(1 - alpha / 2, out.df) + t_dist.ppf(power, out.df))
+    if out.log_scale:
+        return math.expm1(k * out.se)
+    return k * out.se / abs(out.baseline) if out.baseline else None
+
+
+def _runs_text(out: Comparison) -> str:
+    if not out.runs:
+        return ""
+    b, c = out.runs
+    return f" with {c} candidate vs {b} baseline run{'s' * (b != 1)}"
+
+
 def settle(out: Comparison, alpha: float) -> Comparison:
     """The verdict from `moved` and the (adjusted, when set) p-value: a move beyond the threshold
     counts only when significant; with a single run on a side, a significant regression only says
-    that the runs differ (inconclusive). Insufficient or missing data stays."""
+    that the runs differ (inconclusive). Insufficient or missing data stays. A move beyond the
+    threshold the bad way that is not significant stays unchanged but is marked `underpowered`,
+    with the smallest change the gate could detect at this noise (`mde`)."""
+    out.underpowered, out.mde = False, None
     if out.verdict in (INSUFFICIENT, MISSING) or out.moved is None:
         return out
     p = out.p_adjusted if out.p_adjusted is not None else out.p_value
@@ -242,7 +279,16 @@ def settle(out: Comparison, alpha: float) -> Comparison:
         return out
     which = "adjusted p" if out.p_adjusted is not None else "p"
     out.reason = ""
-    if out.moved != UNCHANGED and p >= alpha:
+    if out.moved == REGRESSION and p >= alpha:
+        out.verdict, out.underpowered = UNCHANGED, True
+        out.mde = min_detectable_change(out, alpha)
+        out.reason = (f"moved {_pct(out.change)} but not significant{_runs_text(out)} "
+                      f"({which}={p:.3g} ≥ α={alpha:g})")
+        if out.mde is not None:
+            out.reason += (f"; the smallest change this gate can detect at this noise is "
+                           f"~{out.mde * 100:.0f}%")
+        out.reason += "; add runs"
+    elif out.moved != UNCHANGED and p >= alpha:
         out.verdict = UNCHANGED
         out.reason = f"moved {_pct(out.change)} but not significant ({which}={p:.3g} ≥ α={alpha:g})"
     elif out.moved == UNCHANGED and p < alpha:
@@ -305,6 +351,9 @@ def compare_samples(metric: str, base, cand, threshold: Threshold, alpha: float 
         out.test = TEST_STEPS
         out.p_value = mann_whitney_p(b, c)
         out.ci = bootstrap_ratio_ci(b, c, seed=seed)
+        if threshold.relative and min(b.min(), c.min()) > 0:  # the noise, for the power statement
+            out.se, out.df = _se_df(np.log(b), np.log(c))
+            out.log_scale = True
     else:
         short = [f"{side} run {i + 1} has {len(r)}" for side, runs in (("baseline", rb), ("candidate", rc))
                  for i, r in enumerate(runs) if len(r) < min_samples]
@@ -323,6 +372,8 @@ def _runs_test(out: Comparison, vb: list[float], vc: list[float], threshold: Thr
     xb, xc = (np.log(vb), np.log(vc)) if log else (np.asarray(vb), np.asarray(vc))
     p, d, (lo, hi) = t_test(xb, xc)
     out.test, out.p_value = TEST_RUNS, p
+    out.se, out.df = _se_df(np.asarray(xb, dtype=float), np.asarray(xc, dtype=float))
+    out.log_scale = bool(log)
     if log:
         out.baseline, out.candidate = float(np.exp(xb.mean())), float(np.exp(xc.mean()))
         out.ci = [math.exp(lo), math.exp(hi)]
@@ -824,7 +875,56 @@ def fingerprint(summary: Mapping) -> dict:
 
 def fingerprint_mismatches(base: Mapping, cand: Mapping) -> list[str]:
     fb, fc = fingerprint(base), fingerprint(cand)
-    return [f"{k}: baseline {fb[k]!r}, candidate {fc[k]!r}" for k in fb if fb[k] != fc[k]]
+    return [f"{k}: baseline {fb[k]!r}, candidate {fc[k]!r}" for k in fb if not same_fact(k, fb[k], fc[k])]
+
+
+def same_fact(name: str, a, b) -> bool:
+    """Equal, where a mesh one side does not know ({}: a summary written before plain DDP jobs
+    got their dp size) is not a difference."""
+    if name == "mesh" and (not a or not b):
+        return True
+    return a == b
+
+
+# What the job is, as the probes recorded it (run.run_info: framework and model facts) and the
+# script it ran. Compared only where both runs know the fact: an absent one proves nothing.
+JOB_FACTS = (("script", None), ("framework", "run.run_info.framework"),
+             ("model parameters (non-embedding)", "run.run_info.n_params_non_embedding"),
+             ("layers", "run.run_info.layers"), ("hidden size", "run.run_info.hidden"),
+             ("attention heads", "run.run_info.heads"), ("vocabulary", "run.run_info.vocab"),
+             ("sequence length", "run.run_info.seq_len"),
+             ("global batch", "run.run_info.global_batch"),
+             ("gradient accumulation steps", "run.run_info.gradient_accumulation_steps"),
+             ("tokens per step", "run.run_info.tokens_per_step"), ("dtype", "run.run_info.dtype"))
+
+
+def _script(summary: Mapping) -> str | None:
+    """The job's script (file name of the first *.py argument, or the -m module)."""
+    cmd = get_path(summary, "run.command")
+    if not isinstance(cmd, list):
+        return None
+    for i, a in enumerate(cmd):
+        a = str(a)
+        if a == "-m" and i + 1 < len(cmd):
+            return f"-m {cmd[i + 1]}"
+        if a.endswith(".py"):
+            return a.replace("\\", "/").rsplit("/", 1)[-1]
+    return None
+
+
+def job_facts(summary: Mapping) -> dict:
+    out = {}
+    for name, path in JOB_FACTS:
+        v = _script(summary) if path is None else get_path(summary, path)
+        if v is not None and v != "":
+            out[name] = v
+    return out
+
+
+def job_differences(base: Mapping, other: Mapping) -> list[tuple[str, object, object]]:
+    """(fact, baseline value, other value) for every job fact both runs know and that differs."""
+    fb, fo = job_facts(base), job_facts(other)
+    return [(k, fb[k], fo[k]) for k in fb if k in fo and fb[k] != fo[k]]
 
 
 def _finite(x) -> bool:

@@ -852,7 +852,8 @@ class RunDir:
         return {"count": len(yes), "of": self.world_size, "ranks": yes[:256],
                 "ranges": ranges(yes), "policy": policy, "spec": specs.most_common(1)[0][0],
                 "not_profiled": no,
-                "text": f"{len(yes)} of {self.world_size} ranks profiled (policy {policy})"}
+                "text": f"{len(yes)} of {self.world_size} rank{'s' * (self.world_size != 1)} "
+                        f"profiled (policy {policy})"}
 
     @property
     def mesh(self) -> dict:
@@ -864,8 +865,14 @@ class RunDir:
         return {}
 
     def coords(self, rank: int) -> dict:
-        """Mesh coordinates of a rank, e.g. {"dp": 1, "pp": 0, "tp": 1} ({} when unknown)."""
-        return dict(self.rank_meta(rank).get("coords") or {})
+        """Mesh coordinates of a rank, e.g. {"dp": 1, "pp": 0, "tp": 1} ({} when unknown);
+        without a DeviceMesh, from its labelled process groups (plain DDP: {"dp": i})."""
+        got = self.rank_meta(rank).get("coords")
+        if got or self.trace_inputs:
+            return dict(got or {})
+        from trainprof.meshinfo import group_coords
+
+        return group_coords(self.stream(rank, "groups"), rank)
 
     def hang_dump(self, path: Path):
         """A hang dump (ranks/rank-N/hang-dump.json) with its wrongly typed fields dropped (each

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trainprof.reports import kit, ranks as rk, svg
+from trainprof.wording import plural
 
 TITLE = "Collectives"
 
@@ -79,9 +80,9 @@ def render(metrics: dict, summary: dict) -> str:
     cons = metrics.get("consistency") or {}
     if cons and not cons.get("ok", True):
         parts.append(kit.para(
-            f"Log consistency problems: {len(cons.get('seq_gaps') or [])} sequence gaps, "
-            f"{len(cons.get('count_mismatches') or [])} groups whose ranks logged different "
-            f"counts, {len(cons.get('ranks_missing_group') or [])} groups missing on a member "
+            f"Log consistency problems: {plural(len(cons.get('seq_gaps') or []), 'sequence gap')}, "
+            f"{plural(len(cons.get('count_mismatches') or []), 'group')} whose ranks logged different "
+            f"counts, {plural(len(cons.get('ranks_missing_group') or []), 'group')} missing on a member "
             "(a rank that skipped or never finished a collective).", "warn"))
         parts.append(kit.table(cons.get("count_mismatches") or [], max_rows=20))
     bw = [b for b in metrics.get("bandwidth") or [] if isinstance(b, dict)]

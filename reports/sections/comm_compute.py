@@ -68,7 +68,7 @@ def render(metrics: dict, summary: dict) -> str:
         parts.append(_heatmaps(metrics.get("per_step") or [], summary))
         rows = []
         for r in per_rank:
-            row = {"rank": r["rank"], "coords": " ".join(f"{k}{v}" for k, v in (r.get("coords") or {}).items()),
+            row = {"rank": r["rank"], "coords": kit.coord_text(r.get("coords") or {}),
                    "step_ms": r.get("step_window_ms"), **{k: r.get(k) for k, _, _ in _PARTS}}
             if r.get("hta_view"):
                 row["HTA idle/compute/non-compute/overlap %"] = " / ".join(

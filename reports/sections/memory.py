@@ -98,7 +98,7 @@ def _timeline(metrics: dict, named: list) -> str:
 
 
 def _coords(c) -> str:
-    return " ".join(f"{k}{v}" for k, v in c.items()) if isinstance(c, dict) else kit.fmt_value(c)
+    return kit.coord_text(c) if isinstance(c, dict) else kit.fmt_value(c)
 
 
 def _mismatch(r: dict) -> float:

@@ -80,7 +80,7 @@ def render(metrics: dict, summary: dict) -> str:
     if per_rank:
         coords = {r.get("rank"): r.get("coords") for r in (summary.get("run") or {}).get("ranks", [])
                   if isinstance(r, dict)}
-        rows = [{**p, "coords": " ".join(f"{k}{v}" for k, v in (coords.get(p.get("rank")) or {}).items())}
+        rows = [{**p, "coords": kit.coord_text(coords.get(p.get("rank")) or {})}
                 for p in per_rank if isinstance(p, dict)]
         cols = [("rank", "rank")] + ([("coords", "mesh")] if any(r["coords"] for r in rows) else [])
         parts.append("<h3>Per rank</h3>" + rk.rank_table(

@@ -45,7 +45,7 @@ def render(metrics: dict, summary: dict) -> str:
     for p in metrics.get("per_rank") or []:
         if not isinstance(p, dict):
             continue
-        rows.append({**p, "coords": " ".join(f"{k}{v}" for k, v in (p.get("coords") or {}).items())})
+        rows.append({**p, "coords": kit.coord_text(p.get("coords") or {})})
     rows.sort(key=lambda p: -(p.get("score") if isinstance(p.get("score"), (int, float)) else -1e9))
     if rows:
         parts.append("<h3>Evidence per rank (medians over analysed steps)</h3>" + rk.rank_table(

@@ -162,7 +162,7 @@ def save_history(directory: Path, summaries: list[tuple[dict, Path]], keep: int)
 
 # --- settings -----------------------------------------------------------------------------------
 
-CONFIG_KEYS = {"alpha", "min_effect", "fail_on", "metrics", "allow_mismatch"}
+CONFIG_KEYS = {"alpha", "min_effect", "fail_on", "metrics", "allow_mismatch", "allow_different"}
 
 
 def load_config(path: Path) -> dict:
@@ -248,9 +248,13 @@ def build_settings(alpha, min_effect, fail_on, metric, config):
 
 # --- the comparison -----------------------------------------------------------------------------
 
+def _who(role, path, bases, cands) -> str:
+    return "candidate" if role == "candidate" and len(cands) == 1 and len(bases) == 1 else f"{role} {path}"
+
+
 def environment_mismatches(bases, cands) -> list[str]:
     """Every run against the first baseline run: device, world size, mesh, torch version."""
-    from trainprof.regression import fingerprint
+    from trainprof.regression import fingerprint, same_fact
 
     ref = fingerprint(bases[0][0])
     out = []
@@ -258,10 +262,21 @@ def environment_mismatches(bases, cands) -> list[str]:
         for s, path in runs:
             fp = fingerprint(s)
             for k in ref:
-                if fp[k] != ref[k]:
-                    what = "candidate" if role == "candidate" and len(cands) == 1 and len(bases) == 1 \
-                        else f"{role} {path}"
-                    out.append(f"{k}: baseline {ref[k]!r}, {what} {fp[k]!r}")
+                if not same_fact(k, ref[k], fp[k]):
+                    out.append(f"{k}: baseline {ref[k]!r}, {_who(role, path, bases, cands)} {fp[k]!r}")
+    return out
+
+
+def job_mismatches(bases, cands) -> list[str]:
+    """Every run against the first baseline run: the job it ran (script, framework, model and
+    batch facts the probes recorded; regression.JOB_FACTS)."""
+    from trainprof.regression import job_differences
+
+    out = []
+    for role, runs in (("baseline", bases[1:]), ("candidate", cands)):
+        for s, path in runs:
+            for k, a, b in job_differences(bases[0][0], s):
+                out.append(f"{k}: baseline {a!r}, {_who(role, path, bases, cands)} {b!r}")
     return out
 
 
@@ -274,7 +289,7 @@ def _side(runs, label=None) -> dict:
 
 
 def comparison_result(bases, cands, settings, allow_mismatch=False, mismatches=(),
-                      base_label=None, notes=()) -> dict:
+                      base_label=None, notes=(), job_diffs=()) -> dict:
     """Everything the outputs render (and --json prints). `bases`/`cands`: [(summary, path)]."""
     from trainprof.regression import compare_runs, overall_verdict
 
@@ -288,16 +303,29 @@ def comparison_result(bases, cands, settings, allow_mismatch=False, mismatches=(
                 notes.append(f"the {role} job {path} exited with code {ec}")
     if mismatches:
         notes.append("environments differ (allowed): " + "; ".join(mismatches))
+    if job_diffs:
+        notes.append("the runs are of different jobs (allowed): " + "; ".join(job_diffs))
     return {
         "verdict": verdict, "exit_code": code,
         "baseline": _side(bases, base_label), "candidate": _side(cands),
-        "mismatches": list(mismatches), "absent": absent, "notes": notes,
+        "mismatches": list(mismatches), "job_differences": list(job_diffs), "absent": absent,
+        "notes": notes,
+        "underpowered": _underpowered(results),
         "settings": {"alpha": settings.alpha, "min_effect": settings.min_effect,
                      "thresholds": settings.thresholds, "metrics": settings.extra,
                      "allow_mismatch": allow_mismatch, "multiple_comparisons": "benjamini-hochberg"},
         "metrics": [r.to_dict() for r in results],
         "op_diff": _op_diff(bases, cands),
     }
+
+
+def _underpowered(results) -> list[str]:
+    """Gated metrics that moved beyond their threshold the bad way without significance; the
+    throughput and MFU of the same steps are one hypothesis with step time (named once)."""
+    from trainprof.regression import SAME_TEST
+
+    weak = [r.metric for r in results if r.gate and r.underpowered]
+    return [m for m in weak if SAME_TEST.get(m) not in weak]
 
 
 def _op_diff(bases, cands) -> dict:
@@ -340,29 +368,38 @@ def split_runs(args: tuple[str, ...], baseline_dir) -> tuple[list[Path], list[Pa
     return [runs[0]], [runs[1]]
 
 
-def load_history(directory: Path, keep: int, cands, allow_mismatch: bool) -> tuple[list, list[str]]:
+def load_history(directory: Path, keep: int, cands, allow_mismatch: bool,
+                 allow_different: bool = False) -> tuple[list, list[str]]:
     """The newest `keep` baselines of the history that can be used, and notes on the others."""
-    from trainprof.regression import fingerprint, run_problems
+    from trainprof.regression import fingerprint, fingerprint_mismatches, job_differences, run_problems
 
     files = history_files(directory)[-keep:]
-    runs, notes, other_env = [], [], []
+    runs, notes, other_env, other_job = [], [], [], []
     ref = fingerprint(cands[0][0])
     for f in files:
         s, p = load_summary(f, "baseline")
         problems = run_problems(s)
         if problems:
             notes.append(f"baseline history: {f.name} left out ({'; '.join(problems)})")
-        elif fingerprint(s) != ref and not allow_mismatch:
+        elif fingerprint_mismatches(s, cands[0][0]) and not allow_mismatch:
             other_env.append(f.name)
+        elif job_differences(s, cands[0][0]) and not allow_different:
+            other_job.append(f.name)
         else:
             runs.append((s, p))
     if other_env:
         notes.append(f"baseline history: {len(other_env)} run(s) from another environment left out "
                      f"({', '.join(other_env)})")
-        if not runs:
+    if other_job:
+        notes.append(f"baseline history: {len(other_job)} run(s) of another job left out "
+                     f"({', '.join(other_job)})")
+    if (other_env or other_job) and not runs:
+        if other_env:
             raise InputError(f"baseline history {directory}: no run from the candidate's environment "
                              f"({', '.join(f'{k}={v!r}' for k, v in ref.items())}); use --allow-mismatch "
                              f"to compare anyway")
+        raise InputError(f"baseline history {directory}: no run of the candidate's job (script, "
+                         f"framework, model or batch differ); use --allow-different to compare anyway")
     return runs, notes
 
 
@@ -394,13 +431,16 @@ def load_history(directory: Path, keep: int, cands, allow_mismatch: bool) -> tup
                    "(flags win).")
 @click.option("--allow-mismatch", is_flag=True, default=None,
               help="Compare even if device, world size, mesh or torch version differ.")
+@click.option("--allow-different", is_flag=True, default=None,
+              help="Compare even if the runs are of different jobs (script, framework, model or "
+                   "batch facts differ).")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write an asv-style markdown table (for $GITHUB_STEP_SUMMARY or a PR comment).")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write JUnit XML: one test case per metric, a failure per regression.")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON to stdout.")
 def compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min_effect, config,
-            allow_mismatch, markdown_path, junit_path, as_json):
+            allow_mismatch, allow_different, markdown_path, junit_path, as_json):
     """Compare candidate runs with baseline runs and fail on real performance regressions.
 
     \b
@@ -420,14 +460,16 @@ def compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min
 
     \b
     Exit codes: 0 pass, 1 regression, 2 usage or input error (unreadable or malformed input,
-    an unknown schema_version, runs from different environments without --allow-mismatch),
+    an unknown schema_version, runs from different environments without --allow-mismatch,
+    runs of different jobs without --allow-different),
     3 inconclusive (a run with fewer than 6 analysed steps or ranks missing, a gated metric
     missing from some run, one run per side that differ — a code change cannot be told from
-    run-to-run noise —, an empty baseline history).
+    run-to-run noise —, an empty baseline history). A gated metric that moved beyond its
+    threshold without significance is reported as "PASS (inconclusive)", exit 0.
     """
     try:
         _compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min_effect,
-                 config, allow_mismatch, markdown_path, junit_path, as_json)
+                 config, allow_mismatch, markdown_path, junit_path, as_json, allow_different)
     except (click.ClickException, click.exceptions.Exit, click.Abort, SystemExit, KeyboardInterrupt):
         raise
     except Exception as e:  # exit 1 means "regression" to CI: a crash must never look like one
@@ -439,7 +481,7 @@ def compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min
 
 
 def _compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min_effect, config,
-             allow_mismatch, markdown_path, junit_path, as_json):
+             allow_mismatch, markdown_path, junit_path, as_json, allow_different=None):
     from trainprof.regression import ThresholdError, run_problems
     from trainprof.reports import comparison as out
 
@@ -448,12 +490,14 @@ def _compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, mi
     settings, cfg = build_settings(alpha, min_effect, fail_on, metric, config)
     if allow_mismatch is None:
         allow_mismatch = bool(cfg.get("allow_mismatch", False))
+    if allow_different is None:
+        allow_different = bool(cfg.get("allow_different", False))
     base_paths, cand_paths = split_runs(runs, baseline_dir)
     bases = [load_summary(p, "baseline") for p in expand(base_paths)]
     cands = [load_summary(p, "candidate") for p in expand(cand_paths)]
     notes, keepable = [], []
     if baseline_dir is not None:
-        bases, notes = load_history(baseline_dir, keep, cands, allow_mismatch)
+        bases, notes = load_history(baseline_dir, keep, cands, allow_mismatch, allow_different)
         if save_baseline:
             for s, p in cands:
                 if run_problems(s) or (s.get("run") or {}).get("exit_code") not in (0, None):
@@ -472,13 +516,20 @@ def _compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, mi
             click.echo(f"INCONCLUSIVE: no usable baseline run in {baseline_dir} (a cold cache? run "
                        f"the main-branch job with --save-baseline first) (exit 3)")
             sys.exit(EXIT_INCONCLUSIVE)
-    mismatches = environment_mismatches(bases, cands)
+    job_diffs, mismatches = job_mismatches(bases, cands), environment_mismatches(bases, cands)
+    refused = []
+    if job_diffs and not allow_different:
+        refused.append("runs of different jobs (use --allow-different to compare anyway):\n  "
+                       + "\n  ".join(job_diffs))
     if mismatches and not allow_mismatch:
-        raise InputError("runs from different environments (use --allow-mismatch to compare "
-                         "anyway):\n  " + "\n  ".join(mismatches))
+        refused.append("runs from different environments (use --allow-mismatch to compare "
+                       "anyway):\n  " + "\n  ".join(mismatches))
+    if refused:
+        raise InputError("\n".join(refused))
     try:
         result = comparison_result(bases, cands, settings, allow_mismatch, mismatches,
-                                   base_label=str(baseline_dir) if baseline_dir else None, notes=notes)
+                                   base_label=str(baseline_dir) if baseline_dir else None, notes=notes,
+                                   job_diffs=job_diffs)
     except ThresholdError as e:
         raise InputError(str(e)) from e
     where = f"{len(base_paths) + len(cand_paths)} run(s)" if baseline_dir is None else "the runs"
