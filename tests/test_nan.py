@@ -328,7 +328,10 @@ def test_optimizer_phase_from_stale_parameters(tmp_path):
     """Finite gradients, NaN update at step 6. The parameter check runs every k-th step on such
     tiny steps, so the next forward's loss detects it; the finding must blame the optimizer and
     the parameter, not the first module that reads it (whose activations are finite)."""
-    run = _run_script(tmp_path, BAD_LR)
+    # the parameter pass every PARAM_MAX_INTERVAL steps whatever the machine's load (its
+    # interval adapts to step time: a loaded machine could otherwise check step 6 itself)
+    run = _run_script(tmp_path, "import trainprof.probes.nan_watch as nw; nw.PARAM_BUDGET = 1e-12\n"
+                      + textwrap.dedent(BAD_LR))
     _, origin, _ = _analyze(run)
     assert len(origin) == 1
     ev = origin[0].evidence
