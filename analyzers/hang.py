@@ -37,6 +37,7 @@ import os
 import pandas as pd
 
 from trainprof import safeio
+from trainprof.analyzers import _fatal_stacks as fatal
 from trainprof.analyzers import _flight_recorder as fr
 from trainprof.analyzers import _hang_ledger as led
 from trainprof.findings import AnalyzerResult, Finding
@@ -208,6 +209,9 @@ class RankView:
         user = [f for f in self.stack or [] if not _is_lib(f)]
         self.user_frame = user[-1] if user else None
         self.fr_inflight = fr.inflight(self.fr) if self.fr else []
+        # faulthandler's stacks of a fatal signal (probes/fatal_dump.py); used by _infer_fatal
+        self.fatal = fatal.parse(run.fatal_stacks(r)) if hasattr(run, "fatal_stacks") else None
+        self.fatal_call = None  # the collective call its main thread died in
         done = [s.get("step") for s in self.steps[-1:] if isinstance(s.get("step"), int)]
         self.last_step_done = done[0] if done else None
 
@@ -226,6 +230,8 @@ class RankView:
     def blocked(self) -> bool:
         """Waiting in a collective: its main thread sits in torch.distributed (when dumped),
         or it has in-flight collectives (heartbeat / flight recorder only)."""
+        if self.fatal_call is not None:
+            return True
         if self.stack is not None:
             return _blocked_in_c10d(self.stack)
         counters = ((self.last_hb or {}).get("fr") or {}).values()
@@ -235,8 +241,11 @@ class RankView:
     def waiting_in(self) -> dict | None:
         if self.inflight:
             c = min(self.inflight, key=lambda c: c.get("enqueue_ns") or 0)
-            return {"source": "probe", **{k: c.get(k) for k in ("pg", "seq", "op", "bytes",
-                                                                "dtype", "enqueue_ns", "step")}}
+            w = {"source": "probe", **{k: c.get(k) for k in ("pg", "seq", "op", "bytes",
+                                                             "dtype", "enqueue_ns", "step")}}
+            if c.get("inferred"):  # from its fatal-signal stacks: where the job called it
+                w.update(inferred=c["inferred"], call_site=c.get("call_site"))
+            return w
         if self.fr_inflight:
             e = self.fr_inflight[0]
             return {"source": "flight_recorder", "pg": e["pg"], "seq": e["seq"], "op": e["op"],
@@ -439,6 +448,80 @@ def _died(run, views, exits, det) -> list[dict]:
     return out
 
 
+FATAL_SIGNALS = (4, 6, 7, 8, 11)  # SIGILL, SIGABRT, SIGBUS, SIGFPE, SIGSEGV: what faulthandler dumps
+
+
+def _infer_fatal(run, views, exits) -> None:
+    """A rank killed by a fatal signal whose main thread died inside a torch.distributed
+    collective call (its fatal-stacks.txt) waited in the collective after its last logged one
+    in that group: made its in-flight entry (seq = last + 1, size unknown), with the job's call
+    site, for the ledger to compare with its peers'."""
+    for r, v in views.items():
+        if not v.fatal or v.closed or v.inflight or v.dump:
+            continue
+        ex = exits["workers"].get(r)
+        if ex is not None and ex.get("signal") not in FATAL_SIGNALS:
+            continue  # it ended otherwise: the dump is a forked child's (a DataLoader worker)
+        call = fatal.collective_call(v.fatal["main_thread"])
+        if call is None:
+            continue
+        v.fatal_call = call
+        v.frame, v.user_frame = call["frame"], call["call_site"]
+        entry, why = fatal.infer_inflight(run.frame("collectives"), r, v.last_collective, v.step,
+                                          call)
+        site = fmt_frame(call["call_site"])
+        if entry is None:
+            run.problems.append(f"rank {r} died of a fatal signal inside {call['op'] or 'a wait'}"
+                                f"{f' at {site}' if site else ''} (fatal-stacks.txt), but {why}")
+            continue
+        v.inflight = [dict(entry, call_site=site)]
+
+
+def _fatal_desync(run, views, desync) -> list[dict]:
+    """Desynchronizations that involve a collective inferred from fatal-signal stacks: dropped
+    when the ops agree (its size is unknown: no evidence); kept otherwise, with the side that
+    broke its own per-step order (``deviating``) when the sides are equally large."""
+    inferred = {(str(c["pg"]), c["seq"], r): c for r, v in views.items() for c in v.inflight
+                if c.get("inferred")}
+    if not inferred:
+        return desync
+    log = run.frame("collectives")
+    out = []
+    for d in desync:
+        ranks = [r for x in d["variants"] for r in x["ranks"]]
+        if d["source"] != "probe" or not any((d["pg"], d["seq"], r) in inferred for r in ranks):
+            out.append(d)
+            continue
+        entries = {}
+        for x in d["variants"]:
+            for r in x["ranks"]:
+                c = inferred.get((d["pg"], d["seq"], r))
+                if c is None:
+                    e = {"op": x["op"], "api": None, "bytes": x.get("bytes"),
+                         "step": (x.get("steps") or [None])[-1]}
+                    if not log.empty and "api" in log:
+                        row = log[(log["rank"] == r) & (log["pg"].astype(str) == d["pg"])
+                                  & (log["seq"] == d["seq"])]
+                        if len(row):
+                            e["api"] = row["api"].iloc[-1] if pd.notna(row["api"].iloc[-1]) else None
+                            if pd.notna(row["step"].iloc[-1]):
+                                e["step"] = int(row["step"].iloc[-1])
+                    c = e
+                entries[r] = c
+        keys = {r: fatal._key(e.get("api"), e.get("op")) for r, e in entries.items()}
+        if len(set(keys.values())) < 2:
+            continue
+        d = dict(d, calls={str(r): f"{entries[r].get('op') or '?'} ({k})" if k else
+                           str(entries[r].get("op")) for r, k in keys.items()})
+        variants = sorted(d["variants"], key=lambda x: len(x["ranks"]))
+        if len(variants[0]["ranks"]) == len(variants[-1]["ranks"]):
+            odd = fatal.deviating(log, entries, d["pg"], d["seq"])
+            if odd:
+                d["deviating"] = odd
+        out.append(d)
+    return out
+
+
 def _stopped_by_us_ns(man: dict) -> int | None:
     """When `trainprof wrap` itself stopped the job (a signal it passed on, e.g. Ctrl-C, or the
     hang watchdog's kill): worker exits from then on are that stop, not failures."""
@@ -472,12 +555,14 @@ def postmortem(run) -> dict | None:
     if not any(v.heartbeats or v.dump or v.fr for v in views.values()) \
             and run.launcher.get("status") != "hung" and not exits["first_failures"]:
         return None
+    _infer_fatal(run, views, exits)
     det = _detect(run, views, exits)
     died = _died(run, views, exits, det)
     ledger, members = led.Ledger(run, views), _members(run)
     fr_dumps = {r: v.fr for r, v in views.items() if v.fr}
     cmp = fr.compare(fr_dumps) if fr_dumps else {}
-    desync = led.desync(ledger, P2P_OPS, SIZE_STRICT_OPS) + _desync_fr(cmp)
+    desync = _fatal_desync(run, views, led.desync(ledger, P2P_OPS, SIZE_STRICT_OPS)) \
+        + _desync_fr(cmp)
     missing = led.missing(ledger, members, views)
     missing += [{"source": "flight_recorder", **m} for m in cmp.get("missing", [])] if cmp \
         else _missing_fr_heartbeats(views)
@@ -590,7 +675,10 @@ def _victims(died, desync, missing) -> list[dict]:
     waiting = {r for m in missing for r in m["waiting_ranks"]}
     for d in desync:
         variants = sorted(d["variants"], key=lambda x: len(x["ranks"]))
-        if len(variants) > 1 and len(variants[0]["ranks"]) < len(variants[-1]["ranks"]):
+        if d.get("deviating"):
+            absent |= set(d["deviating"])
+            waiting |= {r for v in variants for r in v["ranks"]} - set(d["deviating"])
+        elif len(variants) > 1 and len(variants[0]["ranks"]) < len(variants[-1]["ranks"]):
             absent |= set(variants[0]["ranks"])
             waiting |= {r for v in variants[1:] for r in v["ranks"]}
     if not absent or absent & dead or died[0]["rank"] not in waiting:
@@ -606,6 +694,8 @@ def _victim_how(d: dict) -> str:
     w = d.get("waiting_in")
     where = (f" while it waited in {w.get('op') or 'collective'} #{w.get('seq')} of group "
              f"{w.get('pg')}" if w else " while it waited for its peer")
+    if w and w.get("call_site"):
+        where += f", called at {w['call_site']}"
     return what + where
 
 
@@ -619,6 +709,14 @@ def _culprit_alive(views, desync, missing, stacks, hung) -> dict | None:
     if desync:
         d = desync[0]
         variants = sorted(d["variants"], key=lambda x: len(x["ranks"]))
+        if d.get("deviating"):
+            calls = d["calls"]
+            odd = d["deviating"]
+            rest = sorted(int(r) for r in calls if int(r) not in odd)
+            return describe(odd, "desync",
+                            f"issued {calls[str(odd[0])]} as collective #{d['seq']} of group "
+                            f"{d['pg']}, out of its per-step order, while "
+                            f"{_rank_s(rest)} issued {calls[str(rest[0])]} there")
         if len(variants[0]["ranks"]) < len(variants[-1]["ranks"]):
             minority = variants[0]
             others = ", ".join(f"{x['op']} on ranks {_ranks(x['ranks'])}" for x in variants[1:])

@@ -37,6 +37,7 @@ ATTACHED_PROBES: tuple[str, ...] = (
     "trainprof.probes.pipeline_spans",  # forward/backward spans per stage and micro-batch
     "trainprof.probes.heartbeat",       # crash-safe progress record per rank
     "trainprof.probes.hang_watchdog",   # dumps stacks and in-flight collectives when stuck
+    "trainprof.probes.fatal_dump",      # Python stacks of a rank killed by a fatal signal
     "trainprof.probes.nan_watch",       # finiteness of loss / grad norm, origin on detection
     "trainprof.probes.dataloader",      # time each step waits for its input batches
     "trainprof.probes.calibration",     # matmul/copy microbenchmark for unknown devices

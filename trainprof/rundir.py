@@ -255,6 +255,8 @@ def _rank_from_name(name: str) -> int | None:
 
 
 MAX_WORKER_EXITS_BYTES = 64 << 20  # a real one: one line per worker and restart
+FATAL_STACKS = "fatal-stacks.txt"  # probes/fatal_dump.py
+MAX_FATAL_STACKS_BYTES = 1 << 20
 
 
 class RunDirError(Exception):
@@ -882,6 +884,29 @@ class RunDir:
             return doc
         return rundir_schema.clean_object(rundir_schema.HANG_DUMP, doc, str(path), self.problems,
                                           rundir_schema.HANG_DUMP_NESTED)
+
+    def fatal_stacks(self, rank: int) -> str | None:
+        """ranks/rank-N/fatal-stacks.txt (probes/fatal_dump.py: faulthandler's dump of a rank
+        killed by a fatal signal), or None when absent; past MAX_FATAL_STACKS_BYTES its header
+        line and its last bytes (the newest dump), with a problem."""
+        p = self.rank_path(rank) / FATAL_STACKS
+        if not _exists(p, self._problems_of(rank)):
+            return None
+        try:
+            fd, size = safeio.open_regular(p)
+        except (OSError, safeio.InputRefused) as e:
+            self.problems.append(f"{p}: {e}" if str(p) not in str(e) else str(e))
+            return None
+        with open(fd, "rb") as f:
+            if size <= MAX_FATAL_STACKS_BYTES:
+                data = f.read(MAX_FATAL_STACKS_BYTES)
+            else:
+                head = f.readline(1024)
+                f.seek(size - MAX_FATAL_STACKS_BYTES)
+                data = head + f.read(MAX_FATAL_STACKS_BYTES)
+                self.problems.append(f"{p}: {size} bytes, over the {MAX_FATAL_STACKS_BYTES} read; "
+                                     "its last bytes used")
+        return data.decode("utf-8", "replace")
 
     def worker_exits(self) -> list[dict]:
         """The records of RUN/worker-exits.jsonl (how the launcher's workers ended); [] when it

@@ -1,0 +1,137 @@
+"""A rank killed by a fatal signal, seen through its ``fatal-stacks.txt`` (probes/fatal_dump.py,
+faulthandler's text): its main thread's Python stack and, when that stack is inside a
+torch.distributed collective call, the collective it waited in — the one after the last it
+logged in that group — with the job's call site. gloo and NCCL abort (SIGABRT) a rank whose
+peers issued another collective: without this the collective it died in is in no record.
+
+Also the tie-breaker for a desynchronization between equally many ranks (two ranks, one
+collective each): the side that broke its own per-step order of collectives (``deviating``)
+is the culprit; the other side kept its order.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+
+# torch.distributed functions that are (or wait for) a collective / p2p op; the op is the name
+OPS = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+       "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base",
+       "all_to_all", "all_to_all_single", "gather", "scatter", "barrier", "monitored_barrier",
+       "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object",
+       "broadcast_object_list", "gather_object", "scatter_object_list", "all_reduce_coalesced",
+       "all_gather_coalesced"}
+WAITS = {"wait", "wait_tensor"}
+_HEADER = re.compile(r"# trainprof fatal-stacks v1 pid=(\d+) main_thread=0x([0-9a-fA-F]+)")
+_THREAD = re.compile(r"^(Current thread|Thread) 0x([0-9a-fA-F]+) \(most recent call first\):")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+
+
+def parse(text: str | None) -> dict | None:
+    """{signal_text, main_thread: frames outermost first ([{file, line, function, lib}])} of the
+    file's last dump, or None when it holds none."""
+    if not text:
+        return None
+    m = _HEADER.match(text)
+    main_ident = int(m.group(2), 16) if m else None
+    start = text.rfind("Fatal Python error:")
+    if start < 0:
+        return None
+    block = text[start:].splitlines()
+    threads: list[tuple[int, list[dict]]] = []
+    for line in block[1:]:
+        t = _THREAD.match(line)
+        if t:
+            threads.append((int(t.group(2), 16), []))
+            continue
+        f = _FRAME.match(line)
+        if f and threads:
+            path = f.group(1)
+            threads[-1][1].append({"file": path, "line": int(f.group(2)), "function": f.group(3),
+                                   "lib": _is_lib(path)})
+    if not threads:
+        return None
+    main = [fr for ident, fr in threads if ident == main_ident]
+    frames = main[0] if main else threads[-1][1]  # faulthandler lists the main thread last
+    return {"signal_text": block[0].split(":", 1)[1].strip(), "main_thread": frames[::-1],
+            "main_known": bool(main)}
+
+
+def _is_lib(path: str) -> bool:
+    return ("/torch/" in path or "/trainprof/" in path or "/probes/" in path
+            or path.startswith("<frozen") or ("/lib/python3" in path and "-packages/" not in path))
+
+
+def collective_call(stack: list[dict]) -> dict | None:
+    """{op, api, frame (innermost torch.distributed frame), call_site (the job's innermost
+    frame)} when the stack (outermost first) is inside a torch.distributed collective call."""
+    for i in range(len(stack) - 1, -1, -1):
+        f = stack[i]
+        if "torch/distributed" not in f["file"].replace("\\", "/"):
+            continue
+        name = f["function"]
+        if name in OPS or name in WAITS:
+            user = [x for x in stack[:i] if not x["lib"]]
+            op = name.lstrip("_").replace("_base", "") if name in OPS else None
+            return {"op": op, "api": f"c10d.{name}" if name in OPS else None, "frame": f,
+                    "call_site": user[-1] if user else None}
+    return None
+
+
+def infer_inflight(log: pd.DataFrame, rank: int, last_collective: dict | None,
+                   step: int | None, call: dict) -> tuple[dict | None, str | None]:
+    """The collective a rank died in: seq = its last logged one + 1 in its group. (entry, None)
+    or (None, why not) when the group is not known (several groups, or none logged)."""
+    seqs: dict[str, int] = {}
+    if not log.empty and {"rank", "pg", "seq"} <= set(log.columns):
+        mine = log[log["rank"] == rank]
+        for pg, s in mine.groupby(mine["pg"].astype(str))["seq"].max().items():
+            seqs[str(pg)] = int(s)
+    if isinstance(last_collective, dict) and last_collective.get("pg") is not None \
+            and isinstance(last_collective.get("seq"), int):
+        pg = str(last_collective["pg"])
+        seqs[pg] = max(seqs.get(pg, -1), last_collective["seq"])
+    if len(seqs) != 1:
+        return None, ("it logged collectives in several groups: which one it waited in is not "
+                      "known" if seqs else "it logged no collective before")
+    (pg, last), = seqs.items()
+    return {"pg": pg, "seq": last + 1, "op": call["op"], "api": call["api"], "bytes": None,
+            "step": step, "inferred": "fatal-stacks"}, None
+
+
+def deviating(log: pd.DataFrame, entries: dict[int, dict], pg: str, seq: int) -> list[int] | None:
+    """Of two equally large sides of a desynchronized (pg, seq), the ranks that broke their own
+    per-step order, when exactly one side did; else None. A rank's reference is its step before
+    the first step of the desynchronized entries; every step of its since then must repeat it
+    (the op and API of each collective, in order), the entry's own step up to the entry being a
+    prefix of it. ``entries``: {rank: {op, api, bytes, step}} at (pg, seq)."""
+    if log.empty or not {"rank", "pg", "seq", "step"} <= set(log.columns):
+        return None
+    if not all(isinstance(e.get("step"), int) for e in entries.values()):
+        return None
+    g = log[(log["pg"].astype(str) == pg) & log["step"].notna()]
+    first = min(e["step"] for e in entries.values())
+    verdict: dict[int, bool] = {}
+    for r, e in entries.items():
+        mine = g[(g["rank"] == r) & (g["seq"] < seq)].sort_values("seq")
+        calls = {}
+        for st, grp in mine.groupby(mine["step"].astype(int)):
+            calls[int(st)] = [_key(a, o) for a, o in zip(grp.get("api", [None] * len(grp)),
+                                                         grp["op"])]
+        ref = calls.get(first - 1)
+        if not ref:
+            return None
+        ok = all(calls.get(t, []) == ref for t in range(first, e["step"]))
+        cur = calls.get(e["step"], []) + [_key(e.get("api"), e.get("op"))]
+        verdict[r] = ok and cur == ref[:len(cur)]
+    odd = sorted(r for r, ok in verdict.items() if not ok)
+    if not odd or len(odd) == len(verdict):
+        return None
+    return odd
+
+
+def _key(api, op):
+    api = api if isinstance(api, str) else None
+    op = op if isinstance(op, str) else None
+    return api or (f"c10d.{op}" if isinstance(op, str) else None)
