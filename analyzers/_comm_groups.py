@@ -92,17 +92,22 @@ def group_dims(run, groups) -> dict[str, str]:
     except Exception:  # noqa: BLE001 - a run directory without meta still has traces
         pass
     out: dict[str, str] = {}
+    # each rank's groups.jsonl records (equal member lists shared: a frame of them would hold
+    # ranks x group size integers, 16 million at 4,096 ranks); the first record that names a
+    # group's dimension wins
     try:
-        frame = run.frame("groups")
-    except Exception:  # noqa: BLE001
-        frame = pd.DataFrame()
-    if not frame.empty and "pg" in frame:
-        for g in frame.itertuples():
-            dim = getattr(g, "mesh_dim", None)
-            if not isinstance(dim, str) or not dim:
-                dim = dim_of_ranks(getattr(g, "ranks", None), coords, world)
-            if dim:
-                out.setdefault(str(g.pg), dim)
+        for r in run.ranks:
+            for g in run.stream(r, "groups"):
+                pg = g.get("pg")
+                if pg is None or str(pg) in out:
+                    continue
+                dim = g.get("mesh_dim")
+                if not isinstance(dim, str) or not dim:
+                    dim = dim_of_ranks(g.get("ranks"), coords, world)
+                if dim:
+                    out[str(pg)] = dim
+    except Exception:  # noqa: BLE001 - the group records are optional
+        pass
     for tg in groups:
         world = world or tg.get("world_size")
         for c in tg.get("configs") or []:
@@ -135,14 +140,20 @@ def gpu_event_groups(trace, rows: np.ndarray) -> np.ndarray:
 
 
 def gloo_event_groups(events: pd.DataFrame, log: pd.DataFrame) -> np.ndarray:
-    """pg name (or None) of each gloo event row, matched to this rank's collective log."""
+    """pg name (or None) of each gloo event row, matched to this rank's collective log. A rank
+    whose log names one process group only (plain DDP: the default group) has no other group
+    for an unmatched event to belong to: those take it too."""
     out = np.full(len(events), None, dtype=object)
     if events.empty or log is None or log.empty or not {"pg", "op", "enqueue_ns", "end_ns"} <= set(log):
         return out
+    names = log["pg"].dropna().astype(str).unique()
+    only = names[0] if len(names) == 1 else None
     log = log.dropna(subset=["enqueue_ns", "end_ns"])
     lo, hi = events["ts_ns"].min() - MATCH_SLACK_NS, events["end_ns"].max() + MATCH_SLACK_NS
     log = log[(log["end_ns"] >= lo) & (log["enqueue_ns"] <= hi)]
     if log.empty:
+        if only is not None:
+            out[:] = only
         return out
     ltype = coll_types(log["op"])
     lpg = log["pg"].astype(str).to_numpy(dtype=object)
@@ -168,4 +179,6 @@ def gloo_event_groups(events: pd.DataFrame, log: pd.DataFrame) -> np.ndarray:
         votes = Counter(v for v in out[sel] if v is not None)
         if votes:
             out[sel & pd.isna(out)] = votes.most_common(1)[0][0]
+    if only is not None:
+        out[pd.isna(out)] = only
     return out

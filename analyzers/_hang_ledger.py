@@ -36,14 +36,18 @@ class Ledger:
         parts = []
         log = run.frame("collectives")
         if not log.empty and {"pg", "seq"} <= set(log.columns):
-            d = pd.DataFrame({
-                "pg": log["pg"], "rank": log["rank"], "seq": log["seq"],
-                "op": log["op"] if "op" in log else None,
-                "bytes": log["bytes"] if "bytes" in log else None,
-                "step": log["step"] if "step" in log else None})
-            d = d[d["pg"].notna() & d["seq"].notna()]
-            parts.append(d.assign(pg=d["pg"].astype(object).map(str),
-                                  seq=d["seq"].astype(np.int64), inflight=False))
+            keep = (log["pg"].notna() & log["seq"].notna()).to_numpy()
+            src = log if keep.all() else log[keep]  # (a filter copies every column)
+            # the group's name once per distinct group (millions of records, few groups)
+            codes, uniq = pd.factorize(src["pg"])
+            parts.append(pd.DataFrame({
+                "pg": np.array([str(u) for u in uniq] + [None], dtype=object)[codes],
+                "rank": src["rank"].to_numpy(), "seq": src["seq"].to_numpy().astype(np.int64),
+                "op": src["op"] if "op" in src else None,
+                "bytes": src["bytes"] if "bytes" in src else None,
+                "step": src["step"] if "step" in src else None,
+                "inflight": np.zeros(len(src), dtype=bool)}, index=src.index))
+            del src, codes
         extra = []
         for v in views.values():
             recs = ([(v.last_collective, False)] if v.last_collective else []) \
@@ -63,9 +67,22 @@ class Ledger:
             self.t = pd.DataFrame(columns=list(COLS))
         else:
             t = pd.concat(parts, ignore_index=True)
-            # a later entry of the same (pg, rank, seq) wins; in flight once, in flight
-            t["inflight"] = t.groupby(["pg", "rank", "seq"], sort=False)["inflight"].transform("any")
-            self.t = t.drop_duplicates(["pg", "rank", "seq"], keep="last").reset_index(drop=True)
+            del parts
+            # a later entry of the same (pg, rank, seq) wins; in flight once, in flight. Keyed
+            # on integers (the group's code), and the "any" taken over the repeated keys only
+            key = pd.DataFrame({"p": pd.factorize(t["pg"])[0], "r": t["rank"].to_numpy(),
+                                "s": t["seq"].to_numpy()})
+            again = key.duplicated(keep=False).to_numpy()
+            if again.any():
+                infl = t["inflight"].to_numpy(dtype=bool).copy()
+                k = key[again]
+                infl[again] = pd.Series(infl[again]).groupby(
+                    [k["p"].to_numpy(), k["r"].to_numpy(), k["s"].to_numpy()],
+                    sort=False).transform("any").to_numpy(dtype=bool)
+                t["inflight"] = infl
+                t = t[~key.duplicated(keep="last").to_numpy()]
+            del key
+            self.t = t.reset_index(drop=True)
         self.pgs = sorted(self.t["pg"].unique().tolist()) if len(self.t) else []
 
     def entries(self, pg: str, seq: int | None = None) -> dict[int, dict]:

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from trainprof.analyzers import _intervals as iv
+from trainprof.analyzers._profiled_window import off_training
 from trainprof.analyzers._comm_groups import (coll_types, gloo_event_groups, gpu_event_groups,
                                               group_dims, trace_groups)
 from trainprof.findings import AnalyzerResult, Finding
@@ -406,11 +407,23 @@ def _log_blocked_by_dim(run, dims: dict) -> dict[tuple, float]:
         return {}
     if coll.empty or not {"blocked_ms", "pg", "step"} <= set(coll):
         return {}
-    coll = coll[coll["step"].ge(1)]
-    coll = coll.assign(dim=[dims.get(str(p), f"pg {p}") for p in coll["pg"]])
+    coll = coll.loc[coll["step"].ge(1), ["rank", "step", "pg", "blocked_ms"]]
+    # the dim of each distinct pg once (millions of records, few groups), grouped by its code
+    codes, uniq = pd.factorize(coll["pg"])
+    names = [dims.get(str(p), f"pg {p}") for p in uniq]
+    na = codes < 0  # records without a pg: named one by one, as before
+    extra = [dims.get(str(p), f"pg {p}") for p in coll["pg"].to_numpy(dtype=object)[na]] \
+        if na.any() else []
+    labels = sorted(set(names) | set(extra))
+    at = {d: i for i, d in enumerate(labels)}
+    dim = np.array([at[d] for d in names] + [-1], dtype=np.int64)[codes]
+    if extra:
+        dim[na] = [at[d] for d in extra]
+    coll = coll.assign(dim=dim)
     nsteps = coll.groupby("rank")["step"].nunique()
     agg = coll.groupby(["rank", "dim"])["blocked_ms"].sum()
-    return {(int(r), d): round(float(v) / max(int(nsteps[r]), 1), 3) for (r, d), v in agg.items()}
+    return {(int(r), labels[d]): round(float(v) / max(int(nsteps[r]), 1), 3)
+            for (r, d), v in agg.items()}
 
 
 def _mesh_dim_table(per_rank: list[dict], blocked: dict) -> list[dict]:
@@ -446,6 +459,10 @@ def analyze(run) -> AnalyzerResult:
                      for r, rs in zip(rows, run_steps)]
     if not per_rank:
         return AnalyzerResult(metrics={}, findings=[])
+    off = off_training(run, per_rank)
+    if off:  # a window of start-up / teardown idle time is no measurement of the training
+        run.problems.append(off)
+        return AnalyzerResult(metrics={"withheld": off, "per_rank": per_rank}, findings=[])
     med = lambda key: round(float(np.median([r[key] for r in per_rank])), 4)  # noqa: E731
     job = {"trace_kind": "/".join(sorted(kinds)), "ranks": len(per_rank),
            **{k.replace("_ms", "_fraction"): med(k.replace("_ms", "_fraction")) for k in CATEGORIES},
@@ -473,6 +490,10 @@ def _late_waits(run, per_rank: list[dict]) -> dict:
     from trainprof.analyzers.stragglers import waits_or_problem
 
     w = waits_or_problem(run, NAME)
+    if (w is None or not w["wait_ms"]) and not _has_log(run):  # bare traces: judged from them
+        from trainprof.analyzers.trace_stragglers import waits
+
+        w = waits(run)
     if w is None or not w["wait_ms"]:
         return out
     for r in per_rank:
@@ -483,6 +504,12 @@ def _late_waits(run, per_rank: list[dict]) -> dict:
     out.update(late=w["late"], wait_ms={str(k): round(v, 3) for k, v in w["wait_ms"].items()},
                exposed=round(float(np.median(list(out["adjusted"].values()))), 4))
     return out
+
+
+def _has_log(run) -> bool:
+    from trainprof.analyzers.trace_stragglers import has_collective_log
+
+    return bool(not run.trace_inputs and has_collective_log(run))
 
 
 def _run_steps(run, rank, n: int) -> list:

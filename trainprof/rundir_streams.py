@@ -187,19 +187,65 @@ MEMBER_LISTS = {"groups": ("ranks",), "nan": ("replay_with",)}
 def read_records(path: Path, problems: list[str] | None, stream: str | None,
                  shared: dict | None = None) -> list[dict]:
     """``list(iter_jsonl(path, problems, stream))``, fast when the file is clean. ``shared``: a
-    run-wide table through which equal member lists become one list object."""
-    recs = _read(path, problems, stream)[0]
+    run-wide table through which equal member lists become one list object, and long lines
+    already read clean on another rank are not parsed again (see _read_known)."""
     fields = MEMBER_LISTS.get(stream or "")
     if fields and shared is not None:
-        for rec in recs:
-            for k in fields:
-                v = rec.get(k)
-                if type(v) is list and len(v) > 8:
-                    try:
-                        rec[k] = shared.setdefault(tuple(v), v)
-                    except TypeError:  # unhashable members (checked later, or not at all)
-                        pass
+        recs = _read_known(path, stream, fields, shared)
+        if recs is not None:
+            return recs
+    recs = _read(path, problems, stream)[0]
+    if fields and shared is not None:
+        _share(recs, fields, shared)
     return recs
+
+
+def _share(recs: list[dict], fields, shared: dict) -> None:
+    for rec in recs:
+        for k in fields:
+            v = rec.get(k)
+            if type(v) is list and len(v) > 8:
+                try:
+                    rec[k] = shared.setdefault(tuple(v), v)
+                except TypeError:  # unhashable members (checked later, or not at all)
+                    pass
+
+
+SAME_LINE_MIN = 1024  # bytes: a line this long is remembered (a member list, as a rule)
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _read_known(path: Path, stream: str, fields, shared: dict) -> list[dict] | None:
+    """The records of a clean stream file whose long lines may repeat other ranks' lines
+    verbatim (every member of a group writes the same groups.jsonl line, and the NaN watch's
+    root record, 4,096 members long at 4,096 ranks: parsing and checking them on every rank costs
+    ranks x group size); a line seen clean before is not parsed again. None when the file is
+    not clean (or empty, or torn at its end): the ordinary reader decides and reports."""
+    seen = shared.setdefault(("lines", stream), {})
+    try:
+        data = safeio.read_limited(path, what="stream")
+    except OSError:
+        return None
+    lines = data.split(b"\n")
+    del data
+    if lines[-1]:
+        return None
+    body = [x for x in lines if x]
+    if not body:
+        return None
+    new = [x for x in body if x not in seen]
+    fresh: list[dict] = []
+    if new:  # the checks hold record by record: the new lines alone are checked
+        fresh = _parse(b"\n".join(new) + b"\n")
+        if fresh is None or len(fresh) != len(new) or not _valid(stream, *_columns(fresh)):
+            return None
+        _share(fresh, fields, shared)
+        for x, rec in zip(new, fresh):
+            if len(x) >= SAME_LINE_MIN and x not in seen \
+                    and all(type(v) in _PLAIN or k in fields for k, v in rec.items()):
+                seen[x] = dict(rec)
+    it, was_new = iter(fresh), set(new)
+    return [next(it) if x in was_new else dict(seen[x]) for x in body]
 
 
 # --------------------------------------------------------------------------- frames
