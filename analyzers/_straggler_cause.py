@@ -121,9 +121,15 @@ def explain(p: dict, peers: list[dict], excess: float) -> dict:
         text = "device throttling: " + telemetry_text(p["telemetry"], peer_tel)
     else:
         cause = "compute"
-        text = "compute-bound: its own work takes longer"
-        if busy is not None:
-            text += f" ({p['busy_ms']:.0f} ms busy per step, {_signed(busy)} ms vs its peers)"
+        if busy is not None and busy < CAUSE_SHARE * ex:
+            # lateness without more host time (asynchronous collectives: the host runs ahead)
+            text = (f"its host time per step matches its peers' ({p['busy_ms']:.0f} ms busy, "
+                    f"{_signed(busy)} ms vs its peers): the delay is in when it issues its "
+                    "collectives, e.g. its device work before them")
+        else:
+            text = "compute-bound: its own work takes longer"
+            if busy is not None:
+                text += f" ({p['busy_ms']:.0f} ms busy per step, {_signed(busy)} ms vs its peers)"
         if on_cpu is not None and busy is not None and busy > 0:
             if on_cpu < OFF_CPU_SHARE * busy:
                 text += (f"; its training thread is off the CPU for most of the extra time "

@@ -29,7 +29,11 @@ A *chronic* straggler (a finding) has, for either signal, score ≥ SCORE and sc
 SIGNIFICANCE (n analysed steps: the median of a short run is itself noisy), E ≥ MIN_EXCESS ×
 median step, and the signal over MIN_EXCESS × step in ≥ CHRONIC of the analysed steps and in
 at least CHRONIC_MIN_STEPS of them. Nothing here divides by a spread over ranks that two ranks
-cannot have: on 2 ranks the excess is the difference of the two. A rank whose signal passes
+cannot have: on 2 ranks the excess is the difference of the two. Lateness alone is a straggler
+only where the host-side waits agree: when collectives block the host (the peers wait per step
+≥ HOST_WAIT_SEEN × its lateness), its peers must wait ≥ WAITER_SHARE × its lateness longer than
+it does — a rank that arrives late while every rank waits the same is not holding anyone up
+(its completion of the previous collective came later: shared cores). A rank whose signal passes
 max(STEP_SCORE × noise, MIN_EXCESS × step) in some steps only is *transient* (metrics only). A
 whole stage slower than the others is stage imbalance (the pipeline analyzer), not a straggler.
 
@@ -65,6 +69,8 @@ SPREAD_MIN_GROUP = 6   # the spread of E over the peer group joins the scale fro
 DATA_SHARE = 0.10    # data wait ≥ 10 % of the step ...
 DATA_MIN_MS = 20.0   # ... and ≥ 20 ms (median over analysed steps) → data starvation
 WAITER_SHARE = 0.25  # a rank waits for the straggler: ≥ 25 % of its excess per step
+HOST_WAIT_SEEN = 0.5  # peers' host-side wait ≥ this × a rank's lateness: waits are seen on the
+                      # host, so lateness needs them to wait ≥ WAITER_SHARE of it more than it
 P2P_OPS = ("send", "recv", "isend", "irecv")
 MAX_PEER_EVIDENCE = 32  # per-peer entries kept in a finding's evidence (largest first; the
                         # count and median say what the rest are: summary.json at 1,000+ ranks)
@@ -236,6 +242,25 @@ def judge(k: pd.DataFrame, col: str, step_ms: float) -> tuple[dict[int, dict], f
     return out, noise
 
 
+def _late_unconfirmed(r: int, lt: dict, med: pd.DataFrame, groups: dict) -> dict | None:
+    """Arrival lateness the host-side waits contradict, or None. When collectives block the
+    host (the peers' median wait per step is at least HOST_WAIT_SEEN of the lateness), ranks
+    that wait for a late one wait longer than it does, by about its lateness; a rank that
+    arrives late while everyone waits the same (on shared cores: its completion of the previous
+    collective came later, not its work) is not holding anyone up. Waits not seen on the host
+    (asynchronous collectives on a GPU) leave lateness as the only signal."""
+    peers = [q for q, g in groups.items() if g == groups[r] and q != r and q in med.index]
+    if not peers:
+        return None
+    own_wait = float(med.loc[r, "blocked_ms"])
+    peer_wait = float(np.median([float(med.loc[q, "blocked_ms"]) for q in peers]))
+    late = float(lt["E"])
+    if late <= 0 or peer_wait < HOST_WAIT_SEEN * late or peer_wait - own_wait >= WAITER_SHARE * late:
+        return None
+    return {"late_ms": round(late, 3), "wait_ms": round(own_wait, 3),
+            "peer_wait_ms": round(peer_wait, 3)}
+
+
 def _lateness_evidence(fr, kept) -> dict[int, dict]:
     """Per rank over the analysed steps: mean / max arrival lateness vs the first member to
     arrive, and the share of instances it arrived last (collectives analyzer definitions)."""
@@ -382,8 +407,14 @@ def _analyze(run) -> AnalyzerResult:
         for j in (ex, lt):
             if j and (j["status"] == "chronic" or (j["status"] == "transient" and status == "ok")):
                 status = j["status"]
+        unconfirmed = None
+        if lt and lt["status"] != "ok" and not (ex and ex["status"] == lt["status"]):
+            unconfirmed = _late_unconfirmed(r, lt, med, groups)
+            if unconfirmed is not None:  # lateness the peers' waits do not show: no signal
+                status = ex["status"] if ex else "ok"
         signal = ("own_time" if ex and ex["status"] == status
-                  else "lateness" if lt and lt["status"] == status else None)
+                  else "lateness" if lt and lt["status"] == status and unconfirmed is None
+                  else None)
         j = ex if signal == "own_time" else lt if signal == "lateness" else ex
         data_med = float(m["data_ms"])
         lat = lateness.get(r, {})
@@ -403,6 +434,8 @@ def _analyze(run) -> AnalyzerResult:
                "status": status,
                "lateness_mean_ms": lat.get("mean_ms"), "lateness_max_ms": lat.get("max_ms"),
                "last_frac": lat.get("last_frac")}
+        if unconfirmed is not None:
+            rec["lateness_unconfirmed"] = unconfirmed
         if has_sched:
             for c in SCHED_FIELDS:
                 rec[c] = _f(m[c])

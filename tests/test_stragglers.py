@@ -267,6 +267,38 @@ def test_async_collectives_lateness(tmp_path):
     assert "issues its collectives" in f.message and "not in the collective log" in f.message
 
 
+def _set_blocked(root, nranks, blocked_of):
+    for r in range(nranks):
+        path = rank_dir(root, r) / "collectives.jsonl"
+        recs = [json.loads(x) for x in path.read_text().splitlines()]
+        for c in recs:
+            c["blocked_ms"] = blocked_of(r)
+        _write(path, recs)
+
+
+@pytest.mark.parametrize("peers_wait_longer", [False, True])
+def test_lateness_needs_the_host_waits_to_agree(tmp_path, peers_wait_longer):
+    """Rank 2 issues its collectives 150 ms after its peers every step, and the host blocks in
+    them (300 ms a step). If every rank waits the same 300 ms nobody waits for rank 2 (its
+    previous collective completed later: shared cores), so no straggler; if its peers wait
+    150 ms longer than it does, it is one."""
+    rng = np.random.default_rng(11)
+    busy = {r: [400.0] * 8 for r in range(4)}
+    late = {r: list(rng.normal(0, 5, 8) + (150 if r == 2 else 0)) for r in range(4)}
+    make_run(tmp_path, busy, steps=8, nranks=4, mesh=False, late=late, buckets=1)
+    _set_blocked(tmp_path, 4, lambda r: 150.0 if (peers_wait_longer and r == 2) else 300.0)
+    res = stragglers.analyze(RunDir(tmp_path))
+    per = {p["rank"]: p for p in res.metrics["per_rank"]}
+    assert per[2]["late_ms"] == pytest.approx(150, abs=10)
+    if peers_wait_longer:
+        (f,) = straggler_findings(res)
+        assert f.ranks == [2] and "lateness_unconfirmed" not in per[2]
+    else:
+        assert straggler_findings(res) == [] and per[2]["status"] == "ok"
+        assert per[2]["lateness_unconfirmed"] == {"late_ms": pytest.approx(150, abs=10),
+                                                  "wait_ms": 300.0, "peer_wait_ms": 300.0}
+
+
 def test_device_waits_and_throttling(tmp_path):
     # GPU-like: the host is not blocked; on the device ranks 0, 1, 2 spin 250 ms per step in
     # the all_reduce for rank 3, whose GPU is thermally throttled
