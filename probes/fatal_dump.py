@@ -42,7 +42,7 @@ class FatalDump:
             return False
         if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
             os.replace(self.path, self.path.with_name(PREV))  # a restarted rank's
-        f = open(self.path, "w", encoding="ascii")  # noqa: SIM115 - kept open until exit
+        f = os.fdopen(_high_fd(self.path), "w", encoding="ascii")  # kept open until exit
         try:
             header = HEADER.format(pid=self.pid, ident=threading.main_thread().ident or 0)
             f.write(header)
@@ -65,6 +65,24 @@ class FatalDump:
                 _unlink(self.path)
         except OSError:
             pass
+
+
+HIGH_FD = 1000  # faulthandler writes to a descriptor number: keep it far from the job's
+
+
+def _high_fd(path) -> int:
+    """The file opened on a descriptor ≥ HIGH_FD (close-on-exec) where the limit allows: a job
+    that closes its descriptors and opens its own files does not get this number back, so a
+    dump never lands in a file of the job's."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        import fcntl
+
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HIGH_FD)
+    except (OSError, ImportError, AttributeError):
+        return fd
+    os.close(fd)
+    return high
 
 
 def _unlink(path) -> None:

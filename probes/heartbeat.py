@@ -113,7 +113,9 @@ class Heartbeat:
         self._fd: int | None = None
         self._size = 0  # bytes in the file: no fstat per record
         self._closed = False
-        self._lock = threading.Lock()
+        # re-entrant: a signal handler that exits (sys.exit in a SIGTERM handler) runs on the
+        # main thread, possibly while it is inside _append; a plain lock would deadlock there
+        self._lock = threading.RLock()
         self._stopped = False
         self._key = None
         self._use_fr = True
@@ -128,12 +130,12 @@ class Heartbeat:
         if not self._stopped:
             self.beat()
 
-    def snapshot(self) -> dict:
+    def snapshot(self, with_fr: bool = True) -> dict:
         """This rank's progress now (also used by the hang dump)."""
         state = self.session.state
         inflight = inflight_records(state)
-        fr = fr_status() if self._use_fr else None
-        if fr is None:
+        fr = fr_status() if self._use_fr and with_fr else None
+        if fr is None and with_fr:
             self._use_fr = False  # absent or failing: don't retry every second
         return {"pid": os.getpid(), "step": self.session.clock.step,
                 "last_collective": compact(state.get("last_collective")),
@@ -143,12 +145,13 @@ class Heartbeat:
     def failed(self, failure: dict) -> None:
         """The process is dying of ``failure`` (or a thread died): say so at once."""
         event = "thread_exception" if failure.get("kind") == "thread_exception" else "failure"
-        self.beat(event, force=True, extra={"failure": failure})
+        # on the failing thread: no flight-recorder dump (a backend call that may block)
+        self.beat(event, force=True, extra={"failure": failure}, with_fr=False)
 
     def beat(self, event: str = "progress", force: bool = False,
-             extra: dict | None = None) -> None:
+             extra: dict | None = None, with_fr: bool = True) -> None:
         try:
-            snap = self.snapshot()
+            snap = self.snapshot(with_fr)
             lc = snap["last_collective"] or {}
             key = (snap["step"], lc.get("pg"), lc.get("seq"), lc.get("end_ns"),
                    tuple((r.get("pg"), r.get("seq")) for r in snap["inflight"]),

@@ -25,7 +25,7 @@ import time
 
 MAX_TEXT = 2000  # characters of an exception's text kept
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: an exiting signal handler may run inside it
 _pid: int | None = None     # the process whose failure is recorded
 _hooked = False             # the hooks are in place (a forked child inherits them)
 _failure: dict | None = None
@@ -149,4 +149,6 @@ def install() -> None:
 
     exit.__trainprof_previous__ = prev_exit
     exit.__doc__ = getattr(prev_exit, "__doc__", None)
+    # pickled by reference as sys.exit, as the original is (a spawned process's target)
+    exit.__module__, exit.__name__, exit.__qualname__ = "sys", "exit", "exit"
     sys.exit = exit

@@ -15,8 +15,9 @@ same rank: the rank variables of its environment are those of the claim (a child
 them), or, where the claimant had none (a plain ``python train.py``), its own rank and world size
 are the claimant's. Legitimate ranks started by another rank still differ: Lightning's launcher
 gives each child its own LOCAL_RANK, and mp.spawn children join the process group with their own
-rank. Processes started before the claim (or by a launcher that never claims, such as the
-torchrun agent) are decided as before.
+rank. A process under another torchrun launch than the claimant's (TORCHELASTIC_RUN_ID: a job
+a rank launches itself) is not a rank of this run either. Processes started before the claim (or
+by a launcher that never claims, such as the torchrun agent) are decided as before.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ ENV = "TRAINPROF_RANK_CLAIM"
 # Environment variables that tell launched ranks apart (torchrun, Lightning, SLURM, MPI).
 ID_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "SLURM_PROCID",
            "SLURM_LOCALID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+LAUNCH_KEY = "TORCHELASTIC_RUN_ID"  # one per torchrun launch: a rank's own torchrun has another
 
 
 def env_identity(environ=None) -> dict:
@@ -62,6 +66,9 @@ def stands_aside(run_dir) -> bool:
         if int(claim["pid"]) == os.getpid() or not _same_dir(claim["run_dir"], run_dir):
             return False
         env = claim.get("env") or {}
+        run_id = claim.get("launch")
+        if run_id and os.environ.get(LAUNCH_KEY, run_id) != run_id:
+            return True  # a job launched by a rank (a nested torchrun): not a rank of this run
         if env:
             return env_identity() == env
         return _effective_rank() == (int(claim["rank"]), int(claim["world"]))
@@ -72,7 +79,8 @@ def stands_aside(run_dir) -> bool:
 def claim(run_dir, rank: int, world: int) -> None:
     """Record that this process is ``rank`` of the run (inherited by the processes it starts)."""
     os.environ[ENV] = json.dumps({"pid": os.getpid(), "run_dir": os.path.abspath(os.fspath(run_dir)),
-                                  "rank": int(rank), "world": int(world), "env": env_identity()},
+                                  "rank": int(rank), "world": int(world), "env": env_identity(),
+                                  "launch": os.environ.get(LAUNCH_KEY)},
                                  separators=(",", ":"))
 
 

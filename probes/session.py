@@ -288,9 +288,10 @@ class ProbeSession:
             except Exception as e:  # noqa: BLE001
                 runtime.warn(f"step listener {getattr(fn, '__qualname__', fn)} failed: {e}")
         t0 = time.perf_counter_ns()
-        # the step's records reach disk now, one write per stream with news: a job that aborts
-        # (a C++ terminate, SIGKILL, torchrun's SIGTERM) keeps every step it finished
-        self.flush_streams()
+        # the step's records go to disk now, on the ticker thread (one write per stream with
+        # news; the job's thread never waits on the disk): a job that aborts (a C++ terminate,
+        # SIGKILL, torchrun's SIGTERM) keeps every step it finished but the last few ms
+        self.ticker.call_soon(self.flush_streams)
         if self.profiler is not None:
             self.profiler.step()  # may export the trace: book that time as probe overhead
             if self.profiler.done:  # exported (or failed: never retried)
@@ -316,27 +317,42 @@ class ProbeSession:
         if self._closed:
             return
         self._closed = True
-        for fn in self._close_listeners:
+        # each part runs whatever the others do; an exit raised into one of them (the job's
+        # signal handler calling sys.exit while we write) is raised again once all have run:
+        # a profiler left running at interpreter teardown can crash the process
+        pending = None
+        for fn in [*self._close_listeners, self._stop_profiler, self._link_job_trace_quietly,
+                   self._resolve_device_events, self._final_meta, self.ticker.stop,
+                   *[w.close for w in list(self._writers.values())]]:
             try:
                 fn()
             except Exception as e:  # noqa: BLE001
-                runtime.warn(f"close listener failed: {e}")
+                runtime.warn(f"close step {getattr(fn, '__qualname__', fn)} failed: {e}")
+            except BaseException as e:  # noqa: BLE001 - SystemExit / KeyboardInterrupt
+                pending = pending or e
+        if pending is not None:
+            raise pending
+
+    def _stop_profiler(self) -> None:
         if self.profiler is not None:
             self.profiler.stop()
+
+    def _link_job_trace_quietly(self) -> None:
         try:
             self._link_job_trace()
         except Exception as e:  # noqa: BLE001
             runtime.warn(f"job's trace not linked into the run directory: {type(e).__name__}: {e}")
+
+    def _resolve_device_events(self) -> None:
         try:
             self.clock.resolve_device_events(wait=True)
         except Exception:  # noqa: BLE001
             pass
+
+    def _final_meta(self) -> None:
         self.meta["ended_ns"] = time.time_ns()
         self.meta["steps_recorded"] = self.clock.step
         self.write_meta()
-        self.ticker.stop()
-        for w in list(self._writers.values()):
-            w.close()
 
 
 def _install_job_profiler_guard(session) -> None:

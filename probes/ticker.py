@@ -27,7 +27,8 @@ class Ticker:
     def __init__(self, name: str = THREAD_NAME):
         self._tasks: list[list] = []  # [period_s, next_due (monotonic), fn, failures]
         self._lock = threading.Lock()
-        self._wake = threading.Event()  # a new task, or stop
+        self._wake = threading.Event()  # a new task, a call to make soon, or stop
+        self._soon: list = []  # one-shot calls for the ticker thread, made at its next wake-up
         self._stopped = False
         self._origin = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -41,6 +42,23 @@ class Ticker:
             k = math.floor((now - self._origin) / period_s) + 1
             self._tasks.append([period_s, self._origin + k * period_s, fn, 0])
         self._wake.set()
+
+    def call_soon(self, fn) -> None:
+        """Call ``fn()`` once on the ticker thread as soon as it is free: the caller (the job's
+        thread) never waits for it, whatever ``fn`` costs (a stalled network disk)."""
+        with self._lock:
+            if fn not in self._soon:
+                self._soon.append(fn)
+        self._wake.set()
+
+    def _run_soon(self) -> None:
+        with self._lock:
+            calls, self._soon = self._soon, []
+        for fn in calls:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                runtime.warn(f"{getattr(fn, '__qualname__', fn)} failed: {type(e).__name__}: {e}")
 
     def start(self) -> None:
         if not self._thread.is_alive() and not self._stopped:
@@ -58,6 +76,7 @@ class Ticker:
             timeout = None if due is None else max(0.0, due - time.monotonic())
             if self._wake.wait(timeout):
                 self._wake.clear()
+                self._run_soon()
                 continue  # re-read the schedule (a new task, or stop)
             self.run_due()
 

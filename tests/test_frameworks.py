@@ -311,12 +311,19 @@ def test_ddp_gradient_all_reduce_logged(jobs, name):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(JOBS))
 def test_clean_run_has_no_findings(jobs, name):
-    job = jobs(name, *JOBS[name])
+    false = _false_findings(jobs(name, *JOBS[name]))
+    if false and os.getloadavg()[0] > 1.5 * (os.cpu_count() or 1):
+        # other processes kept the machine's cores busy during the job (a concurrent test run):
+        # a rank they slowed is a real straggler of that run, so judge a fresh run of the job
+        false = _false_findings(jobs(f"{name}-again", *JOBS[name]))
+    assert false == [], [f["message"] for f in false]
+
+
+def _false_findings(job) -> list:
     _ok(job)
     contended = job.contended()
-    false = [f for f in job.findings() if not host_contention(f)
-             and not (contended and f["kind"] in ("exposed_comm", "host_stall"))]
-    assert false == [], [f["message"] for f in false]
+    return [f for f in job.findings() if not host_contention(f)
+            and not (contended and f["kind"] in ("exposed_comm", "host_stall"))]
 
 
 # --------------------------------------------------------------------------- one framework deeper

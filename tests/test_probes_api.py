@@ -143,3 +143,65 @@ def test_process_that_stands_aside_starts_no_probes(tmp_path, monkeypatch):
     assert runtime.activate("optimizer_step") is None
     assert not runtime.enabled() and runtime.active() is None
     assert not run.exists()  # nothing written, not even a rank directory
+
+
+def test_a_job_a_rank_launches_itself_is_not_a_rank_of_the_run(tmp_path, monkeypatch):
+    """A nested torchrun started by a rank: its workers carry another TORCHELASTIC_RUN_ID and
+    stand aside whatever their rank variables (its rank 1 is not this run's rank 1)."""
+    import json
+    import os
+
+    from trainprof.probes import rank_claim
+
+    run = tmp_path / "run"
+    monkeypatch.setenv(rank_claim.ENV, json.dumps({
+        "pid": 1, "run_dir": str(run), "rank": 0, "world": 2,
+        "env": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "launch": "outer"}))
+    monkeypatch.setenv("RANK", "1"); monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
+    assert not rank_claim.stands_aside(run)      # a rank of the same launch: its own rank 1
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "inner")
+    assert rank_claim.stands_aside(run)          # the nested launch's rank 1
+    assert os.getpid() != 1
+
+
+def test_step_records_are_written_off_the_jobs_thread(tmp_path):
+    """Ticker.call_soon returns at once and runs the call on the probes' thread: a step boundary
+    never waits on the disk (a stalled network file system)."""
+    import threading
+
+    from trainprof.probes.ticker import THREAD_NAME, Ticker
+
+    release, ran = threading.Event(), []
+    t = Ticker()
+    t.start()
+    try:
+        def slow_flush():
+            ran.append(threading.current_thread().name)
+            release.wait(30)
+
+        t.call_soon(slow_flush)          # returns while slow_flush still waits on `release`
+        assert not release.is_set()
+        release.set()
+        for _ in range(300):
+            if ran:
+                break
+            threading.Event().wait(0.01)
+        assert ran == [THREAD_NAME]
+    finally:
+        t.stop()
+
+
+def test_wrapped_sys_exit_still_pickles_as_sys_exit():
+    """A spawned process's target may be sys.exit itself: it is pickled by reference (in a
+    child process: the hooks stay out of the test session's own)."""
+    import subprocess
+    import sys
+
+    code = ("import pickle, sys; from trainprof.probes import heartbeat_exit; "
+            "heartbeat_exit.install(); "
+            "assert getattr(sys.exit, '__trainprof_previous__', None) is not None; "
+            "assert pickle.loads(pickle.dumps(sys.exit)) is sys.exit; print('ok')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr

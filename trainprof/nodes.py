@@ -255,7 +255,7 @@ def _this_host() -> str:
     return socket.gethostname()
 
 
-def _pid_alive(pid) -> bool | None:
+def pid_alive(pid) -> bool | None:
     """Whether a process of this host exists; None when the record names none."""
     if type(pid) is not int or pid <= 0:
         return None
@@ -290,7 +290,7 @@ def state(rec: dict) -> str:
     if finished(rec):
         return "ended"
     if rec.get("host") == _this_host():
-        alive = _pid_alive(rec.get("launcher_pid"))
+        alive = pid_alive(rec.get("launcher_pid"))
         if alive is not None:
             return "alive" if alive else "dead"
     return "unknown"

@@ -601,13 +601,7 @@ def _holder_alive(pid: int | None, host: str | None) -> bool | None:
     another host (or the lock does not say)."""
     if pid is None or host is None or host != _hostname() or pid <= 0:
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):
-        pass
-    return True
+    return nodes.pid_alive(pid)
 
 
 def inventory(out: Path, before: set[str]) -> list[str] | None:
