@@ -6,6 +6,7 @@ import gzip
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -129,15 +130,18 @@ def test_parallel_load_matches_serial():
 
 
 def test_int_columns_tolerate_strings_none_floats_and_huge_values():
-    from trainprof.trace import _categorical, _ints
+    from trainprof.trace import _ints
+    from trainprof.trace._table import Cat
 
     got = _ints([7, None, "Spans", 3.0, float("nan"), 2**70, -5])
     assert got.tolist() == [7, -1, -1, 3, -1, -1, -5] and got.dtype.name == "int64"
     assert _ints([1, 2]).tolist() == [1, 2] and _ints([]).tolist() == []
     import pandas as pd
-    c = _categorical(["mm", "add", "mm", "all_reduce"])
-    ref = pd.Categorical(["mm", "add", "mm", "all_reduce"])
-    assert list(c.categories) == list(ref.categories) and c.codes.tolist() == ref.codes.tolist()
+    names = ["mm", "add", "mm", "all_reduce"]
+    ref = pd.Categorical(names)
+    for c in (Cat.from_strings(names), Cat.from_factorized(np.array([0, 1, 0, 2]), ["mm", "add", "all_reduce"])):
+        assert c.values == list(ref.categories) and c.codes.tolist() == ref.codes.tolist()
+        assert c.tolist() == names and c.to_pandas().equals(ref)
 
 
 def _same(a, b):

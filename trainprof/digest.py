@@ -132,7 +132,7 @@ def trace_facts(tr) -> dict:
         **({"deviceProperties": devs} if isinstance(devs, list) else {}),
         "whole_trace_window": bool(meta.get("whole_trace_window")),
         "span_ns": [int(span[0]), int(span[1])] if span else None,
-        "steps": int(len(tr.steps)), "events": int(tr.stats.get("events") or 0),
+        "steps": int(len(tr.tables.steps)), "events": int(tr.stats.get("events") or 0),
         "gpu_ops_without_launch": int(tr.stats.get("gpu_ops_without_launch") or 0)})
 
 

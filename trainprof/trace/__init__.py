@@ -11,8 +11,13 @@
   world_size, backend, pg_config; deviceProperties; baseTimeNanoseconds; schemaVersion;
   displayTimeUnit; traceName; record_shapes; profile_memory; ...), plus ``path`` (str) and
   ``span_ns`` ([first event start, last event end] in absolute ns, or None when empty).
-- ``events`` (DataFrame), one row per complete ('X') event, sorted by ts_ns (stable):
-    name, cat            category dtype (cat: cpu_op, user_annotation, python_function,
+- ``tables`` (numpy only, trainprof/trace/_table.py): ``tables.events``, ``.comm``, ``.memory``,
+  ``.steps``, each a ``Table`` with the columns below (string columns as ``Cat``: codes into
+  sorted distinct values). Analysis code reads these, so that analyzing traces never imports
+  pandas. ``events``, ``comm``, ``memory``, ``steps``: the same tables as pandas DataFrames
+  (categorical string columns), built on first use.
+- ``events``, one row per complete ('X') event, sorted by ts_ns (stable):
+    name, cat            strings (cat: cpu_op, user_annotation, python_function,
                          cuda_runtime, cuda_driver, kernel, gpu_memcpy, gpu_memset,
                          gpu_user_annotation, ...)
     ts_ns, dur_ns, end_ns  int64 ns. Absolute epoch ns when the trace has baseTimeNanoseconds
@@ -30,21 +35,23 @@
     input_dims, input_types   object (lists as recorded, or None; present when record_shapes)
     concrete_inputs      object ("Concrete Inputs": scalar arguments as strings, e.g. is_causal
                          "True"; None when not recorded)
-- ``comm`` (DataFrame): collective arguments, one row per event that carries them (PyTorch's
+- ``comm``: collective arguments, one row per event that carries them (PyTorch's
     record_param_comms cpu_op, and on newer traces the NCCL kernels themselves):
     row (int64 index into events), and where present collective (str, e.g. "allreduce"),
     in_nelems, out_nelems, group_size, dtype, pg_name (str), pg_desc (str), pg_ranks (list of
     int; the trace's "[0, 1]" string parsed), seq (int64, -1 when absent), coll_rank, src_rank,
-    dst_rank.
-- ``memory`` (DataFrame): the ``[memory]`` instant events: ts_ns, bytes, total_allocated,
+    dst_rank. Missing values are None (object columns); a column every row has as an integer
+    is int64.
+- ``memory``: the ``[memory]`` instant events: ts_ns, bytes, total_allocated,
     total_reserved, device_type, device_id, addr (all int64).
-- ``steps`` (DataFrame): ProfilerStep spans: step, start_ns, end_ns (int64), sorted. A trace
+- ``steps``: ProfilerStep spans: step, start_ns, end_ns (int64), sorted. A trace
     without ProfilerStep (no schedule/step()) gets one window, step 0, over the whole trace (every
     event in it) and ``meta["whole_trace_window"] = True``.
 - ``stats`` (dict): events (all traceEvents), complete ('X' rows), malformed, decoder.
 
-Helpers: ``Trace.host_events()``, ``Trace.gpu_events()``, ``name_mask(series, pred)`` (a boolean
-mask computed once per distinct name of a categorical column: use it instead of ``.str``).
+Helpers: ``Trace.host_events()``, ``Trace.gpu_events()`` (pandas), ``name_mask(col, pred)`` (a
+boolean mask computed once per distinct name of a Cat or categorical column: use it instead of
+``.str``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The frame builder behind trainprof.trace (see its docstring for the Trace schema): decoded
-columns (_decode.py) -> pandas frames, steps and step assignment, and the per-rank loading pool.
-Imported on first use of trainprof.trace's names, so that finding traces (_discover.py) and
-commands that never parse one do not import numpy and pandas."""
+columns (_decode.py) -> numpy tables (_table.py), steps and step assignment, and the per-rank
+loading pool. Imported on first use of trainprof.trace's names, so that finding traces
+(_discover.py) and commands that never parse one do not import numpy; pandas is imported only by
+a pandas view (``Trace.events`` and the like)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from trainprof import safeio
 from trainprof.trace import _decode
+from trainprof.trace._table import Cat, Table, objects
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
 
@@ -23,31 +24,71 @@ class TraceError(Exception):
     """A trace file that cannot be read; the message names the file and what is wrong."""
 
 
+class Tables:
+    """A parsed trace's tables (trainprof/trace/_table.py; numpy only): events, comm, memory,
+    steps, with the columns trainprof.trace's docstring lists."""
+
+    __slots__ = ("events", "comm", "memory", "steps")
+
+    def __init__(self, events: Table, comm: Table, memory: Table, steps: Table):
+        self.events, self.comm, self.memory, self.steps = events, comm, memory, steps
+
+
 @dataclass
 class Trace:
     path: Path
     rank: int | None
     meta: dict
-    events: pd.DataFrame
-    comm: pd.DataFrame
-    memory: pd.DataFrame
-    steps: pd.DataFrame
+    tables: Tables
     stats: dict = field(default_factory=dict)
+    _views: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def world_size(self) -> int | None:
         return (self.meta.get("distributedInfo") or {}).get("world_size")
 
-    def host_events(self) -> pd.DataFrame:
+    # pandas views of the tables, built (and pandas imported) on first use
+    def _view(self, name: str):
+        v = self._views.get(name)
+        if v is None:
+            v = self._views[name] = getattr(self.tables, name).to_pandas()
+        return v
+
+    @property
+    def events(self):
+        return self._view("events")
+
+    @property
+    def comm(self):
+        return self._view("comm")
+
+    @property
+    def memory(self):
+        return self._view("memory")
+
+    @property
+    def steps(self):
+        return self._view("steps")
+
+    def host_events(self):
         return self.events[~self.events["is_gpu"]]
 
-    def gpu_events(self) -> pd.DataFrame:
+    def gpu_events(self):
         return self.events[self.events["is_gpu"]]
 
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_views"] = {}  # rebuilt on use: never pickled to or from a pool worker
+        return state
 
-def name_mask(col: pd.Series, pred) -> np.ndarray:
-    """pred(str) -> bool evaluated once per category instead of once per row."""
-    if isinstance(col.dtype, pd.CategoricalDtype):
+
+def name_mask(col, pred) -> np.ndarray:
+    """pred(str) -> bool evaluated once per distinct name instead of once per row (a Cat, a
+    pandas Categorical Series, or any sequence of strings)."""
+    if isinstance(col, Cat):
+        return col.mask(lambda v: pred(str(v)))
+    dtype = getattr(col, "dtype", None)
+    if dtype is not None and type(dtype).__name__ == "CategoricalDtype":
         cats = np.fromiter((bool(pred(str(c))) for c in col.cat.categories), bool,
                            len(col.cat.categories))
         codes = col.cat.codes.to_numpy()
@@ -116,35 +157,35 @@ def _parse(path: Path, rank: int | None, fast: bool, pieces: int) -> Trace:
     base = meta.get("baseTimeNanoseconds")
     base = int(base) if isinstance(base, (int, float)) and not isinstance(base, bool) else 0
 
-    events = _events_frame(cols, base)
+    events = _events_table(cols, base)
     steps = _steps(events)
     meta["whole_trace_window"] = False  # ours, whatever the file's top level holds
     if steps.empty and len(events):
         # no ProfilerStep (a profiler used without schedule/step()): one window over the whole
         # trace, as HTA does; RunDir.traces() says so in a problem line
-        steps = pd.DataFrame({"step": np.zeros(1, np.int64),
-                              "start_ns": np.array([events["ts_ns"].min()], np.int64),
-                              "end_ns": np.array([events["end_ns"].max()], np.int64)})
+        steps = Table({"step": np.zeros(1, np.int64),
+                       "start_ns": np.array([events["ts_ns"].min()], np.int64),
+                       "end_ns": np.array([events["end_ns"].max()], np.int64)})
         meta["whole_trace_window"] = True
         events["step"] = np.zeros(len(events), np.int64)
     else:
         events["step"] = _assign_steps(events, steps)
     unlaunched = _unlaunched(events)
     if unlaunched.any():  # queued before recording started: in no window (HTA drops them too)
-        events.loc[unlaunched, "step"] = -1
-    ts = events["ts_ns"].to_numpy()
+        events["step"][unlaunched] = -1
+    ts = events["ts_ns"]
     if len(ts) > 1 and (ts[1:] < ts[:-1]).any():  # Kineto writes host events mostly in order
         order = np.argsort(ts, kind="stable")
-        events = events.take(order).reset_index(drop=True)
+        events = events.take(order)
         remap = np.empty_like(order)
         remap[order] = np.arange(len(order))
     else:
         remap = np.arange(len(ts))
     meta["path"] = str(path)
-    meta["span_ns"] = ([int(events["ts_ns"].iloc[0]), int(events["end_ns"].max())]
+    meta["span_ns"] = ([int(events["ts_ns"][0]), int(events["end_ns"].max())]
                        if len(events) else None)
-    return Trace(path=path, rank=rank, meta=meta, events=events, comm=_comm_frame(cols.comm, remap),
-                 memory=_memory_frame(cols.mem, base), steps=steps,
+    tables = Tables(events, _comm_table(cols.comm, remap), _memory_table(cols.mem, base), steps)
+    return Trace(path=path, rank=rank, meta=meta, tables=tables,
                  stats={"events": cols.n_events, "complete": len(events), "malformed": cols.n_bad,
                         "gpu_ops_without_launch": int(unlaunched.sum()),
                         "json_bytes": json_bytes,
@@ -154,25 +195,6 @@ def _parse(path: Path, rank: int | None, fast: bool, pieces: int) -> Trace:
 _ints = _decode.ints
 
 
-def _categorical(values) -> pd.Categorical:
-    """pd.Categorical(values) for strings, 4x faster."""
-    return _as_categorical(_decode.factorize(values))
-
-
-def _as_categorical(fact: tuple) -> pd.Categorical:
-    """(codes, distinct values) -> Categorical with the categories sorted as pandas sorts them."""
-    codes, uniq = fact
-    try:
-        cats = sorted(uniq)
-    except TypeError:  # mixed types: let pandas decide
-        return pd.Categorical(np.array(uniq, dtype=object)[codes] if len(uniq) else [])
-    pos = {k: i for i, k in enumerate(uniq)}
-    rank = np.empty(len(cats), np.int64)
-    rank[[pos[k] for k in cats]] = np.arange(len(cats))
-    return pd.Categorical.from_codes(rank[codes] if len(codes) else codes,
-                                     categories=pd.Index(cats, dtype=object))
-
-
 def _us_to_ns(values) -> np.ndarray:
     """µs floats -> int64 ns without losing the ns digits of large absolute µs values."""
     a = np.asarray(values, dtype=np.float64)
@@ -180,25 +202,26 @@ def _us_to_ns(values) -> np.ndarray:
     return whole.astype(np.int64) * 1000 + np.rint((a - whole) * 1000.0).astype(np.int64)
 
 
-def _events_frame(c, base: int) -> pd.DataFrame:
+def _events_table(c, base: int) -> Table:
     ts_ns = _us_to_ns(c.ts) + base
     dur_ns = np.maximum(_us_to_ns(c.dur), 0)
-    cat = _as_categorical(c.cat)
-    is_gpu = np.asarray(cat.isin(GPU_CATS), dtype=bool)
+    cat = Cat.from_factorized(*c.cat)
+    is_gpu = cat.isin(GPU_CATS)
     stream = c.stream  # Columns' int columns are int64 arrays already (-1 = missing)
     stream[~is_gpu] = -1
-    return pd.DataFrame({
-        "name": _as_categorical(c.name), "cat": cat, "ts_ns": ts_ns, "dur_ns": dur_ns,
+    return Table({
+        "name": Cat.from_factorized(*c.name), "cat": cat, "ts_ns": ts_ns, "dur_ns": dur_ns,
         "end_ns": ts_ns + dur_ns, "pid": c.pid, "tid": c.tid, "stream": stream,
         "is_gpu": is_gpu, "correlation": c.corr, "external_id": c.ext,
-        "input_dims": pd.Series(c.dims, dtype=object), "input_types": pd.Series(c.types, dtype=object),
-        "concrete_inputs": pd.Series(c.concrete, dtype=object),
+        "input_dims": objects(c.dims), "input_types": objects(c.types),
+        "concrete_inputs": objects(c.concrete),
     })
 
 
 def _ranks(v):
     if isinstance(v, list):
-        return [int(x) for x in v if isinstance(x, (int, float))]
+        return [int(x) for x in v if isinstance(x, (int, float)) and not isinstance(x, bool)
+                and x == x and abs(x) < 2**63]
     if isinstance(v, str):
         try:
             return [int(x) for x in v.strip("[] ").split(",") if x.strip()]
@@ -207,52 +230,93 @@ def _ranks(v):
     return None
 
 
-def _comm_frame(rows: list, remap: np.ndarray) -> pd.DataFrame:
+_STR_COMM = ("pg_name", "pg_desc", "collective", "dtype")
+
+
+def _comm_table(rows: list, remap: np.ndarray) -> Table:
+    """Collective-argument rows -> a table sorted by event row: ``row`` and ``seq`` int64 (seq -1
+    when absent); pg_ranks a list of ints or None; pg_name, pg_desc, collective, dtype str or
+    None; the other columns (present when some row has them) int64 when every row has an
+    integer, else objects with None where missing."""
     if not rows:
-        return pd.DataFrame({"row": np.empty(0, np.int64)})
-    comm = pd.DataFrame(rows)
-    comm["row"] = remap[comm["row"].to_numpy()]
-    if "pg_ranks" in comm:
-        comm["pg_ranks"] = [_ranks(v) for v in comm["pg_ranks"]]
-    for col in ("pg_name", "pg_desc", "collective", "dtype"):
-        if col in comm:
-            comm[col] = [None if v is None or v != v else str(v) for v in comm[col]]
-    comm["seq"] = _ints(comm["seq"]) if "seq" in comm else -1
-    return comm.sort_values("row", kind="stable").reset_index(drop=True)
+        return Table({"row": np.empty(0, np.int64), "seq": np.empty(0, np.int64)})
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    row = remap[np.fromiter((r["row"] for r in rows), np.int64, len(rows))]
+    order = np.argsort(row, kind="stable")
+    rows = [rows[i] for i in order.tolist()]
+    out: dict = {"row": row[order]}
+    for k in keys:
+        if k == "row":
+            continue
+        vals = [r.get(k) for r in rows]
+        if k == "pg_ranks":
+            out[k] = objects([_ranks(v) for v in vals])
+        elif k in _STR_COMM:
+            out[k] = objects([None if v is None or v != v else str(v) for v in vals])
+        elif k == "seq":
+            out[k] = _ints(vals)
+        elif all(type(v) is int and -2**63 <= v < 2**63 for v in vals):
+            out[k] = np.fromiter(vals, np.int64, len(vals))
+        else:
+            out[k] = objects(vals)
+    if "seq" not in out:
+        out["seq"] = np.full(len(rows), -1, np.int64)
+    return Table(out)
 
 
-def _memory_frame(rows: list, base: int) -> pd.DataFrame:
+def _memory_table(rows: list, base: int) -> Table:
     cols = ("ts", "bytes", "total_allocated", "total_reserved", "device_type", "device_id", "addr")
     arr = list(zip(*rows)) if rows else [[] for _ in cols]
     out = {"ts_ns": _us_to_ns(arr[0]) + base}
     for k, v in zip(cols[1:], arr[1:]):
-        out[k] = _ints(v)
-    return pd.DataFrame(out)
+        out[k] = _ints(list(v))
+    return Table(out)
 
 
-def _steps(events: pd.DataFrame) -> pd.DataFrame:
-    m = name_mask(events["name"], lambda n: n.startswith("ProfilerStep#")) & ~events["is_gpu"].to_numpy()
-    s = events.loc[m, ["name", "ts_ns", "end_ns"]]
-    num = pd.to_numeric(s["name"].astype(str).str[len("ProfilerStep#"):], errors="coerce")
-    out = pd.DataFrame({"step": num, "start_ns": s["ts_ns"], "end_ns": s["end_ns"]}).dropna()
-    out["step"] = out["step"].astype(np.int64)
-    return out.sort_values("start_ns").drop_duplicates("step").reset_index(drop=True)
+def _step_number(name: str):
+    text = name[len("ProfilerStep#"):].strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        f = float(text)
+    except ValueError:
+        return None
+    return int(f) if f == f and abs(f) < 2**63 else None
 
 
-def _assign_steps(events: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
+def _steps(events: Table) -> Table:
+    name = events["name"]
+    m = name.startswith("ProfilerStep#") & ~events["is_gpu"]
+    rows = np.flatnonzero(m)
+    num_of = [_step_number(v) if v.startswith("ProfilerStep#") else None for v in name.values]
+    nums = [num_of[c] for c in name.codes[rows].tolist()]
+    keep = np.fromiter((v is not None for v in nums), bool, len(nums))
+    rows = rows[keep]
+    step = np.fromiter((v for v in nums if v is not None), np.int64, len(rows))
+    start, end = events["ts_ns"][rows], events["end_ns"][rows]
+    order = np.argsort(start, kind="stable")
+    step, start, end = step[order], start[order], end[order]
+    _, first = np.unique(step, return_index=True)  # the first of each step number, by start
+    first = np.sort(first)
+    return Table({"step": step[first], "start_ns": start[first], "end_ns": end[first]})
+
+
+def _assign_steps(events: Table, steps: Table) -> np.ndarray:
     """Host events by the ProfilerStep span that contains their start; GPU events by the step of
     the runtime call that launched them (same correlation id), else by time."""
     n = len(events)
     out = np.full(n, -1, dtype=np.int64)
     if steps.empty or n == 0:
         return out
-    starts, ends, ids = (steps[c].to_numpy() for c in ("start_ns", "end_ns", "step"))
-    ts = events["ts_ns"].to_numpy()
+    starts, ends, ids = (steps[c] for c in ("start_ns", "end_ns", "step"))
+    ts = events["ts_ns"]
     i = np.searchsorted(starts, ts, side="right") - 1
     ok = (i >= 0) & (ts < ends[np.clip(i, 0, None)])
     out[ok] = ids[i[ok]]
-    gpu = events["is_gpu"].to_numpy()
-    corr = events["correlation"].to_numpy()
+    gpu = events["is_gpu"]
+    corr = events["correlation"]
     if gpu.any():
         host = np.flatnonzero(~gpu & (corr >= 0))
         hc = corr[host]
@@ -266,13 +330,13 @@ def _assign_steps(events: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
     return out
 
 
-def _unlaunched(events: pd.DataFrame) -> np.ndarray:
+def _unlaunched(events: Table) -> np.ndarray:
     """Kernels, memcpys and memsets whose correlation id matches no host call of the trace:
     work queued before the profiler started recording. Only where the trace has host calls
     with correlation ids at all (a trace of GPU activity alone keeps its ops)."""
-    gpu = events["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"]).to_numpy()
-    corr = events["correlation"].to_numpy()
-    host = corr[~events["is_gpu"].to_numpy() & (corr >= 0)]
+    gpu = events["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"])
+    corr = events["correlation"]
+    host = corr[~events["is_gpu"] & (corr >= 0)]
     if not gpu.any() or not len(host):
         return np.zeros(len(events), bool)
     return gpu & (corr >= 0) & ~np.isin(corr, host)
