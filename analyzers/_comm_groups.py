@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-import pandas as pd
 
 from trainprof.trace import name_mask
 
@@ -37,10 +36,33 @@ def coll_type(name: str) -> str:
 
 def coll_types(names) -> np.ndarray:
     """coll_type of every row (object array), computed once per distinct name: a trace holds
-    few names over many events (22k NCCL kernels: 0.12 s row by row)."""
-    codes, uniq = pd.factorize(pd.Series(names, copy=False))
-    vals = np.array([coll_type(str(u)) for u in uniq] + ["other"], dtype=object)
-    return vals[codes]  # code -1 (missing) picks the trailing "other"
+    few names over many events (22k NCCL kernels: 0.12 s row by row). ``names``: a Cat, or any
+    sequence of names (a missing one, None or NaN, is "other")."""
+    codes = getattr(names, "codes", None)
+    if codes is not None:  # a Cat: its distinct values are known
+        vals = np.array([coll_type(v) for v in names.values] + ["other"], dtype=object)
+        return vals[codes]
+    seen: dict = {}
+    out = np.empty(len(names), dtype=object)
+    for i, v in enumerate(names):
+        if _missing(v):
+            out[i] = "other"
+            continue
+        t = seen.get(v)
+        if t is None:
+            t = seen[v] = coll_type(str(v))
+        out[i] = t
+    return out
+
+
+def _missing(v) -> bool:
+    """None or NaN: a value a record or row does not have."""
+    return v is None or (isinstance(v, float) and v != v)
+
+
+def _nones(a: np.ndarray) -> np.ndarray:
+    """Where an object array holds None."""
+    return np.fromiter((v is None for v in a), bool, len(a))
 
 
 def dim_of_ranks(ranks, coords: dict, world_size: int | None) -> str | None:
@@ -72,10 +94,16 @@ def trace_groups(trace) -> dict:
     [{"pg_name", "pg_desc", "pg_size", "ranks"}] in that order."""
     cfgs = [c for c in (trace.meta.get("distributedInfo") or {}).get("pg_config") or []
             if isinstance(c, dict)]
-    if len(trace.comm) and "pg_name" in trace.comm:
-        cfgs += [{"pg_name": n, "pg_desc": d, "ranks": rk} for n, d, rk in
-                 trace.comm.reindex(columns=["pg_name", "pg_desc", "pg_ranks"]).drop_duplicates(
-                     "pg_name").itertuples(index=False)]
+    comm = trace.tables.comm
+    if len(comm) and "pg_name" in comm:
+        cols = [comm.get(k) for k in ("pg_name", "pg_desc", "pg_ranks")]
+        seen = set()
+        for i, name in enumerate(comm["pg_name"].tolist()):  # the first row of each group
+            if name in seen:
+                continue
+            seen.add(name)
+            n, d, rk = (None if c is None else c[i] for c in cols)
+            cfgs.append({"pg_name": n, "pg_desc": d, "ranks": rk})
     keep = ("pg_name", "pg_desc", "pg_size", "ranks")
     return {"world_size": _plain(trace.world_size),
             "configs": [{k: _plain(c.get(k)) for k in keep if c.get(k) is not None} for c in cfgs]}
@@ -126,41 +154,66 @@ def group_dims(run, groups) -> dict[str, str]:
 
 
 def gpu_event_groups(trace, rows: np.ndarray) -> np.ndarray:
-    """pg name (or None) of each events row in ``rows``, from the collective args on the row."""
+    """pg name (or None) of each events row in ``rows``, from the collective args on the row
+    (the first args row of an event where it has several)."""
+    rows = np.asarray(rows, np.int64)
     out = np.full(len(rows), None, dtype=object)
-    comm = trace.comm
+    comm = trace.tables.comm
     if not len(comm) or "pg_name" not in comm:
         return out
-    lookup = pd.Series(comm["pg_name"].to_numpy(), index=comm["row"].to_numpy())
-    lookup = lookup[~lookup.index.duplicated()]
-    got = lookup.reindex(rows).to_numpy(dtype=object)
-    ok = pd.notna(got)
-    out[ok] = got[ok].astype(str)
+    crow, first = np.unique(comm["row"], return_index=True)
+    if not len(crow):
+        return out
+    names = comm["pg_name"][first]
+    j = np.clip(np.searchsorted(crow, rows), 0, len(crow) - 1)
+    hit = np.flatnonzero(crow[j] == rows)
+    got = names[j[hit]]
+    ok = ~_nones(got)
+    out[hit[ok]] = [str(v) for v in got[ok]]
     return out
 
 
-def gloo_event_groups(events: pd.DataFrame, log: pd.DataFrame) -> np.ndarray:
-    """pg name (or None) of each gloo event row, matched to this rank's collective log. A rank
-    whose log names one process group only (plain DDP: the default group) has no other group
-    for an unmatched event to belong to: those take it too."""
+def _ns_column(values) -> tuple[np.ndarray, np.ndarray]:
+    """A log's ns column (int64, float64 with NaN, or objects with None/NaN) -> (int64 values,
+    where present)."""
+    a = np.asarray(values)
+    if a.dtype.kind in "iu":
+        return a.astype(np.int64, copy=False), np.ones(len(a), bool)
+    if a.dtype.kind == "f":
+        ok = ~np.isnan(a)
+        return np.where(ok, a, 0).astype(np.int64), ok
+    ok = np.fromiter((not _missing(v) for v in a), bool, len(a))
+    return np.array([int(v) if k else 0 for v, k in zip(a.tolist(), ok.tolist())], np.int64), ok
+
+
+def gloo_event_groups(events, log) -> np.ndarray:
+    """pg name (or None) of each gloo event row, matched to this rank's collective log.
+    ``events``: a Table (or DataFrame) with name, tid, ts_ns, end_ns; ``log``: a Table (or
+    DataFrame) with pg, op, enqueue_ns, end_ns (a record without pg names no group; one without
+    either time matches no event). A rank whose log names one process group only (plain DDP:
+    the default group) has no other group for an unmatched event to belong to: those take it
+    too."""
     out = np.full(len(events), None, dtype=object)
-    if events.empty or log is None or log.empty or not {"pg", "op", "enqueue_ns", "end_ns"} <= set(log):
+    if (not len(events) or log is None or not len(log)
+            or not all(c in log for c in ("pg", "op", "enqueue_ns", "end_ns"))):
         return out
-    names = log["pg"].dropna().astype(str).unique()
+    pg, op = (np.asarray(log[c], dtype=object) for c in ("pg", "op"))
+    (enq_raw, enq_ok), (end_raw, end_ok) = (_ns_column(log[c]) for c in ("enqueue_ns", "end_ns"))
+    names = list(dict.fromkeys(str(p) for p in pg if not _missing(p)))
     only = names[0] if len(names) == 1 else None
-    log = log.dropna(subset=["enqueue_ns", "end_ns"])
-    lo, hi = events["ts_ns"].min() - MATCH_SLACK_NS, events["end_ns"].max() + MATCH_SLACK_NS
-    log = log[(log["end_ns"] >= lo) & (log["enqueue_ns"] <= hi)]
-    if log.empty:
+    starts = np.asarray(events["ts_ns"], dtype=np.int64)
+    ends = np.asarray(events["end_ns"], dtype=np.int64)
+    lo, hi = starts.min() - MATCH_SLACK_NS, ends.max() + MATCH_SLACK_NS
+    keep = enq_ok & end_ok & (end_raw >= lo) & (enq_raw <= hi)
+    if not keep.any():
         if only is not None:
             out[:] = only
         return out
-    ltype = coll_types(log["op"])
-    lpg = log["pg"].astype(str).to_numpy(dtype=object)
-    enq = log["enqueue_ns"].to_numpy(np.int64) - MATCH_SLACK_NS
-    end = log["end_ns"].to_numpy(np.int64) + MATCH_SLACK_NS
+    ltype = coll_types(op[keep])
+    lpg = np.array([None if _missing(p) else str(p) for p in pg[keep]], dtype=object)  # None: no pg
+    enq = enq_raw[keep] - MATCH_SLACK_NS
+    end = end_raw[keep] + MATCH_SLACK_NS
     etype = coll_types(events["name"])
-    starts, ends = events["ts_ns"].to_numpy(), events["end_ns"].to_numpy()
     for t in set(etype):
         ei = np.flatnonzero(etype == t)
         li = np.flatnonzero(ltype == t)
@@ -172,13 +225,13 @@ def gloo_event_groups(events: pd.DataFrame, log: pd.DataFrame) -> np.ndarray:
             if len(pgs) == 1:
                 out[k] = pgs.pop()
     # a gloo worker thread serves one group: settle ambiguous events by their thread's majority
-    tids = events["tid"].to_numpy()
+    tids = np.asarray(events["tid"])
     main_like = name_mask(events["name"], lambda n: n.startswith(("gloo:send", "gloo:recv")))
-    for tid in np.unique(tids):
+    for tid in np.unique(tids, return_counts=True)[0]:  # with counts: numpy.ma stays unimported
         sel = (tids == tid) & ~main_like
         votes = Counter(v for v in out[sel] if v is not None)
         if votes:
-            out[sel & pd.isna(out)] = votes.most_common(1)[0][0]
+            out[sel & _nones(out)] = votes.most_common(1)[0][0]
     if only is not None:
-        out[pd.isna(out)] = only
+        out[_nones(out)] = only
     return out

@@ -69,6 +69,10 @@ def clip(a: Set, lo: int, hi: int) -> Set:
 
 
 def of(frame, mask=None) -> Set:
-    """The union of a frame's [ts_ns, end_ns) intervals (optionally of the rows in mask)."""
-    f = frame if mask is None else frame[mask]
-    return union(f["ts_ns"].to_numpy(), f["end_ns"].to_numpy())
+    """The union of the [ts_ns, end_ns) intervals of a Table's (or a pandas DataFrame's) rows,
+    optionally of the rows in mask only."""
+    s, e = np.asarray(frame["ts_ns"]), np.asarray(frame["end_ns"])
+    if mask is not None:
+        mask = np.asarray(mask)
+        s, e = s[mask], e[mask]
+    return union(s, e)

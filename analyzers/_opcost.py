@@ -17,9 +17,9 @@ Conventions (those of torch.utils.flop_counter.FlopCounterMode where it counts t
   the compulsory traffic of an ideal kernel; attention assumes a fused (flash) kernel that never
   materializes the Sq×Sk score matrix.
 ``op_cost(name, input_dims, input_types, concrete=None)`` returns an OpCost or None (not costed).
-``select_ops(events)`` picks, from a trace's host ops, the ones to count without double counting
-nested ops (aten::linear → aten::matmul → aten::mm counts once, at mm; a DTensor's aten::mm with
-global shapes around the local aten::mm counts once, at the local one).
+``select_ops(events)`` picks, from a trace's host ops (the events ``Table``), the ones to count
+without double counting nested ops (aten::linear → aten::matmul → aten::mm counts once, at mm; a
+DTensor's aten::mm with global shapes around the local aten::mm counts once, at the local one).
 """
 
 from __future__ import annotations
@@ -398,36 +398,78 @@ def op_cost(name: str, input_dims, input_types, concrete=None) -> OpCost | None:
 
 
 # --------------------------------------------------------------------------- trace selection
+COSTED = frozenset(KERNELS) | frozenset(WRAPPERS)
+
+
 def select_ops(events) -> list[tuple[int, OpCost]]:
-    """(row index, cost) of the host ops to count. An op of another class inside a costed
-    kernel is part of that kernel (addmm's bias copy); one of the same class replaces it (tensor
-    subclass dispatch: global shapes outside, local inside); a wrapper counts only when no
-    costed op runs inside it."""
-    host = events[(events["cat"] == "cpu_op")] if "cat" in events else events
-    names = host["name"].astype(str)
-    known = names.isin(list(KERNELS) + list(WRAPPERS)).to_numpy()
-    cand = host[known]
-    if cand.empty:
+    """(row, cost) of the host ops to count, rows being positions in the events ``Table``
+    (``trace.tables.events``), in row order. An op of another class inside a costed kernel is
+    part of that kernel (addmm's bias copy); one of the same class replaces it (tensor subclass
+    dispatch: global shapes outside, local inside); a wrapper counts only when no costed op
+    runs inside it."""
+    rows = _candidates(events)
+    costs = _row_costs(events, rows)
+    if costs is None:
         return []
-    conc = cand["concrete_inputs"] if "concrete_inputs" in cand else None
-    out: list[tuple[int, OpCost]] = []
+    order = np.lexsort((-events["dur_ns"][rows], events["ts_ns"][rows], events["tid"][rows]))
+    out = _nest(events, rows[order], [costs[k] for k in order.tolist()])
+    return sorted(out, key=lambda x: x[0])
+
+
+def _candidates(events) -> np.ndarray:
+    """Rows of the host ops (cat cpu_op) whose name op_cost knows, in row order."""
+    known = events["name"].isin(COSTED)
+    if "cat" in events:
+        known &= events["cat"].eq("cpu_op")
+    return np.flatnonzero(known)
+
+
+def _row_costs(events, rows: np.ndarray) -> list | None:
+    """op_cost of each row (None when not costed), evaluated once per distinct signature
+    (name, shapes, dtypes, concrete inputs): shapes repeat every layer and step. None when no
+    row is costed."""
+    if not len(rows) or "input_dims" not in events or "input_types" not in events:
+        return None
+    dims, types = events["input_dims"][rows], events["input_types"][rows]
+    shaped = np.flatnonzero(~(np.equal(dims, None) | np.equal(types, None)))
+    if not len(shaped):
+        return None  # shapes not recorded
+    names = events["name"]
+    codes = names.codes[rows[shaped]].tolist()
+    conc = events["concrete_inputs"][rows[shaped]] if "concrete_inputs" in events else [None] * len(shaped)
     memo: dict = {}
-    for _, g in cand.sort_values(["tid", "ts_ns", "dur_ns"], ascending=[True, True, False]).groupby("tid", sort=False):
-        stack: list[list] = []  # [end_ns, is_kernel, has_costed_child, row, cost]
-        rows = []
-        concs = g["concrete_inputs"] if conc is not None else [None] * len(g)  # not .get(row): 10 µs a row
-        for row, name, ts, end, dims, types, c_in in zip(g.index, g["name"].astype(str), g["ts_ns"],
-                                                         g["end_ns"], g["input_dims"], g["input_types"],
-                                                         concs):
-            while stack and stack[-1][0] <= ts:
-                rows.append(stack.pop())
-            kernel = name in KERNELS
-            key = (name, repr(dims), repr(types), repr(c_in))  # shapes repeat every layer/step
-            if key not in memo:
-                memo[key] = op_cost(name, dims, types, c_in)
-            cost = memo[key]
+    out: list = [None] * len(rows)
+    for i, code, d, t, c in zip(shaped.tolist(), codes, dims[shaped], types[shaped], conc):
+        key = (code, repr((d, t, c)))  # lists are unhashable; their text is the signature
+        cost = memo.get(key, memo)
+        if cost is memo:
+            cost = memo[key] = op_cost(names.values[code], d, t, c)
+        out[i] = cost
+    return out if any(c is not None for c in memo.values()) else None
+
+
+def _nest(events, rows: np.ndarray, costs: list) -> list[tuple[int, OpCost]]:
+    """Walk each thread's ops (rows sorted by tid, start, longest first) with a stack of the
+    open ones; (row, cost) of those that count, in no particular order."""
+    names = events["name"]
+    kernel = names.value_mask(KERNELS.__contains__)[names.codes[rows]].tolist()
+    tids = events["tid"][rows].tolist()
+    starts = events["ts_ns"][rows].tolist()
+    ends = events["end_ns"][rows].tolist()
+    out: list[tuple[int, OpCost]] = []
+    stack: list[list] = []  # [end_ns, is_kernel, has_costed_child, row, cost]
+    thread = None
+    for row, tid, ts, end, is_kernel, cost in zip(rows.tolist(), tids, starts, ends, kernel, costs):
+        if tid != thread:
+            _close(stack, 0, out)
+            stack, thread = [], tid
+        k = len(stack)
+        while k and stack[k - 1][0] <= ts:
+            k -= 1
+        _close(stack, k, out)
+        if cost is not None:
             outer = next((s for s in reversed(stack) if s[1] and s[4] is not None), None)
-            if cost is not None and outer is not None:
+            if outer is not None:
                 if outer[4].op_class == cost.op_class:
                     # the same work dispatched again inside (a tensor subclass such as DTensor
                     # records global shapes outside, local shapes inside): count the inner op
@@ -437,9 +479,15 @@ def select_ops(events) -> list[tuple[int, OpCost]]:
             if cost is not None:
                 for s in stack:
                     s[2] = True
-            stack.append([end, kernel, False, row, cost])
-        rows += stack
-        for end, kernel, child, row, cost in rows:
-            if cost is not None and (kernel or not child):
-                out.append((row, cost))
-    return sorted(out, key=lambda x: x[0])
+        stack.append([end, is_kernel, False, row, cost])
+    _close(stack, 0, out)
+    return out
+
+
+def _close(stack: list, keep: int, out: list) -> None:
+    """Pop the stack down to ``keep`` entries; each popped op that counts goes to ``out``: a
+    costed kernel, or a costed wrapper with no costed op inside."""
+    for _end, is_kernel, child, row, cost in stack[keep:]:
+        if cost is not None and (is_kernel or not child):
+            out.append((row, cost))
+    del stack[keep:]

@@ -15,14 +15,14 @@ from __future__ import annotations
 import re
 
 import numpy as np
-import pandas as pd
 
+from trainprof._lazy import pd
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._profiled_window import off_training
 from trainprof.analyzers._comm_groups import (coll_types, gloo_event_groups, gpu_event_groups,
                                               group_dims, trace_groups)
 from trainprof.findings import AnalyzerResult, Finding
-from trainprof.trace import name_mask
+from trainprof.trace._table import Table, objects
 
 NAME = "comm_compute"
 EXPOSED_COMM_FINDING = 0.40   # median rank's exposed communication ≥ this share of the step
@@ -74,23 +74,23 @@ def _dim_split(comm_keys, starts, ends, exposed: iv.Set, lo=None, hi=None) -> di
 
 # --------------------------------------------------------------------------- GPU
 def _gpu_rows(trace, dims: dict, split: list | None = None, used: dict | None = None) -> list[dict]:
-    ev = trace.events
-    kmask = ev["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"]).to_numpy() & (ev["step"].to_numpy() >= 0)
-    k = ev[kmask]
-    rows_idx = np.flatnonzero(kmask)
-    is_comm = name_mask(k["name"], lambda n: "nccl" in n.lower())
-    is_mem = k["cat"].isin(["gpu_memcpy", "gpu_memset"]).to_numpy()
-    is_d2h = is_mem & name_mask(k["name"], lambda n: "DtoH" in n)
-    kstep = k["step"].to_numpy()
-    ks, ke = k["ts_ns"].to_numpy(), k["end_ns"].to_numpy()
-    ctype = coll_types(k["name"]) if is_comm.any() else np.full(len(k), None, dtype=object)
+    ev = trace.tables.events
+    cat = ev["cat"]
+    rows_idx = np.flatnonzero(cat.isin(["kernel", "gpu_memcpy", "gpu_memset"]) & (ev["step"] >= 0))
+    name, kcat = ev["name"][rows_idx], cat[rows_idx]
+    is_comm = name.mask(lambda n: "nccl" in n.lower())
+    is_mem = kcat.isin(["gpu_memcpy", "gpu_memset"])
+    is_d2h = is_mem & name.mask(lambda n: "DtoH" in n)
+    kstep = ev["step"][rows_idx]
+    ks, ke = ev["ts_ns"][rows_idx], ev["end_ns"][rows_idx]
+    ctype = coll_types(name) if is_comm.any() else np.full(len(rows_idx), None, dtype=object)
     pgs = gpu_event_groups(trace, rows_idx)
     kdim = np.array([dims.get(p, f"pg {p}") if p is not None else "unknown" for p in pgs], dtype=object)
     kpg = _note_groups(pgs, dims, used)
     stalls = _host_stalls(ev)
-    spans = trace.steps.set_index("step")
+    spans = _step_spans(trace.tables.steps)
     out = []
-    for step in np.unique(kstep):
+    for step in _distinct(kstep).tolist():
         m = kstep == step
         s, e = ks[m], ke[m]
         comm, comp = iv.union(s[is_comm[m]], e[is_comm[m]]), iv.union(s[~is_comm[m] & ~is_mem[m]], e[~is_comm[m] & ~is_mem[m]])
@@ -101,12 +101,12 @@ def _gpu_rows(trace, dims: dict, split: list | None = None, used: dict | None = 
         other = iv.length(iv.subtract(iv.subtract(mem, comp), comm))
         idle = window - iv.length(iv.union(s, e))
         cm = m & is_comm
-        st = stalls.get(int(step), (0, 0))
-        span = int(spans.loc[step, "end_ns"] - spans.loc[step, "start_ns"]) if step in spans.index else window
+        st = stalls.get(step, (0, 0))
+        span = spans.get(step, window)
         if split is not None:
             split.append(_dim_split(kpg[cm], ks[cm], ke[cm], exposed))
         out.append({
-            "step": int(step), "window_ms": _ms(window),
+            "step": step, "window_ms": _ms(window),
             "compute_ms": _ms(iv.length(comp) - overlapped), "overlapped_ms": _ms(overlapped),
             "exposed_comm_ms": _ms(iv.length(exposed)), "data_ms": 0.0, "other_ms": _ms(other),
             "idle_ms": _ms(idle), "comm_ms": _ms(iv.length(comm)),
@@ -117,21 +117,43 @@ def _gpu_rows(trace, dims: dict, split: list | None = None, used: dict | None = 
     return out
 
 
-def _host_stalls(ev: pd.DataFrame) -> dict[int, tuple[int, int]]:
+def _distinct(a: np.ndarray) -> np.ndarray:
+    """np.unique(a), sorted; asked with counts, which skips the masked-array check that imports
+    numpy.ma (~10 ms in a process without pandas)."""
+    return np.unique(a, return_counts=True)[0]
+
+
+def _step_spans(steps) -> dict[int, int]:
+    """step -> length (ns) of its ProfilerStep span (the first span of a step number)."""
+    out: dict[int, int] = {}
+    for st, lo, hi in zip(steps["step"].tolist(), steps["start_ns"].tolist(), steps["end_ns"].tolist()):
+        out.setdefault(st, hi - lo)
+    return out
+
+
+def _host_stalls(ev) -> dict[int, tuple[int, int]]:
     """step -> (calls, ns) of host calls blocked on the device: synchronize calls, synchronous
     memcpys, and cudaMemcpyAsync into pageable memory (which blocks like a sync copy)."""
-    rt = ev[ev["cat"].isin(["cuda_runtime", "cuda_driver"]).to_numpy() & (ev["step"].to_numpy() >= 0)]
-    if rt.empty:
+    cat = ev["cat"]
+    rt = np.flatnonzero(cat.isin(["cuda_runtime", "cuda_driver"]) & (ev["step"] >= 0))
+    if not len(rt):
         return {}
-    blocking = name_mask(rt["name"], lambda n: n in _SYNC_CALLS)
-    async_cp = name_mask(rt["name"], lambda n: n == "cudaMemcpyAsync")
+    name = ev["name"]
+    rname = name[rt]
+    blocking = rname.mask(lambda n: n in _SYNC_CALLS)
+    async_cp = rname.eq("cudaMemcpyAsync")
     if async_cp.any():
-        cp = ev[ev["cat"].eq("gpu_memcpy").to_numpy()]
-        pageable = cp["correlation"].to_numpy()[name_mask(cp["name"], lambda n: "DtoH" in n and "Pageable" in n)]
-        blocking |= async_cp & np.isin(rt["correlation"].to_numpy(), pageable)
+        cp = np.flatnonzero(cat.eq("gpu_memcpy"))
+        pageable = ev["correlation"][cp][name[cp].mask(lambda n: "DtoH" in n and "Pageable" in n)]
+        blocking |= async_cp & np.isin(ev["correlation"][rt], pageable)
     b = rt[blocking]
-    g = b.groupby("step")["dur_ns"].agg(["size", "sum"])
-    return {int(s): (int(r["size"]), int(r["sum"])) for s, r in g.iterrows()}
+    if not len(b):
+        return {}
+    steps, inv = np.unique(ev["step"][b], return_inverse=True)
+    size = np.bincount(inv, minlength=len(steps))
+    total = np.zeros(len(steps), np.int64)
+    np.add.at(total, inv, ev["dur_ns"][b])
+    return {s: (n, t) for s, n, t in zip(steps.tolist(), size.tolist(), total.tolist())}
 
 
 # HTA's kernel classes (hta/common/types.py, re.match on the name) and the categories its
@@ -177,7 +199,7 @@ def _hta_overlap(comm: tuple, comp: tuple) -> int:
     return int((t[1:][m] - t[:-1][m]).sum())
 
 
-def hta_view(ev: pd.DataFrame, base_ns: int = 0) -> dict | None:
+def hta_view(ev, base_ns: int = 0) -> dict | None:
     """HTA's get_temporal_breakdown (idle / compute / non-compute % of the window) and
     get_comm_comp_overlap (% of communication time overlapped with compute), computed the way
     HTA (traceinsight 0.6.1) does:
@@ -192,15 +214,18 @@ def hta_view(ev: pd.DataFrame, base_ns: int = 0) -> dict | None:
       − merged busy time; compute = merged time of compute kernels (not NCCL, memcpy/memset,
       synchronization); non-compute = the rest.
 
-    ``overlap_pct`` is 0.0 when there is no communication kernel (HTA divides 0 by 0: NaN)."""
-    is_gpu = ev["cat"].isin(_HTA_GPU_CATS).to_numpy()
+    ``ev``: a trace's events Table. ``overlap_pct`` is 0.0 when there is no communication
+    kernel (HTA divides 0 by 0: NaN)."""
+    is_gpu = ev["cat"].isin(_HTA_GPU_CATS)
     if not is_gpu.any():
         return None
-    ts, end = ev["ts_ns"].to_numpy(), ev["end_ns"].to_numpy()
+    ts, end = ev["ts_ns"], ev["end_ns"]
     up = lambda a: -((base_ns - a) // 1000)  # noqa: E731 - ceil to whole µs
-    corr = ev["correlation"].to_numpy()
-    is_step = name_mask(ev["name"], lambda n: _HTA_STEP.match(str(n)) is not None)
-    if ev["name"][is_step].nunique() >= 2:
+    corr = ev["correlation"]
+    name = ev["name"]
+    step_names = name.value_mask(lambda n: _HTA_STEP.match(n) is not None)
+    is_step = step_names[name.codes] if len(step_names) else np.zeros(len(ts), bool)
+    if np.count_nonzero(np.bincount(name.codes[is_step])) >= 2:  # two distinct step names
         # HTA's host events: all but the GPU ops with a correlation id
         host = ~(is_gpu & (corr >= 0))
         before = up(ts) < up(int(ts[host & is_step].max()))
@@ -210,10 +235,10 @@ def hta_view(ev: pd.DataFrame, base_ns: int = 0) -> dict | None:
         keep = is_gpu
     if not keep.any():
         return None
-    k = ev[keep]
-    comm_m = name_mask(k["name"], lambda n: _HTA_COMM.match(str(n)) is not None)
-    mem_m = name_mask(k["name"], lambda n: _HTA_MEM.match(str(n)) is not None)
-    comp_m = ~comm_m & ~mem_m & name_mask(k["name"], lambda n: _HTA_NOT_COMPUTE.match(str(n)) is None)
+    kname = name[keep]
+    comm_m = kname.mask(lambda n: _HTA_COMM.match(n) is not None)
+    mem_m = kname.mask(lambda n: _HTA_MEM.match(n) is not None)
+    comp_m = ~comm_m & ~mem_m & kname.mask(lambda n: _HTA_NOT_COMPUTE.match(n) is None)
     s, e = up(ts[keep]), (end[keep] - base_ns) // 1000
     alls, comp, comm = _hta_merge(s, e), _hta_merge(s[comp_m], e[comp_m]), _hta_merge(s[comm_m], e[comm_m])
     window = int(alls[1][-1] - alls[0][0])
@@ -227,41 +252,47 @@ def hta_view(ev: pd.DataFrame, base_ns: int = 0) -> dict | None:
 
 
 # --------------------------------------------------------------------------- CPU
-def _main_tid(ev: pd.DataFrame, whole: bool = False) -> int | None:
-    """The training thread: the one running ProfilerStep; in a whole-trace window (no
-    ProfilerStep) the thread with the most CPU ops."""
-    steps = ev[name_mask(ev["name"], lambda n: n.startswith("ProfilerStep#"))]
-    if steps.empty and whole:
-        steps = ev[ev["cat"].isin(["cpu_op"]).to_numpy()]
-    return None if steps.empty else int(steps["tid"].mode().iloc[0])
+def _main_tid(ev, whole: bool = False) -> int | None:
+    """The training thread: the one running ProfilerStep (the most such events; the lowest
+    tid among equals); in a whole-trace window (no ProfilerStep) the thread with the most CPU
+    ops."""
+    m = ev["name"].startswith("ProfilerStep#")
+    if not m.any() and whole:
+        m = ev["cat"].eq("cpu_op")
+    if not m.any():
+        return None
+    tids, counts = np.unique(ev["tid"][m], return_counts=True)
+    return int(tids[np.argmax(counts)])
 
 
-def _cpu_rows(trace, dims: dict, log: pd.DataFrame | None, split: list | None = None,
+def _cpu_rows(trace, dims: dict, log=None, split: list | None = None,
               used: dict | None = None) -> list[dict]:
-    ev = trace.events
+    """``log``: this rank's collective log (_rank_log) or None."""
+    ev = trace.tables.events
     main = _main_tid(ev, bool(trace.meta.get("whole_trace_window")))
     if main is None:
         return []
-    on_main = ev["tid"].to_numpy() == main
-    is_wait = name_mask(ev["name"], lambda n: n.startswith(_WAIT_PREFIXES))
-    is_gloo = name_mask(ev["name"], lambda n: n.startswith(("gloo:", "nccl:")))
-    is_aten = name_mask(ev["name"], lambda n: n.startswith("aten::"))
-    is_data = name_mask(ev["name"], lambda n: n.startswith("enumerate(DataLoader)"))
-    is_step = name_mask(ev["name"], lambda n: n.startswith("ProfilerStep#"))
-    s_all, e_all = ev["ts_ns"].to_numpy(), ev["end_ns"].to_numpy()
-    gl = ev[is_gloo]
-    gs, ge = s_all[is_gloo], e_all[is_gloo]
+    on_main = ev["tid"] == main
+    name = ev["name"]
+    is_wait = name.mask(lambda n: n.startswith(_WAIT_PREFIXES))
+    is_gloo = name.mask(lambda n: n.startswith(("gloo:", "nccl:")))
+    is_aten = name.startswith("aten::")
+    is_data = name.startswith("enumerate(DataLoader)")
+    is_step = name.startswith("ProfilerStep#")
+    s_all, e_all = ev["ts_ns"], ev["end_ns"]
+    gl = ev[["name", "tid", "ts_ns", "end_ns"]][is_gloo]
+    gs, ge = gl["ts_ns"], gl["end_ns"]
     gtype = coll_types(gl["name"])
     pgs = gloo_event_groups(gl, log)
     gdim = np.array([dims.get(p, f"pg {p}") if p is not None else "unknown" for p in pgs], dtype=object)
     gpg = _note_groups(pgs, dims, used)
-    sets = {name: iv.union(s_all[m], e_all[m]) for name, m in (
+    sets = {key: iv.union(s_all[m], e_all[m]) for key, m in (
         ("wait", on_main & is_wait), ("aten", on_main & is_aten & ~is_wait),
         ("data", on_main & is_data), ("busy", on_main & ~is_step))}
     comm_all = iv.union(np.concatenate([sets["wait"][0], gs]), np.concatenate([sets["wait"][1], ge]))
     out = []
-    for st in trace.steps.itertuples():
-        lo, hi = int(st.start_ns), int(st.end_ns)
+    steps = trace.tables.steps
+    for step, lo, hi in zip(steps["step"].tolist(), steps["start_ns"].tolist(), steps["end_ns"].tolist()):
         waits = iv.clip(sets["wait"], lo, hi)
         comm = iv.clip(comm_all, lo, hi)
         compute = iv.subtract(iv.clip(sets["aten"], lo, hi), waits)
@@ -275,7 +306,7 @@ def _cpu_rows(trace, dims: dict, log: pd.DataFrame | None, split: list | None = 
         if split is not None:
             split.append(_dim_split(gpg, gs, ge, exposed, lo, hi))
         out.append({
-            "step": int(st.step), "window_ms": _ms(window),
+            "step": step, "window_ms": _ms(window),
             "compute_ms": _ms(iv.length(compute) - iv.length(overlapped)),
             "overlapped_ms": _ms(iv.length(overlapped)), "exposed_comm_ms": _ms(iv.length(exposed)),
             "data_ms": _ms(iv.length(data)), "other_ms": _ms(iv.length(other)),
@@ -297,16 +328,17 @@ def _note_groups(pgs, dims: dict, used: dict | None) -> np.ndarray:
 
 # --------------------------------------------------------------------------- per rank / job
 def _is_gpu(trace) -> bool:
-    return bool(trace.events["cat"].isin(["kernel"]).any())
+    return bool(trace.tables.events["cat"].eq("kernel").any())
 
 
-def rank_breakdown(trace, dims: dict | None = None, log: pd.DataFrame | None = None,
+def rank_breakdown(trace, dims: dict | None = None, log=None,
                    split: list | None = None, used: dict | None = None):
     """(per-step rows, HTA view or None, 'gpu'|'cpu') for one rank's trace. ``split``: a list
     that gets, per row, the communication time by process group ({pg or "": {comm_ms,
-    exposed_ms}}); ``used``: a dict that gets the label each group was given."""
+    exposed_ms}}); ``used``: a dict that gets the label each group was given; ``log``: the
+    rank's collective log (_rank_log), which names the groups of a CPU trace's gloo events."""
     dims = dims or {}
-    ev = trace.events
+    ev = trace.tables.events
     if _is_gpu(trace):
         base = trace.meta.get("baseTimeNanoseconds")
         base = int(base) if isinstance(base, (int, float)) and not isinstance(base, bool) else 0
@@ -314,16 +346,27 @@ def rank_breakdown(trace, dims: dict | None = None, log: pd.DataFrame | None = N
     return _cpu_rows(trace, dims, log, split, used), None, "cpu"
 
 
-def _rank_log(run, rank) -> pd.DataFrame | None:
-    """This rank's collectives (collectives.jsonl without NaN replays), for matching gloo events."""
+_LOG_COLUMNS = ("pg", "op", "enqueue_ns", "end_ns")
+
+
+def _rank_log(run, rank) -> Table | None:
+    """This rank's collectives (collectives.jsonl without NaN replays), for matching gloo
+    events: a Table of the columns gloo_event_groups reads that some record has (a record
+    without one holds NaN there), or None without records."""
     try:
         recs = run.stream(rank, "collectives")
     except Exception:  # noqa: BLE001 - the log is optional
         return None
     if not recs:
         return None
-    df = pd.DataFrame([{"rank": rank, **r} for r in recs])
-    return df[df["replay"].ne(True)].reset_index(drop=True) if "replay" in df.columns else df
+    recs = [r for r in recs if r.get("replay") is not True]
+    cols = {}
+    for c in _LOG_COLUMNS:
+        if any(c in r for r in recs):
+            vals = [r.get(c, np.nan) for r in recs]
+            cols[c] = (np.array(vals, np.int64) if vals and all(type(v) is int for v in vals)
+                       else objects(vals))
+    return Table(cols, len(recs))
 
 
 def trace_digest(run, rank, trace) -> dict:

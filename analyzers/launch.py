@@ -30,7 +30,6 @@ import numpy as np
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._kernel_ops import LAUNCHED, launch_calls
 from trainprof.findings import AnalyzerResult, Finding
-from trainprof.trace import name_mask
 
 NAME = "launch"
 KERNEL_WAIT_NS = 30_000        # HTA's consecutive_kernel_delay default: 30 in the trace's µs
@@ -107,40 +106,41 @@ def _stats_us(ns: np.ndarray) -> dict:
 
 
 def _main_tid(ev) -> int | None:
-    # the host's ProfilerStep spans (the GPU timeline repeats them as gpu_user_annotation)
-    s = ev[name_mask(ev["name"], lambda n: n.startswith("ProfilerStep#")) & ~ev["is_gpu"].to_numpy()]
-    if s.empty:
-        s = ev[ev["cat"].eq("cpu_op").to_numpy()]
-    return None if s.empty else int(s["tid"].mode().iloc[0])
+    """The thread with the most host ProfilerStep spans (the GPU timeline repeats them as
+    gpu_user_annotation), else the most cpu_ops; the smallest tid on ties; None when neither."""
+    m = ev["name"].startswith("ProfilerStep#") & ~ev["is_gpu"]
+    if not m.any():
+        m = ev["cat"].eq("cpu_op")
+    if not m.any():
+        return None
+    tids, counts = np.unique(ev["tid"][m], return_counts=True)
+    return int(tids[np.argmax(counts)])
 
 
 def _host_steps(trace) -> list[dict]:
     """Per profiled step: host span, time in the data loader (main thread) and in blocking
     synchronizations, from the host events."""
-    ev = trace.events
-    step = ev["step"].to_numpy()
-    gpu = ev["is_gpu"].to_numpy()
-    s_all, e_all = ev["ts_ns"].to_numpy(), ev["end_ns"].to_numpy()
-    main = _main_tid(ev)
-    data_m = (~gpu & name_mask(ev["name"], lambda n: n.startswith(DATA_PREFIX))
-              & (ev["tid"].to_numpy() == main))
+    ev = trace.tables.events
+    step = ev["step"]
+    s_all, e_all = ev["ts_ns"], ev["end_ns"]
+    name = ev["name"]
+    data_m = ~ev["is_gpu"] & name.startswith(DATA_PREFIX) & (ev["tid"] == _main_tid(ev))
     data = iv.union(s_all[data_m], e_all[data_m])
-    rt = ev["cat"].isin(["cuda_runtime", "cuda_driver"]).to_numpy()
-    sync_m = rt & name_mask(ev["name"], lambda n: n in SYNC_CALLS)
-    cp = (ev["cat"].eq("gpu_memcpy").to_numpy()
-          & name_mask(ev["name"], lambda n: "DtoH" in n and "Pageable" in n))
+    rt = ev["cat"].isin(["cuda_runtime", "cuda_driver"])
+    sync_m = rt & name.isin(SYNC_CALLS)
+    cp = ev["cat"].eq("gpu_memcpy") & name.mask(lambda n: "DtoH" in n and "Pageable" in n)
     if cp.any():  # cudaMemcpyAsync into pageable memory blocks like a synchronous copy
-        pageable = ev["correlation"].to_numpy()[cp]
-        sync_m |= (rt & name_mask(ev["name"], lambda n: n == "cudaMemcpyAsync")
-                   & np.isin(ev["correlation"].to_numpy(), pageable))
+        pageable = ev["correlation"][cp]
+        sync_m |= rt & name.eq("cudaMemcpyAsync") & np.isin(ev["correlation"], pageable)
     sync = iv.union(s_all[sync_m], e_all[sync_m])
+    steps = trace.tables.steps
     out = []
-    for st in trace.steps.itertuples():
-        lo, hi = int(st.start_ns), int(st.end_ns)
-        out.append({"step": int(st.step), "host_ns": hi - lo,
+    for st, lo, hi in zip(steps["step"].tolist(), steps["start_ns"].tolist(),
+                          steps["end_ns"].tolist()):
+        out.append({"step": st, "host_ns": hi - lo,
                     "data_ns": iv.length(iv.clip(data, lo, hi)),
                     "sync_ns": iv.length(iv.clip(sync, lo, hi)),
-                    "sync_calls": int((sync_m & (step == st.step)).sum())})
+                    "sync_calls": int((sync_m & (step == st)).sum())})
     return out
 
 
@@ -148,19 +148,18 @@ def _hta_view(trace, launched: np.ndarray, rt_rows: np.ndarray) -> dict:
     """The idle breakdown, launch statistics and queue length exactly as HTA computes them:
     GPU ops of every profiled step but the last (all of them when the trace has fewer than two
     ProfilerSteps), timestamps in whole µs of the trace (start rounded up, end down)."""
-    ev = trace.events
-    step = ev["step"].to_numpy()
+    ev = trace.tables.events
     base = trace.meta.get("baseTimeNanoseconds")
     base = int(base) if isinstance(base, (int, float)) and not isinstance(base, bool) else 0
-    ts, end = ev["ts_ns"].to_numpy(), ev["end_ns"].to_numpy()
+    ts, end = ev["ts_ns"], ev["end_ns"]
     up = lambda a: -((base - a) // 1000)  # noqa: E731 - ceil to whole µs
     down = lambda a: (a - base) // 1000  # noqa: E731 - floor to whole µs
-    n_prof = 0 if trace.meta.get("whole_trace_window") else len(trace.steps)
+    n_prof = 0 if trace.meta.get("whole_trace_window") else len(trace.tables.steps)
     sel = launched.copy()
     if n_prof >= 2:
         # HTA keeps the host events that start before the last ProfilerStep event (the GPU
         # timeline's ProfilerStep annotations included) and the GPU ops launched by them
-        ps = name_mask(ev["name"], lambda n: n.startswith("ProfilerStep"))
+        ps = ev["name"].startswith("ProfilerStep")
         last = up(int(ts[ps].max()))
         lr = rt_rows
         ok = lr >= 0
@@ -174,10 +173,9 @@ def _hta_view(trace, launched: np.ndarray, rt_rows: np.ndarray) -> dict:
     lts = np.full(len(rows), NO_LAUNCH, np.int64)
     lts[has] = up(ts[r[has]])
     s, e = up(ts[rows]), down(end[rows])
-    idle = idle_by_stream(ev["stream"].to_numpy()[rows], s, e, lts, KERNEL_WAIT_NS // 1000)
-    names = ev["name"].to_numpy()
+    idle = idle_by_stream(ev["stream"][rows], s, e, lts, KERNEL_WAIT_NS // 1000)
     api = has.copy()
-    api[has] = np.isin(names[r[has]].astype(str), HTA_LAUNCH_CALLS)
+    api[has] = ev["name"][r[has]].isin(HTA_LAUNCH_CALLS)
     rr = r[api]
     cs, cd = up(ts[rr]), down(end[rr]) - up(ts[rr])
     gs, gd = s[api], (e - s)[api]
@@ -185,7 +183,7 @@ def _hta_view(trace, launched: np.ndarray, rt_rows: np.ndarray) -> dict:
               # HTA's launch_delay column: gpu start − cpu start − cpu duration, clipped at 0
               "sum_delay_us": int(np.maximum(gs - cs - cd, 0).sum())}
     q_all = has  # HTA's queue: launch calls of its runtime-launch set with an op in the trace
-    q = _queue(ev["stream"].to_numpy()[rows][q_all], up(ts[r[q_all]]), s[q_all])
+    q = _queue(ev["stream"][rows][q_all], up(ts[r[q_all]]), s[q_all])
     keep = sorted(idle, key=lambda k: -idle[k]["ops"])[:MAX_HTA_STREAMS]
     return {"idle_us": {str(k): {c: idle[k][c] for c in ("host_wait", "kernel_wait", "other")}
                         for k in sorted(keep)},
@@ -196,30 +194,29 @@ def _hta_view(trace, launched: np.ndarray, rt_rows: np.ndarray) -> dict:
 def _main_stream(ev, rows: np.ndarray, per_stream: dict) -> int:
     """The stream with the most compute time (busy time of ops other than NCCL's, whose
     kernels wait for peers and whose gaps say nothing about the host); any stream else."""
-    st = ev["stream"].to_numpy()[rows]
-    comp = ~name_mask(ev["name"].iloc[rows], lambda n: "nccl" in n.lower())
-    s, e = ev["ts_ns"].to_numpy()[rows], ev["end_ns"].to_numpy()[rows]
+    st = ev["stream"][rows]
+    comp = ~ev["name"][rows].mask(lambda n: "nccl" in n.lower())
+    s, e = ev["ts_ns"][rows], ev["end_ns"][rows]
     busy = {k: iv.length(iv.union(s[comp & (st == k)], e[comp & (st == k)])) for k in per_stream}
     return max(per_stream, key=lambda k: (busy[k], per_stream[k]["busy"], -k))
 
 
 def trace_digest(run, rank, trace) -> dict:
     """One rank's trace reduced to what ``analyze`` needs (JSON-able, bounded)."""
-    ev = trace.events
-    launched = ev["cat"].isin(LAUNCHED).to_numpy()
+    ev = trace.tables.events
+    launched = ev["cat"].isin(LAUNCHED)
     host = _host_steps(trace)
     host_rows = [{"step": h["step"], "host_ms": _ms(h["host_ns"]), "data_ms": _ms(h["data_ns"]),
                   "sync_ms": _ms(h["sync_ns"]), "sync_calls": h["sync_calls"]} for h in host]
     if not launched.any():
         return {"kind": "cpu", "steps": len(host), "per_step": host_rows[:MAX_STEPS]}
-    step = ev["step"].to_numpy()
+    step = ev["step"]
     sel = launched & (step >= 0)
     rows = np.flatnonzero(sel)
     all_rt = launch_calls(ev, np.flatnonzero(launched))
     rt = all_rt[sel[launched]]
-    ts, end, dur = (ev[c].to_numpy() for c in ("ts_ns", "end_ns", "dur_ns"))
-    stream = ev["stream"].to_numpy()
-    cat = ev["cat"].to_numpy()
+    ts, end, dur = ev["ts_ns"], ev["end_ns"], ev["dur_ns"]
+    stream = ev["stream"]
     out = {"kind": "gpu", "steps": len(host), "gpu_ops": int(len(rows)),
            "gpu_ops_without_launch_call": int((rt < 0).sum()),
            "hta": _hta_view(trace, launched, all_rt)}
@@ -244,12 +241,13 @@ def trace_digest(run, rank, trace) -> dict:
                     "other_ms": _ms(v["other"]), "queue_mean": v.get("queue_mean"),
                     "queue_max": v.get("queue_max")} for k, v in streams[:MAX_STREAMS]]
     # -- launches: each op against its runtime call
-    is_kernel = cat[rows] == "kernel"
+    is_kernel = ev["cat"][rows].eq("kernel")
     cpu_d = dur[rt[has]]
     gpu_d = dur[rows][has]
     delay = np.maximum(s[has] - end[rt[has]], 0)  # a kernel may start before its call returns
-    api = ev["name"].to_numpy()[rt[has]].astype(str)
-    names, counts = np.unique(api, return_counts=True)
+    # the launch APIs by name (a Cat's values are sorted: code order is name order)
+    codes, counts = np.unique(ev["name"].codes[rt[has]], return_counts=True)
+    names = [ev["name"].values[c] for c in codes.tolist()]
     kd = dur[rows][is_kernel]
     launch = {"launches": int(has.sum()), "launch_delay": _stats_us(delay),
               "launch_call": _stats_us(cpu_d), "gpu_op": _stats_us(gpu_d),

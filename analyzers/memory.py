@@ -74,10 +74,14 @@ def _downsample(xs: list, ys: list) -> tuple[list, list]:
     """Keep at most MAX_POINTS, always including the maximum (peaks must survive)."""
     if len(xs) <= MAX_POINTS:
         return xs, ys
-    step = len(xs) / MAX_POINTS
-    keep = {int(i * step) for i in range(MAX_POINTS)} | {int(np.argmax(ys))}
-    idx = sorted(keep)
+    idx = _kept(len(xs), int(np.argmax(ys)))
     return [xs[i] for i in idx], [ys[i] for i in idx]
+
+
+def _kept(n: int, peak: int) -> list[int]:
+    """Sorted indices of MAX_POINTS of n points spread evenly, plus ``peak``."""
+    step = n / MAX_POINTS
+    return sorted({int(i * step) for i in range(MAX_POINTS)} | {peak})
 
 
 def profiled_window(trace, device: str | None) -> dict | None:
@@ -85,20 +89,22 @@ def profiled_window(trace, device: str | None) -> dict | None:
     allocation. On CUDA the counters are the device allocator's (absolute); on CPU the
     profiler counts from its own start, so the peak is what the profiled steps allocated on
     top of what already existed (activations, temporaries, re-allocated gradients)."""
-    m = getattr(trace, "memory", None)
+    tables = getattr(trace, "tables", None)
+    m = tables.memory if tables is not None else None
     if m is None or m.empty:
         return None
     cuda = str(device or "").startswith("cuda")
     m = m[m["device_type"] == (1 if cuda else 0)]
     if m.empty:
         return None
-    m = m.sort_values("ts_ns")
-    t0 = int(m["ts_ns"].iloc[0])
-    xs = [(int(t) - t0) / 1e6 for t in m["ts_ns"]]
-    ys = [int(v) for v in m["total_allocated"]]
-    xs, ys = _downsample(xs, ys)
+    # by time; events of one timestamp in quicksort's order (not necessarily recorded order)
+    order = np.argsort(m["ts_ns"], kind="quicksort")
+    ts, alloc = m["ts_ns"][order], m["total_allocated"][order]
+    keep = np.asarray(_kept(len(ts), int(np.argmax(alloc)))) if len(ts) > MAX_POINTS else slice(None)
+    xs = ((ts[keep] - ts[0]) / 1e6).tolist()
+    ys = alloc[keep].tolist()
     return {"device": "cuda" if cuda else "cpu", "absolute": cuda,
-            "peak_allocated_bytes": int(m["total_allocated"].max()),
+            "peak_allocated_bytes": int(alloc.max()),
             "peak_reserved_bytes": int(m["total_reserved"].max()) if cuda else None,
             "t_ms": xs, "allocated_bytes": ys}
 

@@ -34,11 +34,11 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
-import pandas as pd
 
 from trainprof.analyzers import _intervals as iv
 from trainprof.findings import AnalyzerResult
 from trainprof.trace import name_mask
+from trainprof.trace._table import Cat
 from trainprof.wording import ranks_phrase
 
 NAME = "ops"
@@ -90,34 +90,76 @@ def is_wait(name: str) -> bool:
     return name.startswith(WAIT_PREFIXES) or name in SYNC_CALLS or "wait" in name.lower()
 
 
-def thread_roles(thread: np.ndarray, names: pd.Series, step_threads: np.ndarray) -> dict[int, str]:
+def _unique(values: np.ndarray) -> np.ndarray:
+    """The distinct values of an integer array, ascending: np.unique, by counting when they
+    span a small range, else by one stable sort (fast on runs already sorted; both faster than
+    np.unique's hashing of int64)."""
+    if not len(values):
+        return values[:0]
+    lo, hi = int(values.min()), int(values.max())
+    if hi - lo < 1 << 16:
+        return (np.flatnonzero(np.bincount(values - lo)) + lo).astype(values.dtype)
+    srt = np.sort(values, kind="stable")
+    return srt[np.concatenate(([True], srt[1:] != srt[:-1]))]
+
+
+def _dense(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct values, ascending; each value's index into them)."""
+    uniq = _unique(values)
+    return uniq, np.searchsorted(uniq, values)
+
+
+def _argsort_codes(codes: np.ndarray, bound: int) -> np.ndarray:
+    """Stable argsort of integer codes in [0, bound): a radix sort when they fit in 16 bits."""
+    if bound <= np.iinfo(np.int16).max:
+        codes = codes.astype(np.int16)
+    return np.argsort(codes, kind="stable")
+
+
+def thread_roles(thread: np.ndarray, names: Cat, step_threads: np.ndarray) -> dict[int, str]:
     """{thread key: main | backward | communication | other}. main: the threads holding the
     ProfilerStep spans; communication: other threads running gloo: ops; backward: other threads
     running autograd engine functions; other: the rest."""
     gloo = name_mask(names, lambda n: n.startswith(COMM_THREAD_PREFIX))
     bwd = name_mask(names, lambda n: n.startswith(BACKWARD_PREFIX))
-    out = {int(t): "other" for t in np.unique(thread)}
-    for t in np.unique(thread[bwd]):
-        out[int(t)] = "backward"
-    for t in np.unique(thread[gloo]):
-        out[int(t)] = "communication"
-    for t in step_threads:
-        out[int(t)] = "main"
+    out = dict.fromkeys(_unique(thread).tolist(), "other")
+    out.update(dict.fromkeys(_unique(thread[bwd]).tolist(), "backward"))
+    out.update(dict.fromkeys(_unique(thread[gloo]).tolist(), "communication"))
+    out.update(dict.fromkeys(np.asarray(step_threads).tolist(), "main"))
     return out
 
 
-def op_roles(thread: np.ndarray, names: pd.Series, roles: dict[int, str]) -> np.ndarray:
+def op_roles(thread: np.ndarray, names: Cat, roles: dict[int, str]) -> np.ndarray:
     """Each event's role as an index into ROLES: compute or wait on the step's threads (main,
     backward), else the thread's role (communication, other)."""
-    uniq, inv = np.unique(thread, return_inverse=True)
+    uniq, inv = _dense(thread)
     code = {"main": -1, "backward": -1, "communication": ROLES.index("communication"),
             "other": ROLES.index("other")}
-    th = np.array([code[roles[int(t)]] for t in uniq], dtype=np.int8)[inv.reshape(-1)]
+    th = np.array([code[roles[t]] for t in uniq.tolist()], dtype=np.int8)[inv]
     wait = name_mask(names, is_wait)
     return np.where(th < 0, np.where(wait, ROLES.index("wait"), ROLES.index("compute")), th).astype(np.int8)
 
 
 # --------------------------------------------------------------------------- per rank
+def _nest_order(ts: np.ndarray, end: np.ndarray, thread: np.ndarray) -> np.ndarray:
+    """The rows in (thread, start, longer first) order, ties in row order: the order of
+    np.lexsort((ts - end, ts, thread)), found with stable sorts that are fast on rows already
+    nearly in start order (a trace's events are): by start, then each run of equal starts by
+    length, then by thread (a radix sort over the few threads' indices)."""
+    order = np.argsort(ts, kind="stable")
+    s = ts[order]
+    tie = s[1:] == s[:-1]
+    if tie.any():
+        in_run = np.zeros(len(s), bool)
+        in_run[1:] |= tie
+        in_run[:-1] |= tie
+        at = np.flatnonzero(in_run)
+        rows = order[at]
+        order[at] = rows[np.lexsort((ts[rows] - end[rows], s[at]))]
+    uniq, code = _dense(thread[order])
+    return order[_argsort_codes(code, len(uniq))]
+
+
 def self_times(ts: np.ndarray, end: np.ndarray, thread: np.ndarray) -> np.ndarray:
     """Self time of each event: its duration minus the parts of its direct children (events
     nested in it on the same thread) that lie inside it. An event's parent is the innermost
@@ -132,10 +174,9 @@ def self_times(ts: np.ndarray, end: np.ndarray, thread: np.ndarray) -> np.ndarra
     n = len(ts)
     if n == 0:
         return np.zeros(0, np.int64)
-    order = np.lexsort((-(end - ts), ts, thread))
+    order = _nest_order(ts, end, thread)
     s, e, th = ts[order], end[order], thread[order]
-    par = np.arange(n) - 1
-    par[0] = -1
+    par = np.arange(-1, n - 1)
     par[1:][th[1:] != th[:-1]] = -1
     todo = np.flatnonzero(par >= 0)
     todo = todo[e[par[todo]] <= s[todo]]
@@ -143,53 +184,100 @@ def self_times(ts: np.ndarray, end: np.ndarray, thread: np.ndarray) -> np.ndarra
         par[todo] = par[par[todo]]
         todo = todo[par[todo] >= 0]
         todo = todo[e[par[todo]] <= s[todo]]
-    child = np.zeros(n, np.int64)
     has = np.flatnonzero(par >= 0)
     p = par[has]
-    np.add.at(child, p, np.minimum(e[has], e[p]) - s[has])
+    child = np.bincount(p, weights=np.minimum(e[has], e[p]) - s[has], minlength=n) if len(has) \
+        else np.zeros(n)
     out = np.empty(n, np.int64)
-    out[order] = np.maximum(e - s - child, 0)
+    out[order] = np.maximum(e - s - child.astype(np.int64), 0)
     return out
 
 
-def _table(frame: pd.DataFrame, keys: list[str], sums: dict[str, str], top_by: list[str],
-           by: tuple[str, ...] = ("name",)) -> dict:
-    """rows (the top TOP_DIGEST by each of top_by, largest first by the first), the remainder
-    and the totals of a per-event frame grouped by ``by`` (the name, or name and role)."""
-    if frame.empty:
-        return {"rows": [], "other": {"names": 0, "count": 0, **{c: 0 for c in sums}},
-                "total": {"names": 0, "count": 0, **{c: 0 for c in sums}}, "name_sums": []}
-    g = frame.groupby(list(by), observed=True, sort=False)
-    agg = g.agg(count=("dur_ns", "size"), **{c: (src, "sum") for c, src in sums.items()},
-                min_ns=("dur_ns", "min"), max_ns=("dur_ns", "max"))
-    for k in keys:
-        agg[k] = g[k].first()
-    agg = agg.reset_index()
-    agg["name"] = agg["name"].astype(str)
-    keep = set()
-    for col in top_by:
-        keep.update(agg.sort_values([col, *by], ascending=[False] + [True] * len(by)).head(TOP_DIGEST).index)
-    top = agg.loc[sorted(keep)].sort_values([top_by[0], *by], ascending=[False] + [True] * len(by))
-    rest = agg.drop(index=list(keep))
-    cols = list(dict.fromkeys(["name", *by, *keys, "count", *sums, "min_ns", "max_ns"]))
-    rows = [{c: (int(v) if isinstance(v, (np.integer, int)) else str(v)) for c, v in zip(cols, r)}
-            for r in top[cols].itertuples(index=False, name=None)]
-    role = agg["role"].astype(str).tolist() if "role" in by else [None] * len(agg)
+def _segments(key: np.ndarray, bound: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows grouped by an integer key in [0, bound): (row order that puts each group's rows
+    together, rows of a group in their original order; where each group starts in that order;
+    the groups' keys, ascending)."""
+    order = _argsort_codes(key, bound)
+    k = key[order]
+    starts = np.flatnonzero(np.concatenate(([True], k[1:] != k[:-1])))
+    return order, starts, k[starts]
+
+
+def _table(name: Cat, role: np.ndarray | None, dur: np.ndarray, sums: dict[str, np.ndarray],
+           labels: dict[str, tuple[np.ndarray, list]], top_by: list[str]) -> dict:
+    """Events grouped by name (role None) or by name and role (codes into ROLES): per group
+    count, the sums, shortest and longest dur and each label (codes into a value list) of its
+    first event. rows: the top TOP_DIGEST groups by each of top_by (largest first, ties by
+    name then role), listed by the first; other: the groups not listed; total: all groups;
+    name_sums: the row keys' checksums (None above MAX_NAME_SUMS groups)."""
+    zero = {c: 0 for c in sums}
+    if not len(dur):
+        return {"rows": [], "other": {"names": 0, "count": 0, **zero},
+                "total": {"names": 0, "count": 0, **zero}, "name_sums": []}
+    nr = len(ROLES)
+    key = name.codes if role is None else name.codes * nr + role.astype(np.int64)
+    order, starts, ukey = _segments(key, len(name.values) * (1 if role is None else nr))
+    ncode = ukey if role is None else ukey // nr
+    rcode = None if role is None else ukey % nr
+    n = len(ukey)
+    count = np.diff(np.append(starts, len(key)))
+    tot = {c: np.add.reduceat(v[order], starts) for c, v in sums.items()}
+    d = dur[order]
+    lo, hi = np.minimum.reduceat(d, starts), np.maximum.reduceat(d, starts)
+    first = order[starts]
+    # the groups are in (name, role) order: a stable sort on a measure breaks its ties by them
+    ranking = {c: np.argsort(-tot[c], kind="stable") for c in top_by}
+    kept = np.zeros(n, bool)
+    for c in top_by:
+        kept[ranking[c][:TOP_DIGEST]] = True
+    top = ranking[top_by[0]]
+    top = top[kept[top]]
+    values = name.values
+    lab = {k: (codes[first[top]].tolist(), vals) for k, (codes, vals) in labels.items()}
+    cols = {"count": count[top].tolist(), **{c: tot[c][top].tolist() for c in sums},
+            "min_ns": lo[top].tolist(), "max_ns": hi[top].tolist()}
+    rows = []
+    for j, i in enumerate(top.tolist()):
+        row = {"name": values[ncode[i]]}
+        if rcode is not None:
+            row["role"] = ROLES[rcode[i]]
+        for k, (codes, vals) in lab.items():
+            row[k] = str(vals[codes[j]])
+        for c, v in cols.items():
+            row[c] = int(v[j])
+        rows.append(row)
+    rest = ~kept
+    keys = [(values[a], None) for a in ncode.tolist()] if rcode is None else \
+        [(values[a], ROLES[b]) for a, b in zip(ncode.tolist(), rcode.tolist())]
     return {"rows": rows,
-            "other": {"names": len(rest), "count": int(rest["count"].sum()),
-                      **{c: int(rest[c].sum()) for c in sums}},
-            "total": {"names": len(agg), "count": int(agg["count"].sum()),
-                      **{c: int(agg[c].sum()) for c in sums}},
-            "name_sums": (sorted({key_sum(x, r) for x, r in zip(agg["name"], role)})
-                          if len(agg) <= MAX_NAME_SUMS else None)}
+            "other": {"names": int(rest.sum()), "count": int(count[rest].sum()),
+                      **{c: int(tot[c][rest].sum()) for c in sums}},
+            "total": {"names": n, "count": int(count.sum()), **{c: int(tot[c].sum()) for c in sums}},
+            "name_sums": sorted({key_sum(x, r) for x, r in keys}) if n <= MAX_NAME_SUMS else None}
 
 
-def _kernel_overlap(k: pd.DataFrame, groups: np.ndarray) -> dict[str, int]:
+def _per_value(col: Cat, fn, dtype) -> np.ndarray:
+    """fn(value) per row of a Cat, evaluated once per distinct value present."""
+    present = np.flatnonzero(np.bincount(col.codes, minlength=len(col.values)))
+    table = np.zeros(len(col.values), dtype)
+    values = col.values
+    table[present] = [fn(values[i]) for i in present.tolist()]
+    return table[col.codes]
+
+
+def _kernel_groups(name: Cat, cat: Cat) -> np.ndarray:
+    """Each kernel's group as an index into GROUPS (kernel_group of its name and cat)."""
+    group = _per_value(name, lambda n: GROUPS.index(kernel_group(n)), np.int8)
+    copies = cat.isin(("gpu_memcpy", "gpu_memset"))
+    group[(group == GROUPS.index("compute")) & copies] = GROUPS.index("memory")
+    return group
+
+
+def _kernel_overlap(ts: np.ndarray, end: np.ndarray, groups: np.ndarray) -> dict[str, int]:
     """HTA's kernel-type partition: ns during which exactly a given set of groups runs,
-    labelled like HTA ("compute overlapping communication")."""
-    sets = [iv.union(k["ts_ns"].to_numpy()[groups == g], k["end_ns"].to_numpy()[groups == g])
-            for g in GROUPS]
-    pts = np.unique(np.concatenate([np.concatenate(s) for s in sets]))
+    labelled like HTA ("compute overlapping communication"); groups: indices into GROUPS."""
+    sets = [iv.union(ts[groups == g], end[groups == g]) for g in range(len(GROUPS))]
+    pts = _unique(np.concatenate([np.column_stack(s).ravel() for s in sets]))  # 3 sorted runs
     if len(pts) < 2:
         return {}
     lo, hi = pts[:-1], pts[1:]
@@ -199,82 +287,109 @@ def _kernel_overlap(k: pd.DataFrame, groups: np.ndarray) -> dict[str, int]:
             i = np.searchsorted(s, lo, side="right") - 1
             inside = (i >= 0) & (lo < e[np.clip(i, 0, None)])
             mask |= inside.astype(np.int64) << bit
+    span = np.bincount(mask, weights=hi - lo)
     out: dict[str, int] = {}
-    for m in np.unique(mask[mask > 0]):
+    for m in np.flatnonzero(span[1:]) + 1:
         label = " overlapping ".join(g for bit, g in enumerate(GROUPS) if m >> bit & 1)
-        out[label] = int((hi - lo)[mask == m].sum())
+        out[label] = int(span[m])
     return out
 
 
 def trace_digest(run, rank, trace) -> dict:
     """One rank's op and kernel breakdown over its profiled steps (small: top tables only)."""
-    ev = trace.events
-    steps = trace.steps
-    step_col = ev["step"].to_numpy()
-    in_step = step_col >= 0
+    ev, steps = trace.tables.events, trace.tables.steps
     window = int((steps["end_ns"] - steps["start_ns"]).sum()) if len(steps) else 0
-    out = {"steps": [int(s) for s in steps["step"]], "n_steps": int(len(steps)),
+    out = {"steps": steps["step"].tolist(), "n_steps": len(steps),
            "window_ns": window, "whole_trace_window": bool(trace.meta.get("whole_trace_window"))}
 
-    kmask = ev["cat"].isin(KERNEL_CATS).to_numpy() & in_step
-    k = ev.loc[kmask, ["name", "cat", "ts_ns", "end_ns", "dur_ns"]]
-    comm = name_mask(k["name"], lambda n: kernel_group(n) == "communication")
-    mem = name_mask(k["name"], lambda n: kernel_group(n) == "memory") | \
-        k["cat"].isin(["gpu_memcpy", "gpu_memset"]).to_numpy()
-    groups = np.where(comm, "communication", np.where(mem, "memory", "compute")).astype(object)
-    k = k.assign(group=groups, total_ns=k["dur_ns"])
-    out["kernels"] = _table(k, ["group"], {"total_ns": "total_ns"}, ["total_ns"])
-    out["kernel_groups"] = {
-        g: {"count": int((groups == g).sum()), "total_ns": int(k["dur_ns"].to_numpy()[groups == g].sum()),
-            "busy_ns": iv.length(iv.union(k["ts_ns"].to_numpy()[groups == g], k["end_ns"].to_numpy()[groups == g]))}
-        for g in GROUPS if (groups == g).any()}
-    out["kernel_busy_ns"] = iv.length(iv.union(k["ts_ns"].to_numpy(), k["end_ns"].to_numpy()))
-    out["kernel_overlap"] = _kernel_overlap(k, groups) if len(k) else {}
+    kmask = ev["cat"].isin(KERNEL_CATS) & (ev["step"] >= 0)
+    k = ev[["name", "cat", "ts_ns", "end_ns", "dur_ns"]][np.flatnonzero(kmask)]
+    ts, end, dur = k["ts_ns"], k["end_ns"], k["dur_ns"]
+    groups = _kernel_groups(k["name"], k["cat"])
+    out["kernels"] = _table(k["name"], None, dur, {"total_ns": dur}, {"group": (groups, GROUPS)},
+                            ["total_ns"])
+    out["kernel_groups"] = {}
+    for i, g in enumerate(GROUPS):
+        m = groups == i
+        if m.any():
+            out["kernel_groups"][g] = {"count": int(m.sum()), "total_ns": int(dur[m].sum()),
+                                       "busy_ns": iv.length(iv.union(ts[m], end[m]))}
+    out["kernel_busy_ns"] = iv.length(iv.union(ts, end))
+    out["kernel_overlap"] = _kernel_overlap(ts, end, groups) if len(k) else {}
     out["kind"] = "gpu" if len(k) else "cpu"
 
     out.update(_cpu_digest(ev, steps, window))
     return out
 
 
-def _step_ends(step: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
-    """The end of each event's profiled step (int64 max outside every step)."""
-    ends = steps["end_ns"].to_numpy(np.int64)
-    if not len(ends):
-        return np.full(len(step), np.iinfo(np.int64).max, np.int64)
-    idx = pd.Index(steps["step"].to_numpy(np.int64)).get_indexer(step)
-    return np.where(idx >= 0, ends[np.clip(idx, 0, None)], np.iinfo(np.int64).max)
+def _step_ends(step: np.ndarray, steps) -> np.ndarray:
+    """The end of each event's profiled step (int64 max outside every step); steps: a Table
+    of step, end_ns (one row per step number)."""
+    big = np.iinfo(np.int64).max
+    if not len(steps):
+        return np.full(len(step), big, np.int64)
+    by = np.argsort(steps["step"], kind="stable")
+    nums = steps["step"][by]
+    i = np.clip(np.searchsorted(nums, step), 0, len(nums) - 1)
+    return np.where(nums[i] == step, steps["end_ns"][by][i], big)
 
 
-def _cpu_digest(ev: pd.DataFrame, steps: pd.DataFrame, window: int) -> dict:
-    """CPU ops of the profiled steps by (name, role), self time per role, the step's threads."""
-    host = ~ev["is_gpu"].to_numpy()
-    is_step = name_mask(ev["name"], lambda n: n.startswith("ProfilerStep#")) & host
-    hmask = ev["cat"].isin(HOST_OP_CATS).to_numpy() & host & ~is_step
-    h = ev.loc[hmask, ["name", "cat", "ts_ns", "end_ns", "pid", "tid", "step"]]
-    key = lambda f: f["pid"].to_numpy() * np.int64(1 << 32) + (f["tid"].to_numpy() & 0xFFFFFFFF)  # noqa: E731
-    thread = key(h)  # nesting is per (pid, tid)
-    ts = h["ts_ns"].to_numpy()
-    end = np.minimum(h["end_ns"].to_numpy(), _step_ends(h["step"].to_numpy(), steps))  # cut at the step's end
+def _thread_key(pid: np.ndarray, tid: np.ndarray) -> np.ndarray:
+    """One int64 per (pid, tid): nesting is per thread of a process."""
+    return pid * np.int64(1 << 32) + (tid & 0xFFFFFFFF)
+
+
+def _indices(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Each of the distinct values' index into the sorted keys; values not among the keys get
+    indices len(keys), len(keys) + 1, ..."""
+    at = np.searchsorted(keys, values)
+    found = at < len(keys)
+    found[found] = keys[at[found]] == values[found]
+    at[~found] = len(keys) + np.arange(int((~found).sum()))
+    return at
+
+
+def _busiest(thread: np.ndarray, self_ns: np.ndarray, roles: dict[int, str]) -> int | None:
+    """The thread with the most self time, gloo's threads left out (ties: the lowest key)."""
+    uniq, inv = _dense(thread)
+    busy = np.bincount(inv, weights=self_ns, minlength=len(uniq))
+    ok = np.array([roles[t] != "communication" for t in uniq.tolist()], bool)
+    if not ok.any():
+        return None
+    return int(uniq[ok][np.argmax(busy[ok])])
+
+
+def _cpu_digest(ev, steps, window: int) -> dict:
+    """CPU ops of the profiled steps by (name, role), self time per role, the step's threads;
+    ev, steps: the trace's event and step Tables."""
+    host = ~ev["is_gpu"]
+    is_step = ev["name"].startswith("ProfilerStep#") & host
+    h = ev[["name", "cat", "ts_ns", "end_ns", "pid", "tid", "step"]][
+        np.flatnonzero(ev["cat"].isin(HOST_OP_CATS) & host & ~is_step)]
+    keys, thread = _dense(_thread_key(h["pid"], h["tid"]))  # threads as indices into keys
+    ts, step = h["ts_ns"], h["step"]
+    end = np.minimum(h["end_ns"], _step_ends(step, steps))  # cut at the step's end
     self_ns = self_times(ts, end, thread)
-    stepped = h["step"].to_numpy() >= 0
-    h, thread, ts, end, self_ns = h[stepped], thread[stepped], ts[stepped], end[stepped], self_ns[stepped]
-    step_threads = np.unique(key(ev.loc[is_step, ["pid", "tid"]]))
-    roles = thread_roles(thread, h["name"], step_threads)
-    if not len(step_threads) and len(h):  # no ProfilerStep: the busiest thread that is not gloo's
-        busy = pd.Series(self_ns).groupby(thread).sum()
-        busy = busy[[roles[int(t)] != "communication" for t in busy.index]]
-        if len(busy):
-            roles[int(busy.idxmax())] = "main"
-    role = op_roles(thread, h["name"], roles)
-    h = h.assign(cat=h["cat"].astype(str), role=pd.Categorical.from_codes(role, ROLES),
-                 dur_ns=end - ts, total_ns=end - ts, self_ns=self_ns)
+    stepped = step >= 0
+    name, cat = h["name"][stepped], h["cat"][stepped]
+    thread, ts, end, self_ns = thread[stepped], ts[stepped], end[stepped], self_ns[stepped]
+    step_threads = _indices(keys, _unique(_thread_key(ev["pid"][is_step], ev["tid"][is_step])))
+    roles = thread_roles(thread, name, step_threads)
+    if not len(step_threads) and len(thread):  # no ProfilerStep: the busiest thread that is not gloo's
+        main = _busiest(thread, self_ns, roles)
+        if main is not None:
+            roles[main] = "main"
+    role = op_roles(thread, name, roles)
+    dur = end - ts
     on_step = role <= ROLES.index("wait")  # compute and wait: the step's threads
     busy = iv.length(iv.union(ts[on_step], end[on_step]))
-    by_role = {r: {"count": int((role == i).sum()), "self_ns": int(self_ns[role == i].sum())}
-               for i, r in enumerate(ROLES) if (role == i).any()}
+    n_role = np.bincount(role, minlength=len(ROLES))
+    self_role = [int(self_ns[role == i].sum()) if n_role[i] else 0 for i in range(len(ROLES))]
+    by_role = {r: {"count": int(n_role[i]), "self_ns": self_role[i]}
+               for i, r in enumerate(ROLES) if n_role[i]}
     kinds = list(roles.values())
-    return {"cpu_ops": _table(h, ["cat"], {"total_ns": "total_ns", "self_ns": "self_ns"},
-                              ["self_ns", "total_ns"], by=("name", "role")),
+    return {"cpu_ops": _table(name, role, dur, {"total_ns": dur, "self_ns": self_ns},
+                              {"cat": (cat.codes, cat.values)}, ["self_ns", "total_ns"]),
             "cpu_roles": by_role,
             "step_threads_busy_ns": busy, "outside_ops_ns": max(window - busy, 0),
             "threads": len(roles),

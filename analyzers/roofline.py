@@ -143,56 +143,75 @@ def _withheld(run, peaks: dict, st: dict) -> str | None:
 
 # --------------------------------------------------------------------------- per op
 def _device_time(ev, kept_rows) -> dict:
-    """kept host-op row -> ns of GPU work launched inside it (through External id)."""
+    """kept host-op row -> ns of GPU work launched inside it (through External id): a GPU op
+    belongs to the kept op that encloses, on its thread, the CPU op that launched it."""
+    if not len(kept_rows):
+        return {}
     kx = kernel_external_ids(ev)  # the launching CPU op's External id, in any trace format
     gm = kx >= 0
-    if not gm.any() or not kept_rows:
+    if not gm.any():
         return {}
-    host = ev[(ev["cat"] == "cpu_op")]
-    kept = ev.loc[kept_rows, ["tid", "ts_ns", "end_ns"]]
-    owner_of_ext = {}
-    for tid, k in kept.groupby("tid"):
-        k = k.sort_values("ts_ns")
-        h = host[host["tid"] == tid]
-        i = np.searchsorted(k["ts_ns"].to_numpy(), h["ts_ns"].to_numpy(), side="right") - 1
-        ok = i >= 0
-        ends = k["end_ns"].to_numpy()
-        ok[ok] &= h["ts_ns"].to_numpy()[ok] < ends[i[ok]]
-        for ext, idx in zip(h["external_id"].to_numpy()[ok], i[ok]):
-            if ext >= 0:
-                owner_of_ext[int(ext)] = int(k.index[idx])
+    ext, owner = _owner_of_ext(ev, np.asarray(kept_rows, np.int64))
+    if not len(ext):
+        return {}
+    want = kx[gm]
+    j = np.minimum(np.searchsorted(ext, want), len(ext) - 1)
+    hit = ext[j] == want
+    rows, dur = owner[j[hit]], ev["dur_ns"][gm][hit]
     out: dict = defaultdict(int)
-    for ext, dur in zip(kx[gm], ev["dur_ns"].to_numpy()[gm]):
-        row = owner_of_ext.get(int(ext))
-        if row is not None:
-            out[row] += int(dur)
+    for row, d in zip(rows.tolist(), dur.tolist()):
+        out[row] += d
     return out
+
+
+def _owner_of_ext(ev, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(External ids, sorted; the kept row enclosing the cpu_op of each): per thread, the kept
+    op that last started at or before the cpu_op and has not ended when it starts. An id met
+    more than once keeps its last cpu_op (threads in ascending tid order, then row order)."""
+    tid, ts, end, ext = ev["tid"], ev["ts_ns"], ev["end_ns"], ev["external_id"]
+    host = np.flatnonzero(ev["cat"].eq("cpu_op"))
+    exts, owners = [], []
+    for t in np.unique(tid[kept]).tolist():
+        k = kept[tid[kept] == t]
+        k = k[np.argsort(ts[k], kind="quicksort")]  # by start; among equal starts, quicksort's order
+        h = host[tid[host] == t]
+        i = np.searchsorted(ts[k], ts[h], side="right") - 1
+        ok = i >= 0
+        ok[ok] &= ts[h[ok]] < end[k[i[ok]]]
+        ok &= ext[h] >= 0
+        exts.append(ext[h[ok]])
+        owners.append(k[i[ok]])
+    ext_all, own_all = np.concatenate(exts), np.concatenate(owners)
+    # last occurrence of each id: unique over the reversed arrays finds first occurrences
+    uniq, first = np.unique(ext_all[::-1], return_index=True)
+    return uniq, own_all[::-1][first]
 
 
 def op_classes(trace) -> tuple[dict, dict]:
     """Per class totals over the trace's profiled steps: {class: {count, flops, bytes, time_ns}},
     and facts about the trace (steps, timing basis, notes)."""
-    ev = trace.events
+    ev = trace.tables.events
     ops = select_ops(ev)
     gpu = bool(ev["is_gpu"].any()) if len(ev) else False
-    dev_t = _device_time(ev, [r for r, _ in ops]) if gpu else {}
+    rows = np.fromiter((r for r, _ in ops), np.int64, len(ops))
+    dev_t = _device_time(ev, rows) if gpu else {}
     agg: dict = defaultdict(lambda: {"count": 0, "flops": 0.0, "bytes": 0.0, "time_ns": 0})
     notes = set()
-    pos = ev.index.get_indexer([r for r, _ in ops])
-    steps = ev["step"].to_numpy()[pos] if "step" in ev else np.zeros(len(ops), dtype=int)
-    durs = ev["dur_ns"].to_numpy()[pos]
-    for (row, c), st, dur in zip(ops, steps, durs):
+    steps = ev["step"][rows] if "step" in ev else np.zeros(len(ops), dtype=int)
+    durs = ev["dur_ns"][rows]
+    for (row, c), st, dur in zip(ops, steps.tolist(), durs.tolist()):
         if st < 0:
             continue
         a = agg[c.op_class]
         a["count"] += 1
         a["flops"] += c.flops
         a["bytes"] += c.bytes
-        a["time_ns"] += dev_t.get(row, 0) if gpu else int(dur)
+        a["time_ns"] += dev_t.get(row, 0) if gpu else dur
         if c.note:
             notes.add(f"{c.op_class}: {c.note}")
-    n_steps = len(trace.steps) if trace.steps is not None else 0
-    span = int((trace.steps["end_ns"] - trace.steps["start_ns"]).sum()) if n_steps else 0
+    windows = trace.tables.steps
+    n_steps = len(windows) if windows is not None else 0
+    span = int((windows["end_ns"] - windows["start_ns"]).sum()) if n_steps else 0
     return dict(agg), {"steps": n_steps, "step_span_ns": span, "timing": "gpu kernels" if gpu else "host ops",
                        "notes": sorted(notes)}
 

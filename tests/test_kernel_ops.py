@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainprof.analyzers._kernel_ops import (kernel_external_ids, launch_op_rows,
-                                             older_format)
+from trainprof.analyzers._kernel_ops import (_enclosing_ops, kernel_external_ids,
+                                             launch_op_rows, older_format)
 from trainprof.trace import load_trace
+from trainprof.trace._table import Cat, Table
 
 HTA = Path(__file__).parent / "fixtures" / "hta"
 GPU = Path(__file__).parent / "fixtures" / "gpu"
@@ -45,16 +46,15 @@ def test_older_format_synthetic(tmp_path):
           X("gemm", "kernel", 20, 30, tid=7, pid=0, stream=7, correlation=5, **{"External id": 5}),
           X("relu_kernel", "kernel", 72, 3, tid=7, pid=0, stream=7, correlation=6,
             **{"External id": 6})]
-    t = load_trace(_write(tmp_path, ev))
-    e = t.events
+    e = load_trace(_write(tmp_path, ev)).tables.events
     assert older_format(e)
     rows = launch_op_rows(e)
-    names = e["name"].astype(str).to_numpy()
-    k = np.flatnonzero(e["cat"].eq("kernel").to_numpy())
+    names = e["name"].to_numpy()
+    k = np.flatnonzero(e["cat"].eq("kernel"))
     assert {names[i]: names[rows[i]] for i in k} == {"gemm": "aten::addmm", "relu_kernel": "aten::relu"}
     ext = kernel_external_ids(e)
     assert {names[i]: int(ext[i]) for i in k} == {"gemm": 2, "relu_kernel": 3}
-    assert (ext[~e["is_gpu"].to_numpy()] == -1).all()
+    assert (ext[~e["is_gpu"]] == -1).all()
 
 
 def test_current_format_synthetic(tmp_path):
@@ -62,11 +62,44 @@ def test_current_format_synthetic(tmp_path):
           X("aten::mm", "cpu_op", 1, 50, **{"External id": 11}),
           X("cudaLaunchKernel", "cuda_runtime", 10, 5, correlation=5, **{"External id": 11}),
           X("gemm", "kernel", 20, 30, tid=7, pid=0, stream=7, correlation=5, **{"External id": 11})]
-    e = load_trace(_write(tmp_path, ev)).events
+    e = load_trace(_write(tmp_path, ev)).tables.events
     assert not older_format(e)
-    k = int(np.flatnonzero(e["cat"].eq("kernel").to_numpy())[0])
-    assert e["name"].astype(str).iloc[launch_op_rows(e)[k]] == "aten::mm"
+    k = int(np.flatnonzero(e["cat"].eq("kernel"))[0])
+    assert e["name"][int(launch_op_rows(e)[k])] == "aten::mm"
     assert kernel_external_ids(e)[k] == 11
+
+
+def _innermost(t: Table, queries) -> list[int]:
+    """Per query row: the cpu_op on its (pid, tid) containing it (inclusive ends) with the
+    latest start, then the shortest, then the last row; -1 when none (or query < 0)."""
+    out = []
+    for q in queries:
+        best, key = -1, None
+        for r in range(len(t) if q >= 0 else 0):
+            if (t["cat"][r] == "cpu_op" and t["pid"][r] == t["pid"][q] and t["tid"][r] == t["tid"][q]
+                    and t["ts_ns"][r] <= t["ts_ns"][q] and t["end_ns"][r] >= t["end_ns"][q]):
+                k = (t["ts_ns"][r], t["ts_ns"][r] - t["end_ns"][r], r)
+                if key is None or k > key:
+                    best, key = r, k
+        out.append(best)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_enclosing_ops_on_ties_overlaps_and_threads(seed):
+    # dense random spans: equal starts, equal spans, zero lengths, partial overlaps (not
+    # nested), several threads and processes (-1: not an integer); every fourth case with
+    # times too far apart to be keyed by thread and time in one int64
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 80))
+    unit = 2 ** 57 if seed % 4 == 3 else 1
+    ts = np.sort(rng.integers(0, 30, n)) * unit
+    end = ts + rng.integers(0, int(rng.integers(1, 15)), n) * unit
+    t = Table({"cat": Cat(rng.integers(0, 2, n), ["cpu_op", "cuda_runtime"]),
+               "pid": rng.integers(-1, 2, n), "tid": rng.integers(-1, 3, n),
+               "ts_ns": ts, "end_ns": end})
+    queries = rng.integers(-1, n, int(rng.integers(0, 50)))
+    assert _enclosing_ops(t, queries).tolist() == _innermost(t, queries)
 
 
 def _brute_force(path: Path) -> dict:
@@ -95,30 +128,28 @@ def _brute_force(path: Path) -> dict:
 
 @pytest.mark.parametrize("path", OLDER, ids=lambda p: p.parent.name)
 def test_older_traces_resolve_through_the_launch_call(path):
-    t = load_trace(path)
-    e = t.events
+    e = load_trace(path).tables.events
     assert older_format(e)
-    gpu = e["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"]).to_numpy()
+    gpu = e["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"])
     # the symptom: on these traces no GPU op's External id names its CPU op
-    ext, corr = e["external_id"].to_numpy(), e["correlation"].to_numpy()
+    ext, corr = e["external_id"], e["correlation"]
     assert (ext[gpu] == corr[gpu]).all()
     rows = launch_op_rows(e)
-    names = e["name"].astype(str).to_numpy()
+    names = e["name"].to_numpy()
     got = {int(corr[i]): names[rows[i]] for i in np.flatnonzero(gpu) if rows[i] >= 0}
     want = _brute_force(path)
     assert got == want and len(got) >= 0.95 * gpu.sum()
     # the External ids handed to op-level analyses name those CPU ops
     kx = kernel_external_ids(e)
-    cpu_ext = dict(zip(ext[e["cat"].eq("cpu_op").to_numpy()],
-                       names[e["cat"].eq("cpu_op").to_numpy()]))
+    cpu_ext = dict(zip(ext[e["cat"].eq("cpu_op")], names[e["cat"].eq("cpu_op")]))
     assert {int(corr[i]): cpu_ext[kx[i]] for i in np.flatnonzero(gpu) if kx[i] >= 0} == want
 
 
 def test_older_trace_gemms_belong_to_matmul_ops():
-    e = load_trace(OLDER[0]).events
+    e = load_trace(OLDER[0]).tables.events
     rows = launch_op_rows(e)
-    names = e["name"].astype(str).to_numpy()
-    gemm = [i for i in np.flatnonzero(e["cat"].eq("kernel").to_numpy())
+    names = e["name"].to_numpy()
+    gemm = [i for i in np.flatnonzero(e["cat"].eq("kernel"))
             if "cutlass" in names[i] and "gemm" in names[i].lower() or "tensorop" in names[i]]
     owners = {names[rows[i]] for i in gemm if rows[i] >= 0}
     assert gemm and owners <= {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}, owners
@@ -126,12 +157,12 @@ def test_older_trace_gemms_belong_to_matmul_ops():
 
 @pytest.mark.parametrize("path", CURRENT, ids=lambda p: p.name.split(".")[0])
 def test_current_traces_keep_the_external_id(path):
-    e = load_trace(path).events
+    e = load_trace(path).tables.events
     assert not older_format(e)
-    gpu = e["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"]).to_numpy()
+    gpu = e["cat"].isin(["kernel", "gpu_memcpy", "gpu_memset"])
     kx = kernel_external_ids(e)
-    ext = e["external_id"].to_numpy()
-    cpu_ext = set(ext[e["cat"].eq("cpu_op").to_numpy()])
+    ext = e["external_id"]
+    cpu_ext = set(ext[e["cat"].eq("cpu_op")])
     direct = gpu & np.isin(ext, list(cpu_ext))
     assert direct.sum() > 0.9 * gpu.sum()
     assert (kx[direct] == ext[direct]).all()

@@ -24,10 +24,10 @@ def _profiled_ops(fn, tmp_path, with_concrete=True):
     path = tmp_path / "t.json"
     p.export_chrome_trace(str(path))
     tr = load_trace(path)
-    ev = tr.events
+    ev = tr.tables.events
     assert "concrete_inputs" in ev
     if not with_concrete:
-        ev = ev.drop(columns=["concrete_inputs"])
+        ev = ev[[c for c in ev.columns if c != "concrete_inputs"]]
     flops = collections.Counter()
     by = collections.Counter()
     for row, c in select_ops(ev):
@@ -120,13 +120,52 @@ def test_real_h100_trace_causal_attention_from_concrete_inputs():
     from pathlib import Path
 
     trace = Path(__file__).parent / "fixtures/gpu/h100_hang_run/profiler/rank-00000.pt.trace.json.gz"
-    ev = load_trace(trace).events
+    ev = load_trace(trace).tables.events
     raw = [e for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
            if e.get("name") == "aten::_scaled_dot_product_cudnn_attention_backward"]
     assert raw and raw[0]["args"]["Concrete Inputs"][14] == "True"  # is_causal, independently read
-    costs = [(ev.loc[row, "name"], c) for row, c in select_ops(ev) if c.op_class == "attention"]
+    costs = [(ev["name"][row], c) for row, c in select_ops(ev) if c.op_class == "attention"]
     bwd = [c for n, c in costs if n == "aten::_scaled_dot_product_cudnn_attention_backward"]
     assert costs and bwd and all(c.note == "causal mask: unmasked scores only" for _, c in costs)
     b, h, s, d = raw[0]["args"]["Input Dims"][1]
     dense_bwd = 2 * (2 * b * h * s * s * d + 2 * b * h * s * s * d)
     assert bwd[0].flops == pytest.approx(dense_bwd * causal_fraction(s, s))
+
+
+def _events(rows):
+    """An events Table from (name, cat, tid, ts, dur, input_dims, input_types) rows."""
+    import numpy as np
+
+    from trainprof.trace._table import Cat, Table, objects
+
+    name, cat, tid, ts, dur, dims, types = zip(*rows)
+    ts, dur = np.array(ts, np.int64), np.array(dur, np.int64)
+    return Table({"name": Cat.from_strings(list(name)), "cat": Cat.from_strings(list(cat)),
+                  "ts_ns": ts, "dur_ns": dur, "end_ns": ts + dur, "tid": np.array(tid, np.int64),
+                  "input_dims": objects(list(dims)), "input_types": objects(list(types)),
+                  "concrete_inputs": objects([None] * len(rows))})
+
+
+def test_select_ops_nesting_on_an_events_table():
+    """Rows are positions in the events Table: a wrapper with a costed op inside, a kernel's
+    helper of another class, a tensor subclass's global-shape op around its local one, and ops
+    on another thread, the GPU side or without shapes."""
+    f4 = "float"
+    mm_g, mm_l = [[64, 32], [32, 16]], [[32, 32], [32, 16]]
+    ev = _events([
+        ("aten::linear", "cpu_op", 1, 0, 100, [[8, 64], [32, 64], [32]], [f4] * 3),   # 0 wrapper
+        ("aten::addmm", "cpu_op", 1, 10, 80, [[32], [8, 64], [64, 32]], [f4] * 3),    # 1 kernel
+        ("aten::copy_", "cpu_op", 1, 20, 10, [[8, 32], [32]], [f4] * 2),               # 2 helper
+        ("aten::mm", "cpu_op", 1, 200, 100, mm_g, [f4] * 2),                          # 3 global
+        ("aten::mm", "cpu_op", 1, 210, 80, mm_l, [f4] * 2),                           # 4 local
+        ("aten::mul", "cpu_op", 2, 0, 10, [[4, 8], [4, 8]], [f4] * 2),                # 5
+        ("aten::mul", "cpu_op", 2, 20, 10, [[4, 8], [4, 8]], [f4] * 2),               # 6 same shapes
+        ("aten::add", "cpu_op", 2, 40, 10, None, None),                                # 7 no shapes
+        ("aten::mm", "kernel", 2, 60, 10, mm_l, [f4] * 2),                            # 8 GPU side
+    ])
+    ops = select_ops(ev)
+    assert [r for r, _ in ops] == [1, 4, 5, 6]
+    assert ops[0][1] == op_cost("aten::addmm", [[32], [8, 64], [64, 32]], [f4] * 3)
+    assert ops[1][1].flops == 2 * 32 * 32 * 16
+    assert ops[2][1] is ops[3][1]  # one signature, costed once
+    assert select_ops(ev[[c for c in ev.columns if c not in ("input_dims", "input_types")]]) == []

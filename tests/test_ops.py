@@ -286,10 +286,10 @@ def test_gpu_fixture_matches_an_independent_computation():
 def _hta_window(tr):
     """HTA's view of a trace: every profiled iteration but the last, and (on ns-resolution
     traces) start rounded up and end down to whole µs of the trace's own time base."""
-    last = int(tr.steps["step"].max())
-    ev = tr.events
-    ev.loc[ev["step"] == last, "step"] = -1
-    tr.steps = tr.steps[tr.steps["step"] != last]
+    steps, ev = tr.tables.steps, tr.tables.events
+    last = int(steps["step"].max())
+    ev["step"] = np.where(ev["step"] == last, -1, ev["step"])
+    tr.tables.steps = steps[steps["step"] != last]
     base = tr.meta.get("baseTimeNanoseconds") or 0
     s = -((base - ev["ts_ns"]) // 1000) * 1000 + base
     e = ((ev["end_ns"] - base) // 1000) * 1000 + base

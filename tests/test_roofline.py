@@ -167,3 +167,22 @@ def test_older_trace_format_maps_kernels_through_their_launch(tmp_path):
             kern += k["dur"]
     assert kern > 0 and mm["time_ms"] == pytest.approx(kern / 1e3, rel=1e-3)
     assert res.metrics["timing"] == ["gpu kernels"]
+
+
+def test_trace_digests_never_import_pandas():
+    """roofline's and memory's trace paths read the numpy tables only (trace.tables)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from trainprof.trace import load_trace\n"
+        "from trainprof.analyzers import memory, roofline\n"
+        "class Run:\n"
+        "    def rank_meta(self, rank): return {'device': 'cuda:0'}\n"
+        f"tr = load_trace({str(FIXTURE)!r})\n"
+        "assert roofline.trace_digest(Run(), 0, tr)['classes']\n"
+        "assert memory.trace_digest(Run(), 0, tr)['window']\n"
+        "print('pandas' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
