@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-import pandas as pd
+from trainprof._lazy import pd
 
 # torch.distributed functions that are (or wait for) a collective / p2p op; the op is the name
 OPS = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",

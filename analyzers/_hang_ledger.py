@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pandas as pd
+
+from trainprof._lazy import pd
 
 COLS = ("pg", "rank", "seq", "op", "bytes", "step", "inflight")
 

@@ -19,7 +19,8 @@ clock, an *instance* = the same (group, ordinal) on every member; analyzers/coll
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
+
+from trainprof._lazy import pd
 
 
 def frame(run) -> pd.DataFrame:

@@ -23,8 +23,8 @@ import math
 from collections import Counter
 
 import numpy as np
-import pandas as pd
 
+from trainprof._lazy import pd
 from trainprof.analyzers._clock import offsets, uncertainty_ns
 from trainprof.findings import AnalyzerResult, Finding
 

@@ -34,9 +34,8 @@ from __future__ import annotations
 import json
 import os
 
-import pandas as pd
-
 from trainprof import safeio
+from trainprof._lazy import pd
 from trainprof.analyzers import _fatal_stacks as fatal
 from trainprof.analyzers import _flight_recorder as fr
 from trainprof.analyzers import _hang_ledger as led

@@ -22,7 +22,6 @@ reports losses has a finite one).
 from __future__ import annotations
 
 import math
-import statistics
 
 from trainprof.findings import AnalyzerResult, Finding
 
@@ -316,6 +315,8 @@ def spike_scale(w: list[float], log: bool = False) -> tuple[float, float, float]
     """(median, MAD, scale) of a trailing window: scale = the largest of 1.4826·MAD, the
     step-to-step noise 1.4826·median|Δ|/√2, the upper-tail spread (q90 − median)/1.2816 and
     MAD_FLOOR_REL·|median| (MAD_FLOOR_REL itself for a window of log losses: 0.1 %)."""
+    import statistics  # (imported where losses are scored: a traces-only run never is)
+
     med = statistics.median(w)
     mad = statistics.median(abs(x - med) for x in w)
     steps = [abs(b - a) for a, b in zip(w, w[1:])]
@@ -332,6 +333,8 @@ def spike_scale(w: list[float], log: bool = False) -> tuple[float, float, float]
 def detect_spikes(series: dict, window: int = WINDOW, z_thr: float = Z_THRESHOLD,
                   min_history: int = MIN_HISTORY) -> list[dict]:
     """Upward jumps of each series (key -> [[step, loss]]) against its trailing window."""
+    import statistics
+
     spikes = []
     for r, pts in series.items():
         hist: list[float] = []

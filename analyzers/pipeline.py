@@ -21,8 +21,8 @@ Definitions (docs/stragglers-pipeline.md):
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 
+from trainprof._lazy import pd
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._clock import offsets
 from trainprof.analyzers._pipeline_replay import replay_window

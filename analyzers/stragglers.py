@@ -49,8 +49,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pandas as pd
 
+from trainprof._lazy import pd
 from trainprof.analyzers import _lateness
 from trainprof.analyzers import _straggler_cause as cause
 from trainprof.findings import AnalyzerResult, Finding
@@ -106,7 +106,9 @@ def _table(run, groups_of) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(per rank and step table, the aligned collectives frame); ``groups_of(ranks)`` gives
     each rank's peer-group label (arrival lateness is against the rank's peers)."""
     steps = run.steps()
-    if steps.empty or "dur_ms" not in steps.columns:
+    if steps.empty:  # (the run's empty frame: no DataFrame built for a run without streams)
+        return steps, steps
+    if "dur_ms" not in steps.columns:
         return pd.DataFrame(), pd.DataFrame()
     cols = ["rank", "step", "dur_ms"] + [c for c in SCHED_FIELDS if c in steps.columns]
     st = steps.drop_duplicates(["rank", "step"], keep="last")[cols].copy()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import statistics
 import tempfile
 import traceback
 from collections.abc import Mapping
@@ -222,7 +221,7 @@ def _capped_kv(scalars: Mapping) -> str:
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for _, v in items):
         items.sort(key=lambda kv: -kv[1])
         line = lambda part: ", ".join(f"{k}: {kit.fmt_value(v)}" for k, v in part)  # noqa: E731
-        median = statistics.median(v for _, v in items)
+        median = kit.median(v for _, v in items)
         return kit.para(f"{len(items):,} entries. Largest: {line(items[:rk.OUTLIERS])}; median "
                         f"{kit.fmt_value(median)}; smallest: {line(items[-3:])}. Full data in "
                         "summary.json.")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import math
 import re
-import statistics
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from trainprof.reports import kit, svg
@@ -99,9 +98,9 @@ def _median_row(rows: list[Mapping], columns: list[tuple[str, str]], fmt: Mappin
                 isinstance(r.get(key), (int, float)) or r.get(key) is None for r in rows):
             f = fmt.get(key, kit.fmt_value)
             try:
-                txt = f(statistics.median(vals))
+                txt = f(kit.median(vals))
             except Exception:  # noqa: BLE001 - a formatter choking must not lose the table
-                txt = kit.fmt_value(statistics.median(vals))
+                txt = kit.fmt_value(kit.median(vals))
             cells.append(f'<td class="num">{kit.esc(txt)}</td>')
         else:
             cells.append("<td></td>")
@@ -152,7 +151,7 @@ def _column_medians(series: list[list[float]]) -> list[float]:
     out = []
     for col in itertools.zip_longest(*series, fillvalue=math.nan):
         vals = [x for x in col if x == x]
-        out.append(statistics.median(vals) if vals else math.nan)
+        out.append(kit.median(vals) if vals else math.nan)
     return out
 
 
@@ -224,7 +223,7 @@ def aggregate(values: Mapping[int, Any], members: list[int]):
     if all(isinstance(v, (list, tuple)) for v in vals):
         return _column_medians([_as_list(v) for v in vals])
     nums = [x for v in vals if (x := _num(v)) is not None]
-    return statistics.median(nums) if nums else math.nan
+    return kit.median(nums) if nums else math.nan
 
 
 def rank_heatmap(by_rank: Mapping, col_labels: list, title: str, cbar_label: str, summary: Mapping,

@@ -10,10 +10,11 @@ never share one.
 
 from __future__ import annotations
 
-import html
 import itertools
 import math
 from typing import Callable, Iterable, Sequence
+
+from trainprof.reports import kit
 
 _ids = itertools.count()
 
@@ -33,8 +34,7 @@ TEXT = "#1d2330"
 MAX_POINTS = 1500  # points of one line drawn as is; a longer series keeps each bucket's min and max
 
 
-def esc(x) -> str:
-    return "" if x is None else html.escape(str(x), quote=True)
+esc = kit.esc
 
 
 def num(v: float) -> str:

@@ -71,6 +71,67 @@ def test_analyze_imports_neither_launcher_nor_plotting(tmp_path):
                                         "trainprof.cli.demo", "trainprof.reports.html"))
 
 
+def _gpu_trace(path, steps: int = 2):
+    """A small GPU trace: ProfilerSteps of CPU ops, each launching a kernel (correlated through
+    cudaLaunchKernel), a host-to-device copy and an NCCL all-reduce on a second stream."""
+    ev, corr = [], 0
+
+    def kernel(name, cat, ts, dur, stream, launch_ts, args=None):
+        nonlocal corr
+        corr += 1
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1,
+                   "tid": 1, "ts": launch_ts, "dur": 4.0, "args": {"correlation": corr}})
+        ev.append({"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream, "ts": ts,
+                   "dur": dur, "args": {"correlation": corr, "stream": stream, "device": 0,
+                                        **(args or {})}})
+
+    for s in range(steps):
+        t0 = 1000.0 + 1000.0 * s
+        ev.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{s + 1}", "pid": 1,
+                   "tid": 1, "ts": t0, "dur": 900.0})
+        for i in range(4):
+            t = t0 + 10 + 100 * i
+            ev.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1,
+                       "ts": t, "dur": 20.0, "args": {"Input Dims": [[64, 128], [128, 256]],
+                                                      "Input type": ["float", "float"]}})
+            kernel("ampere_sgemm_64x64_nn", "kernel", t + 30, 50.0, 7, t + 5,
+                   {"grid": [4, 4, 1], "block": [128, 1, 1]})
+        kernel("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy", t0 + 500, 20.0, 7, t0 + 495,
+               {"bytes": 1 << 20})
+        ev.append({"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": 1, "tid": 1,
+                   "ts": t0 + 600, "dur": 10.0,
+                   "args": {"Collective name": "allreduce", "In msg nelems": 1024,
+                            "Out msg nelems": 1024, "Group size": 1, "dtype": "Float",
+                            "Process Group Name": "0", "Process Group Ranks": "[0]"}})
+        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*, unsigned long, ncclWork*)",
+               "kernel", t0 + 620, 60.0, 13, t0 + 605)
+    doc = {"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": 0, "world_size": 1},
+           "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3", "computeMajor": 9,
+                                 "computeMinor": 0, "numSms": 132,
+                                 "totalGlobalMem": 85_000_000_000}],
+           "traceEvents": ev}
+    path.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    return path
+
+
+def test_analyze_traces_never_imports_pandas(tmp_path):
+    """A folder of bare traces is analyzed on numpy alone: no pandas (a quarter of a second of
+    start-up), with --no-report and with the report and the terminal summary, and without an
+    analyzer failing for want of it."""
+    d = tmp_path / "traces"
+    d.mkdir()
+    _gpu_trace(d / "rank-0.pt.trace.json.gz")
+    for args, out in ((["--no-report", "-q"], tmp_path / "quiet"), ([], tmp_path / "full")):
+        code, mods = _modules_after("analyze", d, "--out", out, *args)
+        assert code == 0, args
+        assert "trainprof.trace._frames" in mods  # it did parse the trace
+        assert not _imported(mods, ("pandas", "scipy") + HEAVY), args
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["errors"] == [], summary["errors"]
+        assert summary["metrics"].get("comm_compute"), sorted(summary["metrics"])
+        assert (out / "report.html").is_file() == (not args)
+
+
 def test_finding_traces_imports_no_frames():
     r = subprocess.run([sys.executable, "-c",
                         "import sys, trainprof.trace._discover, trainprof.trace\n"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from datetime import datetime, timezone
 from typing import Callable
 
@@ -98,6 +97,8 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
         try:
             result = mod.analyze(run)
         except Exception as e:  # noqa: BLE001 - one analyzer's bug must not lose the others' work
+            import traceback
+
             errors.append({"analyzer": mod.NAME, "error": f"{type(e).__name__}: {e}",
                            "traceback": traceback.format_exc(limit=8)})
             continue

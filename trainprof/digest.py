@@ -27,13 +27,11 @@ computed the same way and kept in memory.
 from __future__ import annotations
 
 import gc
-import hashlib
 import importlib
 import json
 import os
 import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from trainprof import __version__, rundir_schema, safeio
@@ -92,6 +90,8 @@ def code_fingerprint() -> str:
     """A hash of the code a digest depends on (the analyzers, the trace parser, this module):
     a digest built by other code is rebuilt, even within one trainprof version."""
     if not _CODE:
+        import hashlib
+
         import trainprof.analyzers
         import trainprof.trace
 
@@ -179,10 +179,13 @@ def _plain(obj):
 
 # --------------------------------------------------------------------------- one trace
 def digest_trace(run, rank: int, tr, names: list[str]) -> dict:
-    """The digest of one parsed trace (``run``: the RunDir the analyzers' trace_digest read)."""
+    """The digest of one parsed trace (``run``: the RunDir the analyzers' trace_digest read).
+    ``code`` (what a cached digest is checked against) is None for a bare trace: its digest is
+    never cached."""
+    bare = bool(getattr(run, "trace_inputs", None))
     doc = {"schema_version": SCHEMA_VERSION, "kind": KIND, "trainprof_version": __version__,
-           "code": code_fingerprint(), "rank": rank, "trace": None, "facts": trace_facts(tr),
-           "sections": {}, "problems": [], "seconds": {}}
+           "code": None if bare else code_fingerprint(), "rank": rank, "trace": None,
+           "facts": trace_facts(tr), "sections": {}, "problems": [], "seconds": {}}
     n0 = len(run.problems)
     for name in names:
         t0 = time.perf_counter()
@@ -228,11 +231,12 @@ def _parse(path: Path, rank: int | None, pieces: int):
 _WORKER_RUNS: dict[str, RunDir] = {}  # a pool worker's view of its run directory, built once
 
 
-def _job(job: tuple, run=None) -> tuple:
+def _job(job: tuple, run=None, collect: bool = True) -> tuple:
     """One digest (in a pool worker, or in-process with the caller's ``run``). job = (kind,
     run_dir, rank, trace path, stamp, write, names, pieces); kind "run": a run directory's rank;
     "bare": a bare trace whose rank (None: not known yet) is given. Returns (key, doc or None,
-    error or None)."""
+    error or None). ``collect``: a full garbage collection after it, so that the next trace
+    parsed in this process finds the memory of this one free."""
     kind, base, rank, path, stamp, write, names, pieces = job
     t0 = time.perf_counter()
     try:
@@ -279,7 +283,8 @@ def _job(job: tuple, run=None) -> tuple:
         return (rank if kind == "run" else path, None,
                 f"{path}: could not digest the trace: {type(e).__name__}: {e}")
     finally:
-        gc.collect()
+        if collect:
+            gc.collect()
 
 
 def _cpus() -> int:
@@ -347,7 +352,7 @@ def run_jobs(jobs: list[tuple], workers: int | None = None, run=None, progress=N
     if not jobs:
         return []
     cpus = _cpus()
-    if not workers and not os.environ.get(WORKERS_ENV, "").strip():
+    if not workers and not os.environ.get(WORKERS_ENV, "").strip() and len(jobs) > 1:
         workers = min(default_workers(), memory_bound(jobs))  # many CPUs, large traces
     workers = max(1, min(workers or default_workers(), len(jobs)))
     pieces = max(1, cpus // len(jobs)) if workers >= len(jobs) else 1
@@ -355,7 +360,8 @@ def run_jobs(jobs: list[tuple], workers: int | None = None, run=None, progress=N
     out: list = [None] * len(jobs)
     if workers == 1 and not isolate:
         for i, j in enumerate(jobs):
-            out[i] = _job(j, run if j[0] == "run" else None)
+            # no collection after the last one (a full one costs tens of ms at start-up)
+            out[i] = _job(j, run if j[0] == "run" else None, collect=i + 1 < len(jobs))
             if progress:
                 progress(f"trace digests {i + 1}/{len(jobs)}")
         return out
@@ -363,6 +369,8 @@ def run_jobs(jobs: list[tuple], workers: int | None = None, run=None, progress=N
         return pool_in_child(jobs, workers, progress)
     import multiprocessing as mp
     from concurrent.futures.process import BrokenProcessPool
+
+    ProcessPoolExecutor, as_completed = _futures()
 
     # spawn only where there is no fork, in the pool's child (its main module is this package's)
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
@@ -383,6 +391,26 @@ def run_jobs(jobs: list[tuple], workers: int | None = None, run=None, progress=N
         for k, res in _alone(jobs, broken, workers, ctx).items():
             out[k] = res
     return out
+
+
+_FUTURES = ("ProcessPoolExecutor", "as_completed")
+
+
+def __getattr__(name: str):
+    # concurrent.futures (with multiprocessing and logging: milliseconds of start-up) is imported
+    # when a pool is first needed; one trace is digested in this process without it
+    if name in _FUTURES:
+        import concurrent.futures
+
+        value = globals()[name] = getattr(concurrent.futures, name)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _futures() -> tuple:
+    """(ProcessPoolExecutor, as_completed): this module's names for them, imported on first use."""
+    g = globals()
+    return tuple(g[n] if n in g else __getattr__(n) for n in _FUTURES)
 
 
 def fork_safe() -> bool:

@@ -10,12 +10,12 @@ DeviceMesh (plain DDP) the layout comes from the process groups the probes label
 
 from __future__ import annotations
 
-from trainprof.probes.rankinfo import MESH_ALIASES
-
 CANONICAL = ("dp", "pp", "tp")
 
 
 def canonical_dim(name) -> str | None:
+    from trainprof.probes.rankinfo import MESH_ALIASES
+
     n = str(name).lower()
     return next((c for c, aliases in MESH_ALIASES.items() if n in aliases), None)
 

@@ -958,13 +958,21 @@ class RunDir:
 
     def frame(self, name: str):
         """All ranks' records of a stream as one pandas DataFrame with a ``rank`` column (built
-        column by column, without keeping every rank's records: trainprof/rundir_streams.py)."""
+        column by column, without keeping every rank's records: trainprof/rundir_streams.py).
+        Without any rank directory (bare traces, allocator snapshots) no stream exists: an
+        empty stand-in (rundir_streams.NO_RECORDS) that answers ``.empty`` without pandas."""
         key = f"frame:{name}"
         if key not in self._cache:
-            from trainprof.rundir_streams import build_frame
+            from trainprof import rundir_streams
 
-            self._cache[key] = build_frame(self, name)
+            self._cache[key] = (rundir_streams.build_frame(self, name) if self._has_rank_dirs()
+                                else rundir_streams.NO_RECORDS)
         return self._cache[key]
+
+    def _has_rank_dirs(self) -> bool:
+        """Whether any rank has a readable ranks/rank-N folder (where its streams live)."""
+        self.ranks  # noqa: B018 - finds the rank folders
+        return bool(self._cache.get("rank_dirs"))
 
     def stream_once(self, rank: int, name: str) -> list[dict]:
         """stream(), without keeping the records for other readers: for a stream one analyzer

@@ -450,6 +450,47 @@ class Tails:
         return default if at is None else json.loads(self._buf[at[0]:at[0] + at[1]])
 
 
+class NoRecords:
+    """The frame of a stream no rank can hold (a "run" of bare profiler traces or allocator
+    snapshots has no rank folders), standing in for an empty DataFrame so that such a run never
+    imports pandas: ``.empty``, ``len()``, ``.columns`` (none), iteration and ``in`` answer
+    here; any other attribute or a lookup is answered by a real empty DataFrame (pandas is
+    imported then)."""
+
+    __slots__ = ()
+    empty = True
+    columns = ()
+
+    def __len__(self) -> int:
+        return 0
+
+    def __iter__(self):
+        return iter(())
+
+    def __contains__(self, name) -> bool:
+        return False
+
+    def __getitem__(self, key):
+        return self._frame()[key]
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # copy, pickle and the like ask for these: not a frame's
+            raise AttributeError(name)
+        return getattr(self._frame(), name)
+
+    @staticmethod
+    def _frame():
+        import pandas as pd
+
+        return pd.DataFrame()
+
+    def __repr__(self) -> str:
+        return "NoRecords()"
+
+
+NO_RECORDS = NoRecords()
+
+
 def build_frame(run, name: str):
     """All ranks' records of stream ``name`` as one DataFrame with a ``rank`` column, as
     ``pd.DataFrame([{"rank": r, **rec} for r in run.ranks for rec in run.stream(r, name)])``

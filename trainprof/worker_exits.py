@@ -4,8 +4,6 @@ probe, probes/elastic_agent.py; read by RunDir.worker_exits). The format's readi
 
 from __future__ import annotations
 
-import signal
-
 STREAM = "worker-exits.jsonl"  # in the run directory's top level
 
 
@@ -16,6 +14,8 @@ def describe_exit(code) -> dict:
     sig = -code if code < 0 else None
     name = None
     if sig:
+        import signal
+
         try:
             name = signal.Signals(sig).name
         except ValueError:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
-
 from trainprof.reports import kit, ranks as rk, svg
 
 TITLE = "Memory"
@@ -33,7 +31,7 @@ def _median_line(p, xs_ys: list, label: str) -> None:
             if isinstance(y, (int, float)):
                 by_x.setdefault(x, []).append(y)
     xs = sorted(by_x)
-    p.line(xs, [statistics.median(by_x[x]) / 2**20 for x in xs], "#000", 1.6, dash="5 3", tip=label)
+    p.line(xs, [kit.median(by_x[x]) / 2**20 for x in xs], "#000", 1.6, dash="5 3", tip=label)
     p.key(label, "#000", "dash")
 
 
