@@ -99,7 +99,7 @@ def _distinct(values: np.ndarray) -> np.ndarray:
     (few where equal values come in runs, as a thread's rows do)."""
     changed = np.ones(len(values), bool)
     changed[1:] = values[1:] != values[:-1]
-    return np.unique(values[changed])
+    return np.unique(values[changed], return_counts=True)[0]  # counts: numpy.ma stays unimported
 
 
 def _dense(values: np.ndarray) -> np.ndarray:

@@ -67,7 +67,7 @@ def idle_by_stream(stream, ts, end, launch_ts, threshold) -> dict[int, dict]:
     whole µs): epoch ns do not fit a float64's 53 bits."""
     stream, ts, end, launch_ts = (np.asarray(a, dtype=np.int64) for a in (stream, ts, end, launch_ts))
     out = {}
-    for s in np.unique(stream):
+    for s in np.unique(stream, return_counts=True)[0]:
         m = np.flatnonzero(stream == s)
         m = m[np.argsort(ts[m], kind="stable")]
         t, e, r = ts[m], end[m], launch_ts[m]
@@ -87,7 +87,7 @@ def _queue(stream, launch_ts, op_ts) -> dict[int, dict]:
     mean over the change points (as HTA's summary does) and max."""
     out = {}
     stream = np.asarray(stream)
-    for s in np.unique(stream):
+    for s in np.unique(stream, return_counts=True)[0]:
         m = stream == s
         t = np.concatenate([launch_ts[m], op_ts[m]])
         d = np.concatenate([np.ones(int(m.sum()), np.int64), -np.ones(int(m.sum()), np.int64)])
@@ -261,7 +261,7 @@ def trace_digest(run, rank, trace) -> dict:
     # -- per step: ops launched in the step
     rstep = step[rows]
     ops_by_step = {}
-    for st in np.unique(rstep):
+    for st in np.unique(rstep, return_counts=True)[0]:
         m = rstep == st
         u = iv.union(s[m], e[m])
         w = int(e[m].max() - s[m].min())

@@ -171,7 +171,7 @@ def _owner_of_ext(ev, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     tid, ts, end, ext = ev["tid"], ev["ts_ns"], ev["end_ns"], ev["external_id"]
     host = np.flatnonzero(ev["cat"].eq("cpu_op"))
     exts, owners = [], []
-    for t in np.unique(tid[kept]).tolist():
+    for t in np.unique(tid[kept], return_counts=True)[0].tolist():
         k = kept[tid[kept] == t]
         k = k[np.argsort(ts[k], kind="quicksort")]  # by start; among equal starts, quicksort's order
         h = host[tid[host] == t]

@@ -95,7 +95,7 @@ class Cat:
             return -1
 
     def nunique(self) -> int:
-        return int(len(np.unique(self.codes)))
+        return int(len(np.unique(self.codes, return_counts=True)[0]))  # counts: no numpy.ma import
 
     def to_pandas(self):
         import pandas as pd
