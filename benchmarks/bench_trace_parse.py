@@ -2,24 +2,28 @@
 
     python benchmarks/bench_trace_parse.py [--repeats 3] [--copies 4] [--hta /tmp/hta-venv/bin/python]
 
-Prints parse time (wall and CPU; CPU time is what to compare on a shared machine, but it leaves
-out the children that decode pieces of the file when several CPUs are free), analysis time,
-peak RSS, the time to load N copies as N ranks serially and in parallel, and, with --hta, the
-time HTA (traceinsight, installed in a separate venv) needs to load the same file.
+Prints the parse's phases in one process (read + inflate, msgspec decode, structs -> columns,
+columns -> tables; medians), the median parse time with 1 and 2 pieces (forked children decode
+parts of the file), parse time (wall and CPU; CPU time is what to compare on a shared machine,
+but it leaves out the children that decode pieces of the file when several CPUs are free),
+analysis time, peak RSS, the time to load N copies as N ranks serially and in parallel, and,
+with --hta, the time HTA (traceinsight, installed in a separate venv) needs to load the same file.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import resource
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from trainprof.analyzers.comm_compute import rank_breakdown
-from trainprof.trace import _cpus, load_traces, parse_trace
+from trainprof.trace import _cpus, _decode, _frames, load_traces, parse_trace
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/hta/df_index_resolver/df_index_resolver.json.gz"
 
@@ -39,12 +43,52 @@ def _timed(fn):
     return out, time.perf_counter() - t, time.process_time() - c
 
 
+def _median_s(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def phases(repeats: int) -> dict:
+    """Median seconds of each phase of one parse, in this process, the GC paused as in the
+    parser: read + inflate, msgspec decode, structs -> columns (freeing the structs included),
+    and the rest of a whole parse timed in the same round (columns -> tables, steps)."""
+    rounds = []
+    parse_trace(FIXTURE)  # warm-up
+    for _ in range(repeats):
+        with _decode.gc_paused():
+            t0 = time.perf_counter()
+            data = _frames._read_bytes(FIXTURE)
+            t1 = time.perf_counter()
+            doc = _decode._DECODER.decode(data)
+            t2 = time.perf_counter()
+            _decode._from_structs(doc)
+            del doc
+            t3 = time.perf_counter()
+        parse_trace(FIXTURE)
+        t4 = time.perf_counter()
+        rounds.append({"read": t1 - t0, "decode": t2 - t1, "columns": t3 - t2,
+                       "tables": (t4 - t3) - (t3 - t0)})
+        gc.collect()
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--copies", type=int, default=4)
     ap.add_argument("--hta", help="python of a venv with traceinsight installed")
     a = ap.parse_args()
+    if _decode.msgspec is not None:
+        print("  phases (median of 5, one process): " + ", ".join(
+            f"{k} {v:.3f} s" for k, v in phases(5).items()))
+    for pieces in (1, 2):
+        med = _median_s(lambda: parse_trace(FIXTURE, pieces=pieces), 5)
+        print(f"  parse, {pieces} piece(s): median of 5 {med:.3f} s")
     best = {}
     for fast, pieces in ((True, _cpus()), (True, 1), (False, 1)):
         rows = []

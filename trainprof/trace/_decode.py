@@ -11,6 +11,10 @@ one event per block, so ``"\n  },\n  {\n"`` separates two events of the traceEve
 holding raw newlines (never inside a JSON string), cannot fall inside a string. Each piece is
 made a document of its own, decoded, and the columns come back pickled; any surprise (another
 layout, a child that fails) falls back to decoding the whole document here.
+
+Structs -> columns goes a column at a time through C-level maps (``map(attrgetter(f), structs)``
+into ``np.fromiter``): ~5 ms per column of 123k events, several times less than one Python loop
+appending to every column.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import gc
 import math
 import os
 import pickle
-from itertools import repeat
+from itertools import count, repeat
 from operator import attrgetter, is_not
 from typing import Any, Optional, Union
 
@@ -67,31 +71,33 @@ class Columns:
         return self
 
 
-def factorize(values) -> tuple[np.ndarray, list]:
-    """(codes, distinct values in first-seen order) from one C-level dict build (few names,
-    many events) and a dict lookup per value: 4x faster than pd.Categorical(values)."""
-    seen = dict.fromkeys(values)
-    for i, k in enumerate(seen):
-        seen[k] = i
-    return np.fromiter(map(seen.__getitem__, values), np.int64, len(values)), list(seen)
+def factorize(values, n: int | None = None) -> tuple[np.ndarray, list]:
+    """(codes, distinct values in first-seen order) of a sequence, or of an iterable of n values.
+    One pass: each value's dict lookup yields the row where it was first seen, and those rows,
+    numbered in order, are the codes (a C-level map; no list of the values is built)."""
+    if n is None:
+        n = len(values)
+    seen: dict = {}
+    firsts = np.fromiter(map(seen.setdefault, values, count()), np.int64, n)
+    rank = np.empty(n, np.int64)  # first-seen row -> code; the dict keeps first-seen order
+    rank[np.fromiter(seen.values(), np.int64, len(seen))] = np.arange(len(seen))
+    return rank[firsts], list(seen)
 
 
 def ints(values) -> np.ndarray:
-    """Lists of int/None (rarely str) -> int64 with -1 for missing/non-numeric."""
+    """Lists of int/None (rarely str) -> int64 with -1 for missing/non-numeric: a float with an
+    integer part in range gives that part; a bool, a numeric string or an int beyond int64 -1."""
     if isinstance(values, np.ndarray) and values.dtype == np.int64:
         return values
     n = len(values)
+    # np.fromiter alone would also take bools, numeric strings and any float (garbage beyond
+    # int64): the exact type of every value, checked at C speed, says when it is all ints
+    if list(map(type, values)).count(int) != n:
+        values = [v if type(v) is int else _int_or_missing(v) for v in values]
     try:
-        return np.fromiter(values, np.int64, n)  # all ints: one C loop
-    except (TypeError, ValueError, OverflowError):
-        pass
-    # a few strings ("Spans", "Traces" pids) or None: ints pass through a comprehension (7 ms
-    # for 123k; np.array(values, float) walked them all before failing on a string: 0.4 s)
-    vals = [v if type(v) is int else _int_or_missing(v) for v in values]
-    try:
-        return np.fromiter(vals, np.int64, n)
+        return np.fromiter(values, np.int64, n)
     except OverflowError:  # an int beyond int64
-        return np.fromiter((v if -2**63 <= v < 2**63 else -1 for v in vals), np.int64, n)
+        return np.fromiter((v if -2**63 <= v < 2**63 else -1 for v in values), np.int64, n)
 
 
 def _int_or_missing(v) -> int:
@@ -101,11 +107,14 @@ def _int_or_missing(v) -> int:
 try:  # msgspec: optional accelerator
     import msgspec
 
-    class _Args(msgspec.Struct, gc=False):
+    # Field lookup is a linear scan over a struct's fields, and every key the struct does not
+    # declare ("Ev Idx", "grid", "registers per thread", ...) scans them all: args of complete
+    # and of instant events are two structs, each with only the fields its events use.
+    class _XArgs(msgspec.Struct, gc=False):
         # -1 defaults (not None) so these columns go straight into int64 arrays
+        external_id: int = msgspec.field(default=-1, name="External id")
         stream: int = -1
         correlation: int = -1
-        external_id: int = msgspec.field(default=-1, name="External id")
         input_dims: Any = msgspec.field(default=None, name="Input Dims")
         input_type: Any = msgspec.field(default=None, name="Input type")
         concrete: Any = msgspec.field(default=None, name="Concrete Inputs")  # scalars, e.g. is_causal
@@ -121,28 +130,31 @@ try:  # msgspec: optional accelerator
         coll_rank: Any = msgspec.field(default=None, name="Rank")
         src_rank: Any = msgspec.field(default=None, name="Src Rank")
         dst_rank: Any = msgspec.field(default=None, name="Dst Rank")
-        mem_bytes: Any = msgspec.field(default=0, name="Bytes")
-        total_allocated: Any = msgspec.field(default=-1, name="Total Allocated")
-        total_reserved: Any = msgspec.field(default=-1, name="Total Reserved")
+
+    class _MemArgs(msgspec.Struct, gc=False):  # Kineto's order: the scan finds each at once
         device_type: Any = msgspec.field(default=-1, name="Device Type")
         device_id: Any = msgspec.field(default=-1, name="Device Id")
         addr: Any = msgspec.field(default=0, name="Addr")
+        mem_bytes: Any = msgspec.field(default=0, name="Bytes")
+        total_allocated: Any = msgspec.field(default=-1, name="Total Allocated")
+        total_reserved: Any = msgspec.field(default=-1, name="Total Reserved")
 
     # One struct type per Chrome phase, tagged on "ph" (Kineto writes it first): 'X' and 'i'
-    # keep their fields, every other phase (flow arrows, metadata, counters) is skipped whole.
+    # keep their fields (declared in Kineto's key order), every other phase (flow arrows,
+    # metadata, counters) is skipped whole.
     class _Complete(msgspec.Struct, tag_field="ph", tag="X", gc=False):
-        name: str = ""
         cat: str = ""
+        name: str = ""
         pid: Union[int, str, None] = None
         tid: Union[int, str, None] = None
         ts: float = 0.0
         dur: float = 0.0
-        args: Optional[_Args] = None
+        args: Optional[_XArgs] = None
 
     class _Instant(msgspec.Struct, tag_field="ph", tag="i", gc=False):
         name: str = ""
         ts: float = 0.0
-        args: Optional[_Args] = None
+        args: Optional[_MemArgs] = None
 
     _SKIPPED = tuple(msgspec.defstruct(f"_Phase{ord(t)}", [], tag_field="ph", tag=t, gc=False)
                      for t in "BEIbnesStfPONDMRCc()")
@@ -165,7 +177,13 @@ def gc_paused():
             gc.enable()
 
 
-PIECE_MIN_BYTES = 16 << 20  # per piece: smaller ones cost more in fork + pickling than they save
+# Per piece: fork, copy-on-write faults, pickling and merging cost ~10 ms, the decode of ~2 MB;
+# pieces of 8 MB or more pay that back when a CPU is idle (9.8 MB in 2 pieces: this process's
+# CPU time 53 -> 37 ms, the child's 36 ms).
+PIECE_MIN_BYTES = 8 << 20
+# This process's piece, relative to a child's: it also frees its structs and merges the others'
+# columns, and a Kineto trace's first part (CPU ops, memory events) has more events per byte.
+OWN_SHARE = 0.8
 _EVENTS_AT = b'\n  "traceEvents": ['
 _BETWEEN = b"\n  },\n  {\n"
 
@@ -189,13 +207,16 @@ def decode(data: bytes, fast: bool = True, pieces: int = 1) -> Columns:
 
 
 def _cuts(data: bytes, k: int) -> list[int]:
-    """Offsets of the ``}`` closing an event where the traceEvents array can be cut in k parts."""
+    """Offsets of the ``}`` closing an event where the traceEvents array can be cut in k parts,
+    the first (this process's) OWN_SHARE the size of each other."""
     start = data.find(_EVENTS_AT)
     if start < 0 or k < 2:
         return []
-    cuts, step = [], (len(data) - start) // k
+    step = (len(data) - start) / (k - 1 + OWN_SHARE)
+    cuts: list[int] = []
     for j in range(1, k):
-        p = data.find(_BETWEEN, max(start + j * step, cuts[-1] + 4 if cuts else start))
+        at = start + int((j - 1 + OWN_SHARE) * step)
+        p = data.find(_BETWEEN, max(at, cuts[-1] + 4 if cuts else start))
         if p < 0:
             break
         cuts.append(p + 3)
@@ -213,6 +234,9 @@ def _decode_pieces(data: bytes, k: int) -> Columns | None:
     cuts = _cuts(data, k)
     if not cuts:
         return None
+    # this process's piece is copied before forking: after it, the first write to each page of
+    # the heap the children share costs a copy-on-write fault (a 4x slower copy)
+    own = _piece(data, cuts, 0)
     kids = []
     try:
         for i in range(1, len(cuts) + 1):
@@ -235,7 +259,8 @@ def _decode_pieces(data: bytes, k: int) -> Columns | None:
                     os._exit(code)
             os.close(w)
             kids.append((pid, r))
-        parts = [_from_structs(_DECODER.decode(_piece(data, cuts, 0)))]
+        parts = [_from_structs(_DECODER.decode(own))]
+        del own
         while kids:
             pid, r = kids[0]
             with os.fdopen(r, "rb", closefd=False) as fh:
@@ -286,44 +311,75 @@ def _concat(parts: list[Columns]) -> Columns:
     return c
 
 
+_NAME, _CAT, _PID, _TID, _TS, _DUR, _ARGS = map(
+    attrgetter, ("name", "cat", "pid", "tid", "ts", "dur", "args"))
+
+
 def _from_structs(doc) -> Columns:
-    # column-at-a-time through C-level map/attrgetter: several times faster than one Python
-    # loop appending to ten lists
+    """The typed decoder's document -> Columns, column at a time through C-level maps over the
+    structs (several times faster than one Python loop appending to ten lists)."""
     c = Columns()
     c.meta = {k: getattr(doc, k) for k in META_KEYS if getattr(doc, k) is not None}
     events = doc.traceEvents
     c.n_events = len(events)
     xs = [e for e in events if type(e) is _Complete]
     n = len(xs)
-    for col in ("name", "cat"):
-        setattr(c, col, factorize(list(map(attrgetter(col), xs))))
-    for col in ("pid", "tid"):
-        setattr(c, col, ints(list(map(attrgetter(col), xs))))
-    c.ts = np.fromiter(map(attrgetter("ts"), xs), np.float64, n)
-    c.dur = np.fromiter(map(attrgetter("dur"), xs), np.float64, n)
-    empty = _Args()
-    args = [empty if a is None else a for a in map(attrgetter("args"), xs)]
-    for col, attr in (("stream", "stream"), ("corr", "correlation"), ("ext", "external_id")):
-        setattr(c, col, np.fromiter(map(attrgetter(attr), args), np.int64, n))
-    c.dims = list(map(attrgetter("input_dims"), args))
-    c.types = list(map(attrgetter("input_type"), args))
-    c.concrete = list(map(attrgetter("concrete"), args))
-    # rows with collective args, by C-level maps (a comprehension over the structs: 25 ms)
-    has = np.fromiter(map(is_not, map(attrgetter("collective"), args), repeat(None)), bool, n)
-    has |= np.fromiter(map(is_not, map(attrgetter("pg_name"), args), repeat(None)), bool, n)
-    for i in np.flatnonzero(has).tolist():
-        a = args[i]
-        row = {"row": int(i)}
-        for _, col in COMM_KEYS:
-            v = getattr(a, col)
-            if v is not None:
-                row[col] = v
-        c.comm.append(row)
+    c.name, c.cat = factorize(map(_NAME, xs), n), factorize(map(_CAT, xs), n)
+    c.pid, c.tid = _id_column(map(_PID, xs), n), _id_column(map(_TID, xs), n)
+    c.ts = np.fromiter(map(_TS, xs), np.float64, n)
+    c.dur = np.fromiter(map(_DUR, xs), np.float64, n)
+    args = list(map(_ARGS, xs))
+    if args.count(None):
+        empty = _XArgs()
+        args = [empty if a is None else a for a in args]
+    c.stream, c.corr, c.ext = (_int_column(args, attr, n)
+                               for attr in ("stream", "correlation", "external_id"))
+    c.dims, c.types, c.concrete = (list(map(attrgetter(attr), args))
+                                   for attr in ("input_dims", "input_type", "concrete"))
+    c.comm = _comm_rows(args, n)
     inst = [e for e in events if type(e) is _Instant]
     c.mem = [(e.ts, e.args.mem_bytes, e.args.total_allocated, e.args.total_reserved,
               e.args.device_type, e.args.device_id, e.args.addr)
              for e in inst if e.name == "[memory]" and e.args is not None]
     return c
+
+
+def _id_column(values, n: int) -> np.ndarray:
+    """pid/tid values (int, str or None: the decoder admits no other type, so no two distinct
+    values compare equal) -> int64 through their few distinct values: a Kineto trace's "Spans"
+    pid costs nothing more."""
+    codes, uniq = factorize(values, n)
+    return ints(uniq)[codes] if uniq else codes
+
+
+def _int_column(args: list, attr: str, n: int) -> np.ndarray:
+    """An int field of the args structs (the decoder checked the type) as int64; one beyond
+    int64 is -1."""
+    try:
+        return np.fromiter(map(attrgetter(attr), args), np.int64, n)
+    except OverflowError:
+        return ints(list(map(attrgetter(attr), args)))
+
+
+def _comm_rows(args: list, n: int) -> list[dict]:
+    """{"row": i, column: value, ...} for the args with a collective name or a process group
+    (list.count skips the None of every other row at C speed)."""
+    coll = list(map(attrgetter("collective"), args))
+    pg = list(map(attrgetter("pg_name"), args))
+    if coll.count(None) == n and pg.count(None) == n:
+        return []
+    has = np.fromiter(map(is_not, coll, repeat(None)), bool, n)
+    has |= np.fromiter(map(is_not, pg, repeat(None)), bool, n)
+    rows = []
+    for i in np.flatnonzero(has).tolist():
+        a = args[i]
+        row = {"row": i}
+        for _, col in COMM_KEYS:
+            v = getattr(a, col)
+            if v is not None:
+                row[col] = v
+        rows.append(row)
+    return rows
 
 
 def _loads(data: bytes):
