@@ -98,10 +98,24 @@ def _queue(stream, launch_ts, op_ts) -> dict[int, dict]:
 
 
 # --------------------------------------------------------------------------- per-rank digest
+def percentiles(values, qs) -> list[float]:
+    """np.percentile(values, qs) (its default, linear interpolation, the same float arithmetic)
+    without np.percentile, which imports numpy.ma on its first call (tens of ms)."""
+    a = np.sort(np.asarray(values, dtype=np.float64))
+    n, out = len(a), []
+    for q in qs:
+        vi = (n - 1) * (q / 100)
+        lo = int(np.floor(vi))
+        hi, t = min(lo + 1, n - 1), vi - lo
+        d = a[hi] - a[lo]
+        out.append(float(a[hi] - d * (1 - t) if t >= 0.5 else a[lo] + d * t))
+    return out
+
+
 def _stats_us(ns: np.ndarray) -> dict:
     if not len(ns):
         return {}
-    p = np.percentile(ns, [50, 95])
+    p = percentiles(ns, (50, 95))
     return {"mean_us": _us(ns.mean()), "p50_us": _us(p[0]), "p95_us": _us(p[1]), "max_us": _us(ns.max())}
 
 

@@ -9,6 +9,7 @@ import json
 from decimal import Decimal
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import union_length
@@ -296,3 +297,12 @@ def test_host_side_of_the_step_on_real_h100_traces():
     # the reference job's two DataLoader iterations, 2.213 + 2.117 ms on the training thread
     h100 = launch.trace_digest(None, 0, load_trace(H100_TRACE))["per_step"]
     assert [p["data_ms"] for p in h100] == pytest.approx([2.2134, 2.1168], abs=1e-4)
+
+
+def test_percentiles_equal_numpys_linear_percentile():
+    rng = np.random.default_rng(7)
+    for i in range(2000):
+        n = int(rng.integers(1, 40))
+        x = rng.integers(0, 10**9, n) if i % 2 else rng.random(n) * 1e6
+        qs = (50, 95, float(rng.random() * 100))
+        assert launch.percentiles(x, qs) == np.percentile(x, qs).tolist()

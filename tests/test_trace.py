@@ -149,7 +149,8 @@ def _same(a, b):
     pd.testing.assert_frame_equal(a.memory, b.memory)
     pd.testing.assert_frame_equal(a.comm, b.comm)
     pd.testing.assert_frame_equal(a.steps, b.steps)
-    assert a.meta == b.meta and a.stats == b.stats
+    assert dict(a.meta, path=None) == dict(b.meta, path=None)
+    assert a.stats == b.stats
 
 
 def test_pieces_decoded_in_parallel_give_the_same_frames(monkeypatch, tmp_path):
@@ -159,23 +160,34 @@ def test_pieces_decoded_in_parallel_give_the_same_frames(monkeypatch, tmp_path):
         pytest.skip("piecewise decoding is a msgspec path")
     monkeypatch.setattr(_decode, "PIECE_MIN_BYTES", 1 << 16)  # the A100 trace is 9.8 MB
     whole = parse_trace(A100, pieces=1)
+    # a gzip trace: decoded while it inflates, children taking its first parts
+    got = []
+    real_stream = _decode.decode_stream
+    monkeypatch.setattr(_decode, "decode_stream", lambda *a: got.append(real_stream(*a)) or got[-1])
+    _same(whole, parse_trace(A100, pieces=3))
+    assert len(got) == 1 and isinstance(got[0][0], _decode.Columns)  # not the fallback
+    # the same JSON uncompressed: cut in memory
+    plain = tmp_path / "a100.json"
+    plain.write_bytes(gzip.decompress(A100.read_bytes()))
     got = []
     real_pieces = _decode._decode_pieces
     monkeypatch.setattr(_decode, "_decode_pieces", lambda *a: got.append(real_pieces(*a)) or got[-1])
-    _same(whole, parse_trace(A100, pieces=3))
-    assert len(got) == 1 and isinstance(got[0], _decode.Columns)  # not the fallback
-    assert len(_decode._cuts(gzip.decompress(A100.read_bytes()), 5)) == 4
+    _same(whole, parse_trace(plain, pieces=3))
+    assert len(got) == 1 and isinstance(got[0], _decode.Columns)
+    assert len(_decode._cuts(plain.read_bytes(), 5)) == 4
     monkeypatch.setattr(_decode, "_decode_pieces", real_pieces)
     # a piece whose events surprise the typed decoder (a string "dur"): the child fails, the
     # whole document is decoded here and ends on the tolerant path, as it would unsplit
     small = HTA / "cpu_only" / "rank-34.Jul_15_10_52_41.1074.pt.trace.json.gz"
     monkeypatch.setattr(_decode, "PIECE_MIN_BYTES", 1 << 10)
     doc = json.loads(gzip.decompress(small.read_bytes()))
-    last_x = max(i for i, e in enumerate(doc["traceEvents"]) if e.get("ph") == "X")
-    doc["traceEvents"][last_x]["dur"] = "12"
+    xs = [i for i, e in enumerate(doc["traceEvents"]) if e.get("ph") == "X"]
+    for i in (xs[0], xs[-1]):
+        doc["traceEvents"][i]["dur"] = "12"  # in the first piece (a child's) and the last
+    text = (json.dumps(doc, indent=2).replace('\n    {\n      "', '\n  {\n    "')
+            .replace("\n    },\n", "\n  },\n"))
     odd = tmp_path / "odd.json"
-    odd.write_text(json.dumps(doc, indent=2).replace('\n    {\n      "', '\n  {\n    "')
-                   .replace("\n    },\n", "\n  },\n"))
+    odd.write_text(text)
     assert _decode._cuts(odd.read_bytes(), 2)  # Kineto's event layout, so it is cut
     serial = parse_trace(odd, pieces=1)
     got = []
@@ -184,5 +196,40 @@ def test_pieces_decoded_in_parallel_give_the_same_frames(monkeypatch, tmp_path):
     monkeypatch.setattr(_decode, "_from_dicts", lambda *a: got.append("dicts") or real_dicts(*a))
     _same(serial, parse_trace(odd, pieces=2))
     assert got == [None, "dicts"]
+    odd_gz = tmp_path / "odd.json.gz"
+    odd_gz.write_bytes(gzip.compress(text.encode()))
+    got = []
+    monkeypatch.setattr(_decode, "decode_stream", lambda *a: got.append(real_stream(*a)) or got[-1])
+    _same(serial, parse_trace(odd_gz, pieces=2))
+    assert got[0][0] is None and got[0][3] is True and got[1:] == ["dicts"]  # tried, then whole
     # compact JSON (no Kineto layout) is never cut: one decode
     assert _decode._cuts(gzip.decompress((HTA / "trace_filter" / "sampled_rank-0.json.gz").read_bytes()), 2) == []
+
+
+def test_stream_decoding_stops_its_children_on_a_corrupt_or_oversized_gzip(monkeypatch, tmp_path):
+    import os
+
+    from trainprof.trace import TraceError, _decode
+
+    if _decode.msgspec is None:
+        pytest.skip("piecewise decoding is a msgspec path")
+    monkeypatch.setattr(_decode, "PIECE_MIN_BYTES", 1 << 16)
+    data = A100.read_bytes()
+    cut = tmp_path / "truncated.json.gz"
+    cut.write_bytes(data[: len(data) * 3 // 4] + data[-8:])  # the trailer kept: a size hint
+    forks = []
+    real_fork = _decode._fork_decoder
+    monkeypatch.setattr(_decode, "_fork_decoder", lambda mk: forks.append(real_fork(mk)) or forks[-1])
+    with pytest.raises(TraceError, match="truncated.json.gz: (corrupt|truncated) gzip"):
+        parse_trace(cut, pieces=2)
+    assert forks  # a child had started on the first part
+    for pid, _ in forks:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # reaped
+    monkeypatch.setenv("TRAINPROF_MAX_INPUT_MB", "5")  # the 9.8 MB JSON inflates past it
+    forks.clear()
+    with pytest.raises(TraceError, match="inflates past"):
+        parse_trace(A100, pieces=2)
+    for pid, _ in forks:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)

@@ -187,29 +187,45 @@ class GzipError(ValueError):
 
 def gunzip_limited(raw: bytes, path, zlib_mod=zlib) -> bytes:
     """Inflate (possibly concatenated) gzip members, refusing past inflate_limit(len(raw))."""
+    out = list(gunzip_chunks(raw, path, zlib_mod))
+    return out[0] if len(out) == 1 else b"".join(out)
+
+
+def gunzip_chunks(raw: bytes, path, zlib_mod=zlib, chunk: int = _CHUNK):
+    """gunzip_limited's output as it is inflated, in chunks of at most ``chunk`` bytes (a reader
+    can start on the first part of a large file while the rest inflates). Raises InputRefused
+    past inflate_limit(len(raw)) and GzipError on corrupt or truncated data, at the chunk where
+    it is found."""
     limit, desc = inflate_limit(len(raw))
-    out: list[bytes] = []
     total = 0
     data = raw
-    try:
-        while True:
+    while True:
+        try:
             d = zlib_mod.decompressobj(wbits=31)
-            buf = data
-            while True:
-                chunk = d.decompress(buf, _CHUNK)
-                total += len(chunk)
-                if total > limit:
-                    raise InputRefused(f"{path}: inflates past {desc}; not read "
-                                       f"({_how_to_raise()})")
-                out.append(chunk)
-                buf = d.unconsumed_tail
-                if d.eof or (not buf and not chunk):
-                    break
-            if not d.eof:
-                raise GzipError(f"{path}: truncated gzip file (ends before the end of the stream)")
-            data = d.unused_data
-            if not data:
+        except zlib_mod.error as e:
+            raise GzipError(f"{path}: corrupt gzip data ({e})") from None
+        buf = data
+        while True:
+            try:
+                out = d.decompress(buf, chunk)
+            except zlib_mod.error as e:
+                raise GzipError(f"{path}: corrupt gzip data ({e})") from None
+            total += len(out)
+            if total > limit:
+                raise InputRefused(f"{path}: inflates past {desc}; not read ({_how_to_raise()})")
+            if out:
+                yield out
+            buf = d.unconsumed_tail
+            if d.eof or (not buf and not out):
                 break
-    except zlib_mod.error as e:
-        raise GzipError(f"{path}: corrupt gzip data ({e})") from None
-    return out[0] if len(out) == 1 else b"".join(out)
+        if not d.eof:
+            raise GzipError(f"{path}: truncated gzip file (ends before the end of the stream)")
+        data = d.unused_data
+        if not data:
+            break
+
+
+def gzip_size_hint(raw: bytes) -> int:
+    """The inflated size a gzip file's trailer states (ISIZE: its last member's size mod 2**32):
+    a hint for planning work, never a limit (0 when absent)."""
+    return int.from_bytes(raw[-4:], "little") if len(raw) >= 18 else 0

@@ -103,21 +103,49 @@ except ImportError:  # pragma: no cover - optional accelerator
     _zlib = zlib
 
 
-def _read_bytes(path: Path) -> bytes:
-    """The trace's JSON bytes: a regular file within the input limit, inflated (gzip) within
-    the limit and a sane compression ratio (trainprof/safeio.py)."""
+def _read_raw(path: Path) -> bytes:
+    """The file's bytes: a regular file within the input limit (trainprof/safeio.py)."""
     try:
-        raw = safeio.read_limited(path, what="profiler trace")
+        return safeio.read_limited(path, what="profiler trace")
     except OSError as e:
         raise TraceError(str(e) if isinstance(e, safeio.InputRefused)
                          else f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The trace's JSON bytes: a regular file within the input limit, inflated (gzip) within
+    the limit and a sane compression ratio (trainprof/safeio.py)."""
+    raw = _read_raw(path)
     if raw[:2] != b"\x1f\x8b":
         return raw
     try:
         return safeio.gunzip_limited(raw, path, _zlib)
-    except safeio.InputRefused as e:
+    except (safeio.InputRefused, safeio.GzipError) as e:
         raise TraceError(str(e)) from None
-    except safeio.GzipError as e:
+
+
+def _read_decoded(path: Path, fast: bool, pieces: int):
+    """(columns or None, the JSON bytes when not decoded yet, their size, pieces still worth
+    trying). A large gzip trace read with pieces > 1 is decoded while it inflates
+    (_decode.decode_stream): children decode its first parts as soon as they are inflated."""
+    raw = _read_raw(path)
+    if raw[:2] != b"\x1f\x8b":
+        return None, raw, len(raw), pieces
+    if pieces < 2 or not fast:
+        data = _read_gzip(raw, path)
+        return None, data, len(data), pieces
+    try:
+        cols, data, size, tried = _decode.decode_stream(
+            safeio.gunzip_chunks(raw, path, _zlib, 1 << 20), safeio.gzip_size_hint(raw), pieces, fast)
+    except (safeio.InputRefused, safeio.GzipError) as e:
+        raise TraceError(str(e)) from None
+    return cols, data, size, 1 if tried else pieces
+
+
+def _read_gzip(raw: bytes, path: Path) -> bytes:
+    try:
+        return safeio.gunzip_limited(raw, path, _zlib)
+    except (safeio.InputRefused, safeio.GzipError) as e:
         raise TraceError(str(e)) from None
 
 
@@ -139,17 +167,17 @@ def _cpus() -> int:
 
 
 def _parse(path: Path, rank: int | None, fast: bool, pieces: int) -> Trace:
-    data = _read_bytes(path)
-    if not data or (len(data) < 4096 and not data.strip()):
-        raise TraceError(f"{path}: empty file")
-    try:
-        cols = _decode.decode(data, fast=fast, pieces=pieces)
-    except _decode.DecodeError as e:
-        raise TraceError(f"{path}: not valid JSON ({e}); truncated or corrupt trace?") from None
-    except (TypeError, ValueError, AttributeError) as e:
-        raise TraceError(f"{path}: not a Chrome trace ({e})") from None
-    json_bytes = len(data)  # the input limit's measure (digests record it)
-    del data
+    cols, data, json_bytes, pieces = _read_decoded(path, fast, pieces)
+    if cols is None:
+        if not data or (len(data) < 4096 and not data.strip()):
+            raise TraceError(f"{path}: empty file")
+        try:
+            cols = _decode.decode(data, fast=fast, pieces=pieces)
+        except _decode.DecodeError as e:
+            raise TraceError(f"{path}: not valid JSON ({e}); truncated or corrupt trace?") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise TraceError(f"{path}: not a Chrome trace ({e})") from None
+    del data  # json_bytes: the input limit's measure (digests record it)
     meta = cols.meta
     dist = meta.get("distributedInfo")
     if isinstance(dist, dict) and isinstance(dist.get("rank"), int):
