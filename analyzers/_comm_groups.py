@@ -92,8 +92,9 @@ def trace_groups(trace) -> dict:
     """What group_dims needs from one trace (part of its digest): the trace's world size and
     its process groups — distributedInfo.pg_config, then those its collectives name — as
     [{"pg_name", "pg_desc", "pg_size", "ranks"}] in that order."""
-    cfgs = [c for c in (trace.meta.get("distributedInfo") or {}).get("pg_config") or []
-            if isinstance(c, dict)]
+    dist = trace.meta.get("distributedInfo")
+    pgc = dist.get("pg_config") if isinstance(dist, dict) else None
+    cfgs = [c for c in pgc if isinstance(c, dict)] if isinstance(pgc, list) else []
     comm = trace.tables.comm
     if len(comm) and "pg_name" in comm:
         cols = [comm.get(k) for k in ("pg_name", "pg_desc", "pg_ranks")]

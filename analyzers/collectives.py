@@ -90,7 +90,9 @@ def _build_frame(run):
     for c in ("device_ms", "peer"):
         if c not in df.columns:
             df[c] = None
-    df["pg"] = df["pg"].astype(str).astype("category")  # few groups, many records: codes
+    # few groups, many records: codes; a record without a group is in group "None" (pandas'
+    # string dtype would keep it missing, and missing keys fall out of the groupbys below)
+    df["pg"] = df["pg"].astype(object).where(df["pg"].notna(), "None").astype(str).astype("category")
     if df["seq"].isna().any() or df["enqueue_ns"].isna().any():  # (a filter copies every column)
         df = df.dropna(subset=["seq", "enqueue_ns"])
     df["seq"] = df["seq"].astype(np.int64)
@@ -99,7 +101,7 @@ def _build_frame(run):
     # building (or hashing) it per record costs records x group size (1,024-rank groups). The
     # key column is categorical: groupbys and merges work on its integer codes.
     df = df.reset_index(drop=True)
-    gid = df.groupby(["rank", "pg"], sort=False).ngroup().to_numpy()
+    gid = df.groupby(["rank", "pg"], sort=False, observed=True).ngroup().to_numpy()
     keys, dims, sizes, made, as_tuple = [], [], [], {}, {}
     for r, pg in df.drop_duplicates(["rank", "pg"])[["rank", "pg"]].itertuples(index=False):
         g = groups.get((int(r), pg))

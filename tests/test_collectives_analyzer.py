@@ -157,3 +157,14 @@ def test_real_run_is_consistent_and_renders(collective_run, tmp_path):
     assert not [e for e in summary["errors"] if e["analyzer"] == "collectives"]
     html = (tmp_path / "report.html").read_text()
     assert "Collectives" in html and "busbw" in html
+
+
+def test_records_without_a_group_do_not_break_the_analysis(tmp_path):
+    """A log whose broadcast has no pg (null) beside records of group "0": analyzed, the
+    group-less record in a group of its own."""
+    recs = [{**rec(0, None, 0, "broadcast", 4096, 1.0, 2.0), "pg": None}] + [
+        rec(s, "0", s, "all_reduce", 4096, 100.0 * s + 10, 100.0 * s + 12, blocked=1.0)
+        for s in range(1, 3)]
+    run = _write(tmp_path, {0: ([G2], recs), 1: ([G2], recs)})
+    m = C.analyze(run).metrics  # raised IndexError: the missing group fell out of a groupby
+    assert m["records"] == 6 and m["groups"] == 2

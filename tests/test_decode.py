@@ -35,9 +35,10 @@ def test_factorize_keeps_first_seen_order_from_a_sequence_or_an_iterator():
     assert codes.dtype == np.int64 and len(codes) == 0 and uniq == []
 
 
-def test_ints_take_only_integers_and_integral_floats():
-    got = _decode.ints([7, None, "Spans", "7", 3.0, 3.5, float("nan"), 1e300, True, 2**70, -5])
-    assert got.tolist() == [7, -1, -1, -1, 3, 3, -1, -1, -1, -1, -5]
+def test_ints_take_only_integers_integral_floats_and_digit_strings():
+    got = _decode.ints([7, None, "Spans", "7", 3.0, 3.5, float("nan"), 1e300, True, 2**70, -5,
+                        "99999999999999999999", "1_0", "\u0661"])
+    assert got.tolist() == [7, -1, -1, 7, 3, 3, -1, -1, -1, -1, -5, -1, -1, -1]
     assert _decode.ints([True, 1]).tolist() == [-1, 1]  # a bool is no id, whatever its company
 
 

@@ -233,3 +233,27 @@ def test_stream_decoding_stops_its_children_on_a_corrupt_or_oversized_gzip(monke
     for pid, _ in forks:
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
+
+
+def test_odd_step_names_thread_ids_and_run_facts(tmp_path):
+    """ProfilerStep#N with N beyond int64, with underscores or non-ASCII digits: no step (the
+    trace is still read); a tid written as a string of digits is that thread; a distributedInfo
+    or pg_config of the wrong type is ignored, not an error."""
+    from trainprof.analyzers import _comm_groups
+
+    ev = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{n}", "pid": 1, "tid": 1,
+           "ts": i * 100, "dur": 100} for i, n in enumerate(
+               ["99999999999999999999", "1_0", "\u0661", "2", "3.0", "1e1"])]
+    ev += [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": "1", "ts": 310,
+            "dur": 50}, {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1,
+                         "tid": True, "ts": 320, "dur": 5}]
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"traceEvents": ev, "distributedInfo": 7.5}))
+    tr = parse_trace(p)
+    assert tr.tables.steps["step"].tolist() == [2, 3, 10]
+    ev_t = tr.tables.events
+    tid = dict(zip(ev_t["name"].tolist(), ev_t["tid"].tolist()))
+    assert tid["aten::mm"] == 1 and tid["aten::add"] == -1
+    assert tr.world_size is None and _comm_groups.trace_groups(tr)["configs"] == []
+    p.write_text(json.dumps({"traceEvents": ev, "distributedInfo": {"rank": 0, "pg_config": 1.5}}))
+    assert _comm_groups.trace_groups(parse_trace(p))["configs"] == []

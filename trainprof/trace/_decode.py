@@ -26,6 +26,7 @@ import gc
 import math
 import os
 import pickle
+import re
 from itertools import count, repeat
 from operator import attrgetter, is_not
 from typing import Any, Optional, Union
@@ -88,7 +89,8 @@ def factorize(values, n: int | None = None) -> tuple[np.ndarray, list]:
 
 def ints(values) -> np.ndarray:
     """Lists of int/None (rarely str) -> int64 with -1 for missing/non-numeric: a float with an
-    integer part in range gives that part; a bool, a numeric string or an int beyond int64 -1."""
+    integer part in range gives that part, a string of ASCII digits its number ("7" is 7); a
+    bool, another string or an int beyond int64 -1."""
     if isinstance(values, np.ndarray) and values.dtype == np.int64:
         return values
     n = len(values)
@@ -102,8 +104,16 @@ def ints(values) -> np.ndarray:
         return np.fromiter((v if -2**63 <= v < 2**63 else -1 for v in values), np.int64, n)
 
 
+_DIGITS = re.compile(r"[+-]?[0-9]{1,19}")
+
+
 def _int_or_missing(v) -> int:
-    return int(v) if type(v) is float and math.isfinite(v) and abs(v) < 2**63 else -1
+    if type(v) is float:
+        return int(v) if math.isfinite(v) and abs(v) < 2**63 else -1
+    if type(v) is str and _DIGITS.fullmatch(v.strip()):
+        i = int(v)
+        return i if -2**63 <= i < 2**63 else -1
+    return -1
 
 
 try:  # msgspec: optional accelerator

@@ -7,6 +7,7 @@ a pandas view (``Trace.events`` and the like)."""
 from __future__ import annotations
 
 import os
+import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,8 @@ class Trace:
 
     @property
     def world_size(self) -> int | None:
-        return (self.meta.get("distributedInfo") or {}).get("world_size")
+        dist = self.meta.get("distributedInfo")
+        return dist.get("world_size") if isinstance(dist, dict) else None
 
     # pandas views of the tables, built (and pandas imported) on first use
     def _view(self, name: str):
@@ -183,7 +185,8 @@ def _parse(path: Path, rank: int | None, fast: bool, pieces: int) -> Trace:
     if isinstance(dist, dict) and isinstance(dist.get("rank"), int):
         rank = dist["rank"]
     base = meta.get("baseTimeNanoseconds")
-    base = int(base) if isinstance(base, (int, float)) and not isinstance(base, bool) else 0
+    base = int(base) if isinstance(base, (int, float)) and not isinstance(base, bool) \
+        and abs(base) < 2**62 else 0  # a base beyond that leaves no room for the timestamps
 
     events = _events_table(cols, base)
     steps = _steps(events)
@@ -301,17 +304,23 @@ def _memory_table(rows: list, base: int) -> Table:
     return Table(out)
 
 
+_STEP_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
 def _step_number(name: str):
+    """N of "ProfilerStep#N" (a number as JSON writes one; an integral part beyond int64, or
+    anything else, None: the span is no step)."""
     text = name[len("ProfilerStep#"):].strip()
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        f = float(text)
-    except ValueError:
+    if not _STEP_NUMBER.fullmatch(text):
         return None
-    return int(f) if f == f and abs(f) < 2**63 else None
+    try:
+        v = int(text)
+    except ValueError:
+        f = float(text)
+        if f != f or abs(f) >= 2**63:
+            return None
+        v = int(f)
+    return v if -2**63 <= v < 2**63 else None
 
 
 def _steps(events: Table) -> Table:
