@@ -65,7 +65,7 @@ _SUBMODULES = ("_decode", "_discover", "_frames")
 
 
 def __getattr__(name: str):
-    # numpy, pandas and the decoder load with the first name used (PEP 562): a process that only
+    # numpy and the decoder load with the first name used (PEP 562): a process that only
     # finds traces (_discover.py) never imports them
     if name.startswith("__") or name in _SUBMODULES:
         raise AttributeError(name)  # a submodule not imported yet: the import system loads it
