@@ -73,6 +73,14 @@ def _rank_path(run, r):
     return run.rank_path(r) if hasattr(run, "rank_path") else rank_dir(run.path, r)
 
 
+def _completed_by(c: dict, logged: dict) -> bool:
+    """Whether the logged (ended) collective shows ``c`` completed: same group, ``c`` no later
+    in its sequence (a group's collectives complete in order)."""
+    seq, last = c.get("seq"), logged.get("seq")
+    return (logged.get("end_ns") is not None and isinstance(seq, int) and isinstance(last, int)
+            and str(c.get("pg")) == str(logged.get("pg")) and seq <= last)
+
+
 def _read_dump(run, r):
     p = _rank_path(run, r) / DUMP
     if not os.path.exists(p):  # (False also when its folder cannot be read: RunDir says so)
@@ -203,6 +211,10 @@ class RankView:
         self.step = max((s for s in steps if isinstance(s, int)), default=None)
         self.last_collective = src.get("last_collective")
         self.inflight = [c for c in src.get("inflight") or [] if isinstance(c, dict)]
+        if not self.dump and self.collectives:
+            # a heartbeat's in-flight list is as old as the beat: a collective the log shows
+            # completed after it (a later one of its group ended) was no longer in flight
+            self.inflight = [c for c in self.inflight if not _completed_by(c, self.collectives[-1])]
         self.stack = _main_stack(self.dump)
         self.frame = self.stack[-1] if self.stack else None
         user = [f for f in self.stack or [] if not _is_lib(f)]
@@ -283,10 +295,17 @@ def _desync_fr(cmp) -> list[dict]:
 
 
 def _missing_fr_heartbeats(views) -> list[dict]:
-    """Without dumps: the heartbeats' flight-recorder counters {pg: [enqueued, completed]}."""
+    """Without dumps: the heartbeats' flight-recorder counters {pg: [enqueued, completed]}. A
+    rank whose log shows progress after its last beat (a beat is periodic: a rank killed between
+    two beats leaves an old one) has counters that say too little: it is left out."""
     groups: dict = {}
     for v in views.values():
-        for pg, (enq, done) in ((v.last_hb or {}).get("fr") or {}).items():
+        hb = v.last_hb or {}
+        logged = [x.get("end_ns") for x in v.steps[-1:] + v.collectives[-1:]]
+        logged = [t for t in logged if isinstance(t, int)]
+        if logged and isinstance(hb.get("t_ns"), int) and hb["t_ns"] < max(logged):
+            continue
+        for pg, (enq, done) in (hb.get("fr") or {}).items():
             groups.setdefault(pg, {})[v.rank] = (enq, done)
     out = []
     for pg, by_rank in sorted(groups.items()):

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from helpers import run_cli, write_script
 from trainprof.analyzers import _fatal_stacks as fatal
 from trainprof.rundir import RunDir
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 # one optimizer step activates the probes; then the process aborts as gloo's terminate does
 ABORT = """\
@@ -226,3 +230,20 @@ def test_skip_seen_through_the_victims_stacks_names_the_rank_that_broke_its_orde
     assert [v["rank"] for v in c["victims"]] == [0]
     assert f.evidence["desync"][0]["deviating"] == [1]
     assert "called at job/train.py:12 in sync" in f.message
+
+
+@pytest.mark.parametrize("case", ["stale_inflight", "stale_fr"])
+def test_a_heartbeat_older_than_the_log_does_not_hide_the_desync(tmp_path, case):
+    """Real runs of SKIP (rank 1 skips a metric all_reduce) whose rank 0 was aborted between two
+    heartbeats: its last beat (step 1) still lists a collective in flight that the log shows
+    completed, or flight-recorder counters from then. Neither may make rank 0 the one that never
+    arrived: rank 1 broke its per-step order."""
+    run = tmp_path / case
+    shutil.copytree(FIXTURES / "desync_stale_beat" / case, run)
+    res = run_cli(["analyze", run, "--no-report", "-q"])
+    assert res.returncode in (0, 1), res.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    (f,) = [f for f in summary["findings"] if f["kind"] in ("desync", "rank_failure", "hang")]
+    c = f["evidence"]["culprit"]
+    assert f["kind"] == "desync" and f["ranks"] == [1] and c["reason"] == "desync", f["message"]
+    assert [v["rank"] for v in c["victims"]] == [0]
