@@ -333,6 +333,10 @@ def test_trainer_results_unchanged_by_wrap(jobs):
     wrapped = jobs("hf", *JOBS["hf"])
     bare = jobs("hf-bare", "hf", "wrap-less")
     _ok(wrapped)
+    if bare.proc.returncode != 0 and "terminate called without an active exception" in bare.proc.stderr:
+        # the reference itself, without trainprof, lost a rank to gloo's teardown (SIGABRT at
+        # exit, seen on a loaded machine): a second reference run
+        bare = jobs("hf-bare-again", "hf", "wrap-less")
     assert bare.proc.returncode == 0, bare.proc.stderr[-4000:]
     line = [x for x in wrapped.proc.stdout.splitlines() if x.startswith("done")]
     assert line and line == [x for x in bare.proc.stdout.splitlines() if x.startswith("done")]
