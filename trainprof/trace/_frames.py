@@ -118,12 +118,7 @@ def _read_bytes(path: Path) -> bytes:
     """The trace's JSON bytes: a regular file within the input limit, inflated (gzip) within
     the limit and a sane compression ratio (trainprof/safeio.py)."""
     raw = _read_raw(path)
-    if raw[:2] != b"\x1f\x8b":
-        return raw
-    try:
-        return safeio.gunzip_limited(raw, path, _zlib)
-    except (safeio.InputRefused, safeio.GzipError) as e:
-        raise TraceError(str(e)) from None
+    return _read_gzip(raw, path) if raw[:2] == b"\x1f\x8b" else raw
 
 
 def _read_decoded(path: Path, fast: bool, pieces: int):
@@ -153,7 +148,7 @@ def _read_gzip(raw: bytes, path: Path) -> bytes:
 
 def parse_trace(path: str | os.PathLike, rank: int | None = None, fast: bool = True,
                 pieces: int = 1) -> Trace:
-    """pieces > 1: forked processes decode parts of one large trace (32 MB or more) in
+    """pieces > 1: forked processes decode parts of one large trace (16 MB or more) in
     parallel; load_traces passes the CPUs its pool leaves idle."""
     # the GC stays off until the frames are built: passes over the decoded columns' containers
     # (none cyclic) cost 30-50 ms a trace
