@@ -18,6 +18,26 @@ def run_cli(args, cwd=None, timeout=600, env=None, **kw) -> subprocess.Completed
                           capture_output=True, text=True, **kw)
 
 
+# What a rank of a bare gloo job (no trainprof in it) prints when torch aborts it at teardown
+# (SIGABRT after the job's last line, seen on a loaded machine): not the job's result.
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def run_bare_job(cmd, retries: int = 1, before=None, **kw) -> subprocess.CompletedProcess:
+    """A job without trainprof (a test's reference or trace source), run again up to ``retries``
+    times when it failed only by gloo's teardown abort; any other failure is returned as is.
+    ``before()`` runs before every try (clears what a lost try wrote)."""
+    kw.setdefault("capture_output", True)
+    kw.setdefault("text", True)
+    while True:
+        if before is not None:
+            before()
+        res = subprocess.run([str(a) for a in cmd], **kw)
+        if retries <= 0 or res.returncode == 0 or GLOO_TEARDOWN_ABORT not in (res.stderr or ""):
+            return res
+        retries -= 1
+
+
 def wait_for(predicate, timeout=60.0, interval=0.1):
     end = time.monotonic() + timeout
     while time.monotonic() < end:

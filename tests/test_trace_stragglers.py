@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_cli
+from helpers import run_bare_job, run_cli
 from trainprof.rundir import RunDir
 
 SLEEP_MS = 30
@@ -50,9 +50,9 @@ def _job(tmp: Path, name: str, slow_rank: int) -> Path:
     script.write_text(JOB)
     env = {"PROF_DIR": str(out), "SLOW_RANK": str(slow_rank), "SLEEP_MS": str(SLEEP_MS),
            "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", str(script)], env={**os.environ, **env},
-                         capture_output=True, text=True, timeout=300)
+    res = run_bare_job([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", str(script)], env={**os.environ, **env}, timeout=300,
+                       before=lambda: shutil.rmtree(out, ignore_errors=True))
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(list(out.glob("*.pt.trace.json"))) == 2
     return out
