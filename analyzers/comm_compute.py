@@ -18,6 +18,7 @@ import numpy as np
 
 from trainprof._lazy import pd
 from trainprof.analyzers import _intervals as iv
+from trainprof.analyzers._stats import median
 from trainprof.analyzers._profiled_window import off_training
 from trainprof.analyzers._comm_groups import (coll_types, gloo_event_groups, gpu_event_groups,
                                               group_dims, trace_groups)
@@ -408,7 +409,7 @@ def warmup_steps(rows: list[dict]) -> list[int]:
         return []
     w = [r["window_ms"] for r in rows]
     return [r["step"] for i, r in enumerate(rows)
-            if r["window_ms"] > WARMUP_FACTOR * float(np.median(w[:i] + w[i + 1:]))]
+            if r["window_ms"] > WARMUP_FACTOR * float(median(w[:i] + w[i + 1:]))]
 
 
 def _rank_summary(rank, rows, hta, kind, coords) -> dict:
@@ -428,7 +429,7 @@ def _rank_summary(rank, rows, hta, kind, coords) -> dict:
     n = len(use)
     return {
         "rank": rank, "coords": coords, "kind": kind, "steps": [r["step"] for r in use],
-        "warmup_steps": warm, "step_window_ms": round(float(np.median([r["window_ms"] for r in rows])), 3),
+        "warmup_steps": warm, "step_window_ms": round(float(median([r["window_ms"] for r in rows])), 3),
         **{k.replace("_ms", "_fraction"): round(tot[k] / w, 4) for k in CATEGORIES},
         "comm_fraction": round(tot["comm_ms"] / w, 4),
         "overlap_of_comm": round(tot["overlapped_ms"] / tot["comm_ms"], 4) if tot["comm_ms"] else 0.0,
@@ -506,7 +507,7 @@ def analyze(run) -> AnalyzerResult:
     if off:  # a window of start-up / teardown idle time is no measurement of the training
         run.problems.append(off)
         return AnalyzerResult(metrics={"withheld": off, "per_rank": per_rank}, findings=[])
-    med = lambda key: round(float(np.median([r[key] for r in per_rank])), 4)  # noqa: E731
+    med = lambda key: round(float(median([r[key] for r in per_rank])), 4)  # noqa: E731
     job = {"trace_kind": "/".join(sorted(kinds)), "ranks": len(per_rank),
            **{k.replace("_ms", "_fraction"): med(k.replace("_ms", "_fraction")) for k in CATEGORIES},
            "comm_fraction": med("comm_fraction"), "sync_fraction": med("sync_fraction"),
@@ -545,7 +546,7 @@ def _late_waits(run, per_rank: list[dict]) -> dict:
         out["adjusted"][r["rank"]] = round(max(0.0, r["exposed_comm_fraction"] - wait / win), 4) \
             if win > 0 else r["exposed_comm_fraction"]
     out.update(late=w["late"], wait_ms={str(k): round(v, 3) for k, v in w["wait_ms"].items()},
-               exposed=round(float(np.median(list(out["adjusted"].values()))), 4))
+               exposed=round(float(median(list(out["adjusted"].values()))), 4))
     return out
 
 

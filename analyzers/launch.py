@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from trainprof.analyzers import _intervals as iv
+from trainprof.analyzers._stats import median, percentiles
 from trainprof.analyzers._kernel_ops import LAUNCHED, launch_calls
 from trainprof.findings import AnalyzerResult, Finding
 
@@ -98,20 +99,6 @@ def _queue(stream, launch_ts, op_ts) -> dict[int, dict]:
 
 
 # --------------------------------------------------------------------------- per-rank digest
-def percentiles(values, qs) -> list[float]:
-    """np.percentile(values, qs) (its default, linear interpolation, the same float arithmetic)
-    without np.percentile, which imports numpy.ma on its first call (tens of ms)."""
-    a = np.sort(np.asarray(values, dtype=np.float64))
-    n, out = len(a), []
-    for q in qs:
-        vi = (n - 1) * (q / 100)
-        lo = int(np.floor(vi))
-        hi, t = min(lo + 1, n - 1), vi - lo
-        d = a[hi] - a[lo]
-        out.append(float(a[hi] - d * (1 - t) if t >= 0.5 else a[lo] + d * t))
-    return out
-
-
 def _stats_us(ns: np.ndarray) -> dict:
     if not len(ns):
         return {}
@@ -351,7 +338,7 @@ def analyze(run) -> AnalyzerResult:
     launch = [{"rank": r, **{k: v for k, v in d["launch"].items()}} for r, d in gpu.items()]
     per_step = [{"rank": r, **p} for r, d in gpu.items() for p in d["per_step"]]
     def med(k):
-        return round(float(np.median([x[k] for x in per_rank if x[k] is not None] or [0])), 4)
+        return round(float(median([x[k] for x in per_rank if x[k] is not None] or [0])), 4)
 
     job = {"trace_kind": "gpu", "ranks": len(per_rank), "cpu_only_ranks": len(digests) - len(gpu),
            **{k: med(k) for k in ("idle_fraction", "host_wait_share", "kernel_wait_share",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainprof.analyzers._stats import median
 from trainprof.findings import AnalyzerResult, Finding
 
 NAME = "memory"
@@ -220,7 +221,7 @@ def analyze(run) -> AnalyzerResult:
     if key:
         vals = [r[key] for r in per_rank if key in r]
         worst = max(per_rank, key=lambda r: r.get(key, 0))
-        job = {"peak_metric": key, "max_peak_bytes": int(max(vals)), "median_peak_bytes": int(np.median(vals)),
+        job = {"peak_metric": key, "max_peak_bytes": int(max(vals)), "median_peak_bytes": int(median(vals)),
                "worst_rank": worst["rank"]}
     return AnalyzerResult(metrics={"job": job, "per_rank": per_rank, "timeline": timeline,
                                    "window_timeline": window_timeline, "ooms": len(ooms), "margin": MARGIN,

@@ -29,6 +29,7 @@ from collections import defaultdict
 import numpy as np
 
 from trainprof.analyzers import _devices
+from trainprof.analyzers._stats import median
 from trainprof.analyzers._kernel_ops import kernel_external_ids
 from trainprof.analyzers._opcost import select_ops
 from trainprof.findings import AnalyzerResult, Finding
@@ -268,8 +269,8 @@ def analyze(run) -> AnalyzerResult:
     peak_vals = list(peaks.values())
     ref_peak = None
     if peak_vals:
-        ref_peak = {"flops_per_s": float(np.median([p["flops_per_s"] for p in peak_vals])),
-                    "bytes_per_s": float(np.median([p["bytes_per_s"] for p in peak_vals])),
+        ref_peak = {"flops_per_s": float(median([p["flops_per_s"] for p in peak_vals])),
+                    "bytes_per_s": float(median([p["bytes_per_s"] for p in peak_vals])),
                     "basis": peak_vals[0]["basis"], "dtype": peak_vals[0].get("dtype")}
     total_time = sum(a["time_ns"] for a in job_cls.values())
     classes = []

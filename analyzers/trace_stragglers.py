@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainprof.analyzers._stats import median
 from trainprof.findings import AnalyzerResult, Finding
 
 NAME = "trace_stragglers"
@@ -96,26 +97,26 @@ def _analyze(run) -> AnalyzerResult:
         return AnalyzerResult(metrics=base)
     own = np.array([[_own(rows[r][s]) for s in steps] for r in ranks])        # rank × step
     wait = np.array([[_coll_wait(rows[r][s]) for s in steps] for r in ranks])
-    step_ms = float(np.median([[rows[r][s]["window_ms"] for s in steps] for r in ranks]))
+    step_ms = float(median([[rows[r][s]["window_ms"] for s in steps] for r in ranks]))
     floor = max(MIN_EXCESS * step_ms, MIN_EXCESS_MS)
-    excess = np.array([own[i] - np.median(np.delete(own, i, axis=0), axis=0)
+    excess = np.array([own[i] - median(np.delete(own, i, axis=0), axis=0)
                        for i in range(len(ranks))])
-    per_rank = [{"rank": r, "own_ms_per_step": round(float(np.median(own[i])), 3),
-                 "excess_ms_per_step": round(float(np.median(excess[i])), 3),
-                 "collective_wait_ms_per_step": round(float(np.median(wait[i])), 3)}
+    per_rank = [{"rank": r, "own_ms_per_step": round(float(median(own[i])), 3),
+                 "excess_ms_per_step": round(float(median(excess[i])), 3),
+                 "collective_wait_ms_per_step": round(float(median(wait[i])), 3)}
                 for i, r in enumerate(ranks)]
     late = [i for i in range(len(ranks))
-            if np.median(excess[i]) >= floor and np.mean(excess[i] >= floor) >= CHRONIC]
+            if median(excess[i]) >= floor and np.mean(excess[i] >= floor) >= CHRONIC]
     findings, waits = [], {}
     for i in late:
-        e = float(np.median(excess[i]))
+        e = float(median(excess[i]))
         peers = [j for j in range(len(ranks)) if j not in late]
-        waiting = [j for j in peers if np.median(wait[j]) >= WAITER_SHARE * e]
+        waiting = [j for j in peers if median(wait[j]) >= WAITER_SHARE * e]
         if not peers or len(waiting) * 2 < len(peers):  # a late rank the others wait for
             continue
         findings.append(_finding(ranks, rows, steps, i, e, step_ms, waiting, wait))
         for j in waiting:
-            waits[ranks[j]] = waits.get(ranks[j], 0.0) + round(float(np.median(wait[j])), 3)
+            waits[ranks[j]] = waits.get(ranks[j], 0.0) + round(float(median(wait[j])), 3)
     metrics = {**base, "step_window_ms": round(step_ms, 3), "floor_ms": round(floor, 3),
                "per_rank": per_rank,
                **({"late": [f.ranks[0] for f in findings],
@@ -126,8 +127,8 @@ def _analyze(run) -> AnalyzerResult:
 def _finding(ranks, rows, steps, i, e, step_ms, waiting, wait) -> Finding:
     r = ranks[i]
     others = [q for q in ranks if q != r]
-    med = lambda q, k: float(np.median([rows[q][s][k] for s in steps]))  # noqa: E731
-    part = {k: med(r, k) - float(np.median([med(q, k) for q in others]))
+    med = lambda q, k: float(median([rows[q][s][k] for s in steps]))  # noqa: E731
+    part = {k: med(r, k) - float(median([med(q, k) for q in others]))
             for k in ("compute_ms", "idle_ms", "other_ms", "data_ms")}
     busy = part["compute_ms"] + part["other_ms"] + part["data_ms"]
     what = (f"computes {busy:.1f} ms/step longer than its peers" if busy >= part["idle_ms"] else
@@ -139,13 +140,13 @@ def _finding(ranks, rows, steps, i, e, step_ms, waiting, wait) -> Finding:
             for t, v in (rows[ranks[j]][s].get("comm_by_type_ms") or {}).items():
                 types[t] = types.get(t, 0.0) + v
     kind = max(types, key=types.get) if types else "collectives"
-    wait_ms = {str(ranks[j]): round(float(np.median(wait[j])), 3) for j in waiting}
+    wait_ms = {str(ranks[j]): round(float(median(wait[j])), 3) for j in waiting}
     who = (f"ranks {', '.join(str(ranks[j]) for j in waiting)} wait" if len(waiting) > 1
            else f"rank {ranks[waiting[0]]} waits")
     msg = (f"straggler (from the profiler traces): rank {r} {what} ({e:.1f} ms/step more outside "
            f"communication, {e / step_ms:.0%} of the {step_ms:.1f} ms step) in "
            f"{len(steps)} profiled steps; {who} "
-           f"{float(np.median(list(wait_ms.values()))):.1f} ms/step in {kind} for rank {r}")
+           f"{float(median(list(wait_ms.values()))):.1f} ms/step in {kind} for rank {r}")
     return Finding("straggler", "warning", [r], msg, evidence={
         "rank": r, "source": "profiler traces", "excess_ms_per_step": round(e, 3),
         "step_window_ms": round(step_ms, 3), "profiled_steps": steps,

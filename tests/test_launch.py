@@ -14,7 +14,7 @@ import pytest
 
 from helpers import union_length
 
-from trainprof.analyzers import launch
+from trainprof.analyzers import _stats, launch
 from trainprof.reports.sections import launch as section
 from trainprof.rundir import RunDir
 from trainprof.trace import load_trace
@@ -305,4 +305,19 @@ def test_percentiles_equal_numpys_linear_percentile():
         n = int(rng.integers(1, 40))
         x = rng.integers(0, 10**9, n) if i % 2 else rng.random(n) * 1e6
         qs = (50, 95, float(rng.random() * 100))
-        assert launch.percentiles(x, qs) == np.percentile(x, qs).tolist()
+        assert _stats.percentiles(x, qs) == np.percentile(x, qs).tolist()
+
+
+def test_median_equals_numpys_median():
+    rng = np.random.default_rng(11)
+    for i in range(1000):
+        n = int(rng.integers(1, 30))
+        x = rng.integers(0, 10**9, n) if i % 2 else rng.random(n) * 1e6
+        assert _stats.median(x) == float(np.median(x))
+        m = rng.random((int(rng.integers(1, 6)), n))
+        assert np.array_equal(_stats.median(m, axis=0), np.median(m, axis=0))
+        assert np.array_equal(_stats.median(m, axis=1), np.median(m, axis=1))
+    assert np.isnan(_stats.median([1.0, float("nan"), 3.0])) and np.isnan(np.median([1.0, float("nan"), 3.0]))
+    with_nan = np.array([[1.0, 2.0], [np.nan, 4.0], [5.0, 6.0]])
+    assert np.array_equal(_stats.median(with_nan, axis=0), np.median(with_nan, axis=0), equal_nan=True)
+    assert np.isnan(_stats.median([]))
