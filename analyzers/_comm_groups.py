@@ -110,6 +110,13 @@ def trace_groups(trace) -> dict:
             "configs": [{k: _plain(c.get(k)) for k in keep if c.get(k) is not None} for c in cfgs]}
 
 
+def trace_pg_names(trace) -> list[str]:
+    """The names of the process groups a trace knows of (distributedInfo.pg_config and the
+    groups its collectives name), in that order, each once."""
+    return list(dict.fromkeys(str(c["pg_name"]) for c in trace_groups(trace)["configs"]
+                              if c.get("pg_name") is not None))
+
+
 def group_dims(run, groups) -> dict[str, str]:
     """pg name -> mesh dimension label ('dp', 'tp', 'pp', 'dp+pp', 'world', ...). ``groups``:
     each rank's trace_groups(trace), in rank order (the first rank that names a group wins)."""
@@ -187,16 +194,21 @@ def _ns_column(values) -> tuple[np.ndarray, np.ndarray]:
     return np.array([int(v) if k else 0 for v, k in zip(a.tolist(), ok.tolist())], np.int64), ok
 
 
-def gloo_event_groups(events, log) -> np.ndarray:
+def gloo_event_groups(events, log, trace_pgs=()) -> np.ndarray:
     """pg name (or None) of each gloo event row, matched to this rank's collective log.
     ``events``: a Table (or DataFrame) with name, tid, ts_ns, end_ns; ``log``: a Table (or
     DataFrame) with pg, op, enqueue_ns, end_ns (a record without pg names no group; one without
     either time matches no event). A rank whose log names one process group only (plain DDP:
     the default group) has no other group for an unmatched event to belong to: those take it
-    too."""
+    too. ``trace_pgs``: the process groups the trace itself knows of (trace_pg_names): when it
+    knows exactly one (a plain DDP job's default group), every event the log leaves unnamed —
+    all of them on bare traces, which have no log — belongs to it."""
     out = np.full(len(events), None, dtype=object)
+    sole = trace_pgs[0] if len(trace_pgs) == 1 else None
     if (not len(events) or log is None or not len(log)
             or not all(c in log for c in ("pg", "op", "enqueue_ns", "end_ns"))):
+        if sole is not None:
+            out[:] = sole
         return out
     pg, op = (np.asarray(log[c], dtype=object) for c in ("pg", "op"))
     (enq_raw, enq_ok), (end_raw, end_ok) = (_ns_column(log[c]) for c in ("enqueue_ns", "end_ns"))
@@ -206,6 +218,7 @@ def gloo_event_groups(events, log) -> np.ndarray:
     ends = np.asarray(events["end_ns"], dtype=np.int64)
     lo, hi = starts.min() - MATCH_SLACK_NS, ends.max() + MATCH_SLACK_NS
     keep = enq_ok & end_ok & (end_raw >= lo) & (enq_raw <= hi)
+    only = only if only is not None else sole
     if not keep.any():
         if only is not None:
             out[:] = only

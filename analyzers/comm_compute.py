@@ -21,7 +21,7 @@ from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._stats import median
 from trainprof.analyzers._profiled_window import off_training
 from trainprof.analyzers._comm_groups import (coll_types, gloo_event_groups, gpu_event_groups,
-                                              group_dims, trace_groups)
+                                              group_dims, trace_groups, trace_pg_names)
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.trace._table import Table, objects
 
@@ -38,6 +38,9 @@ _SYNC_CALLS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cuda
                          "cudaMemcpy", "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cuCtxSynchronize",
                          "cuStreamSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2"})
 CATEGORIES = ("compute_ms", "overlapped_ms", "exposed_comm_ms", "data_ms", "other_ms", "idle_ms")
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # "<built-in method … object at 0x7f…>"
+TOP_OTHER = 5                 # host events named per step in other_by_name_ms (CPU traces)
+MIN_OTHER_NS = 50_000         # ... of at least this much self time (50 µs)
 
 
 def _ms(ns) -> float:
@@ -284,14 +287,14 @@ def _cpu_rows(trace, dims: dict, log=None, split: list | None = None,
     gl = ev[["name", "tid", "ts_ns", "end_ns"]][is_gloo]
     gs, ge = gl["ts_ns"], gl["end_ns"]
     gtype = coll_types(gl["name"])
-    pgs = gloo_event_groups(gl, log)
+    pgs = gloo_event_groups(gl, log, trace_pg_names(trace))
     gdim = np.array([dims.get(p, f"pg {p}") if p is not None else "unknown" for p in pgs], dtype=object)
     gpg = _note_groups(pgs, dims, used)
     sets = {key: iv.union(s_all[m], e_all[m]) for key, m in (
         ("wait", on_main & is_wait), ("aten", on_main & is_aten & ~is_wait),
         ("data", on_main & is_data), ("busy", on_main & ~is_step))}
     comm_all = iv.union(np.concatenate([sets["wait"][0], gs]), np.concatenate([sets["wait"][1], ge]))
-    out = []
+    out, others = [], []
     steps = trace.tables.steps
     for step, lo, hi in zip(steps["step"].tolist(), steps["start_ns"].tolist(), steps["end_ns"].tolist()):
         waits = iv.clip(sets["wait"], lo, hi)
@@ -303,6 +306,7 @@ def _cpu_rows(trace, dims: dict, log=None, split: list | None = None,
         accounted = iv.union(np.concatenate([compute[0], comm[0], data[0]]),
                              np.concatenate([compute[1], comm[1], data[1]]))
         other = iv.subtract(iv.clip(sets["busy"], lo, hi), accounted)
+        others.append(other)
         window = hi - lo
         if split is not None:
             split.append(_dim_split(gpg, gs, ge, exposed, lo, hi))
@@ -316,6 +320,68 @@ def _cpu_rows(trace, dims: dict, log=None, split: list | None = None,
             "comm_by_type_ms": {t: _ms(v) for t, v in _by_key(gtype, gs, ge, lo, hi).items()},
             "by_dim": _dim_split(gdim, gs, ge, exposed, lo, hi),
             "host_step_ms": _ms(window), "sync_calls": 0, "sync_ms": 0.0, "d2h_copies": 0})
+    if out:
+        other = iv.union(np.concatenate([o[0] for o in others]), np.concatenate([o[1] for o in others]))
+        named = _other_by_name(ev, on_main & ~is_step, is_aten | is_wait | is_data, other)
+        for row in out:
+            row["other_by_name_ms"] = named.get(row["step"], {})
+    return out
+
+
+def _other_by_name(ev, rows: np.ndarray, ops: np.ndarray, other: iv.Set) -> dict[int, dict[str, float]]:
+    """step -> {name: ms} of the main thread's host events that are not torch ops (Python
+    functions with with_stack, annotations such as Lightning's or Optimizer.step, autograd
+    bookkeeping): the part of their self time (outside the events nested in them) that lies in
+    ``other``, the TOP_OTHER largest per step of at least MIN_OTHER_NS. ``rows``: the main
+    thread's events but the ProfilerStep spans; ``ops``: those that are compute, communication
+    or data; ``other``: the main thread's other time of every step."""
+    idx = np.flatnonzero(rows)
+    if not len(idx) or not len(other[0]):
+        return {}
+    ts, end = ev["ts_ns"][idx], ev["end_ns"][idx]
+    # time in `other` up to t: C(t); an interval's share of `other` is C(end) - C(start)
+    cum = np.concatenate(([0], np.cumsum(other[1] - other[0])))
+
+    def upto(t):
+        k = np.searchsorted(other[0], t, side="right")  # pieces starting at or before t
+        last = np.maximum(k - 1, 0)
+        inside = np.minimum(t, other[1][last]) - other[0][last]
+        return cum[np.maximum(k - 1, 0)] + np.where(k > 0, np.maximum(inside, 0), 0)
+
+    from trainprof.analyzers.ops import _nest_order
+
+    n = len(idx)
+    order = _nest_order(ts, end, np.zeros(n, np.int64))
+    s, e = ts[order], end[order]
+    par = np.arange(-1, n - 1)  # innermost earlier event still running at the start
+    todo = np.flatnonzero(par >= 0)
+    todo = todo[e[par[todo]] <= s[todo]]
+    while len(todo):
+        par[todo] = par[par[todo]]
+        todo = todo[par[todo] >= 0]
+        todo = todo[e[par[todo]] <= s[todo]]
+    incl = upto(e) - upto(s)
+    has = np.flatnonzero(par >= 0)
+    child = (np.bincount(par[has], weights=upto(np.minimum(e[has], e[par[has]])) - upto(s[has]),
+                         minlength=n) if len(has) else np.zeros(n))
+    own = np.empty(n, np.int64)
+    own[order] = np.maximum(incl - child.astype(np.int64), 0)
+    keep = ~ops[idx] & (own > 0) & (ev["step"][idx] >= 0)
+    if not keep.any():
+        return {}
+    idx, own = idx[keep], own[keep]
+    codes, step = ev["name"].codes[idx], ev["step"][idx]
+    values = ev["name"].values
+    key = step.astype(np.int64) * (len(values) + 1) + codes
+    uniq, inv, _ = np.unique(key, return_inverse=True, return_counts=True)  # no numpy.ma
+    tot = np.bincount(inv, weights=own.astype(np.float64), minlength=len(uniq))
+    out: dict[int, dict[str, float]] = {}
+    for k, t in sorted(zip(uniq.tolist(), tot.tolist()), key=lambda kv: -kv[1]):
+        st, code = divmod(k, len(values) + 1)
+        d = out.setdefault(st, {})
+        if t >= MIN_OTHER_NS and len(d) < TOP_OTHER:
+            name = _ADDRESS.sub("", str(values[code]))[:200]  # one name on every rank
+            d[name] = round(d.get(name, 0.0) + _ms(t), 4)
     return out
 
 
@@ -381,7 +447,7 @@ def trace_digest(run, rank, trace) -> dict:
     rows, hta, kind = rank_breakdown(trace, dims, None if _is_gpu(trace) else _rank_log(run, rank),
                                      split, used)
     return {"kind": kind, "rows": rows, "hta": hta, "groups": groups, "pg_dims": used,
-            "by_pg": split}
+            "by_pg": split, "whole_trace_window": bool(trace.meta.get("whole_trace_window"))}
 
 
 def _job_rows(d: dict, dims: dict) -> list[dict]:
@@ -497,6 +563,8 @@ def analyze(run) -> AnalyzerResult:
             continue
         kinds.add(kind)
         summary = _rank_summary(rank, rows, hta, kind, _coords(run, rank))
+        if d.get("whole_trace_window"):
+            summary["whole_trace_window"] = True
         per_rank.append(summary)
         run_steps = _run_steps(run, rank, len(rows))
         per_step += [{"rank": rank, **r, "run_step": rs, "warmup": r["step"] in summary["warmup_steps"]}
@@ -591,7 +659,11 @@ def _findings(per_rank: list[dict], exposed: float, late: dict | None = None) ->
                 types[t] = types.get(t, 0.0) + v / len(per_rank)
         top_dims = sorted(dims.items(), key=lambda kv: -kv[1])[:3]
         top = sorted(types.items(), key=lambda kv: -kv[1])[:3]
-        where = ("; exposed most in " + ", ".join(f"{d} {v:.1f} ms/step" for d, v in top_dims)) if top_dims else ""
+        # a trace without ProfilerStep is one window: its "step" is the whole traced window
+        whole = all(r.get("whole_trace_window") for r in per_rank)
+        unit, of = ("ms", "traced window (whole trace, no ProfilerStep; ") if whole \
+            else ("ms/step", "profiled steps (")
+        where = ("; exposed most in " + ", ".join(f"{d} {v:.1f} {unit}" for d, v in top_dims)) if top_dims else ""
         note = ""
         if adjusted:
             lr = late["late"]
@@ -600,9 +672,9 @@ def _findings(per_rank: list[dict], exposed: float, late: dict | None = None) ->
         out.append(Finding(
             kind="exposed_comm", severity="warning",  # every rank above the threshold
             ranks=[r["rank"] for r in worst if own[r["rank"]] >= EXPOSED_COMM_FINDING],
-            message=(f"communication not hidden by compute takes {judged:.0%} of the profiled "
-                     f"steps (median rank, threshold {EXPOSED_COMM_FINDING:.0%}); largest: "
-                     + ", ".join(f"{t} {v:.1f} ms/step" for t, v in top) + where + note),
+            message=(f"communication not hidden by compute takes {judged:.0%} of the {of}"
+                     f"median rank, threshold {EXPOSED_COMM_FINDING:.0%}); largest: "
+                     + ", ".join(f"{t} {v:.1f} {unit}" for t, v in top) + where + note),
             evidence={"exposed_comm_fraction": judged, "threshold": EXPOSED_COMM_FINDING,
                       **({"exposed_comm_fraction_with_waits": exposed,
                           "waiting_for_late_ranks_ms": late["wait_ms"], "late_ranks": late["late"]}

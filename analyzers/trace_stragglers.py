@@ -5,7 +5,10 @@ CPU (sleeping, waiting on input or the OS) — while its peers wait for it in co
 Reads only the comm_compute digests (``run.trace_digests("comm_compute")``: per rank and
 profiled step, the window and its compute / exposed communication / idle parts). It runs only
 when the input holds no collective log (bare traces): with one, the ``stragglers`` analyzer
-judges from every step, and this one stays silent so that a straggler is reported once.
+judges from every step, and this one stays silent so that a straggler is reported once. Traces
+without ProfilerStep (one window over each rank's whole trace) are judged over that window with
+a stricter floor. The finding names the part of the step that holds the excess (compute, host
+code outside torch ops — with the host events in it —, data loading, idle).
 Definitions and thresholds: docs/stragglers-pipeline.md ("Stragglers from traces alone").
 """
 
@@ -23,6 +26,13 @@ MIN_EXCESS = 0.20      # the late rank's excess ≥ 20 % of the median step wind
 MIN_EXCESS_MS = 5.0    # ... and ≥ 5 ms per step (clean 2-rank CPU jobs: ≤ 2 ms)
 CHRONIC = 2 / 3        # ... in at least this share of the common steps
 WAITER_SHARE = 0.5     # a peer waits for it: collective wait ≥ half its excess (median)
+WHOLE_EXCESS = 0.40    # one whole-trace window per rank (no ProfilerStep): excess ≥ 40 % of it
+_PARTS = {  # how the message says where the excess lies: (verb phrase, what it is)
+    "compute_ms": ("computes {} longer than its peers", " (its torch ops run longer)"),
+    "other_ms": ("spends {} more than its peers in host code outside torch ops", ""),
+    "data_ms": ("spends {} more than its peers loading data", " (enumerate(DataLoader))"),
+    "idle_ms": ("is idle {} longer than its peers",
+                " (off the CPU / no op running: sleeping, waiting on input or the OS)")}
 _P2P = frozenset({"send", "recv", "send_recv"})  # pipeline waits are not a late peer's
 
 
@@ -35,15 +45,17 @@ def has_collective_log(run) -> bool:
     return not coll.empty
 
 
-def _rows(run) -> dict[int, dict[int, dict]]:
-    """rank -> step -> comm_compute row. Warm-up steps stay: each step is judged across ranks,
-    and a slow first step slows every rank alike."""
-    out = {}
+def _rows(run) -> tuple[dict[int, dict[int, dict]], bool]:
+    """(rank -> step -> comm_compute row, whether every rank's trace is one whole-trace window
+    (no ProfilerStep)). Warm-up steps stay: each step is judged across ranks, and a slow first
+    step slows every rank alike."""
+    out, whole = {}, True
     for rank, d in sorted(run.trace_digests(SOURCE).items()):
         kept = {int(r["step"]): r for r in d.get("rows") or [] if isinstance(r, dict)}
         if kept:
             out[int(rank)] = kept
-    return out
+            whole = whole and bool(d.get("whole_trace_window"))
+    return out, whole and bool(out)
 
 
 def _coll_wait(row: dict) -> float:
@@ -77,7 +89,7 @@ def _analyze(run) -> AnalyzerResult:
     if not run.trace_inputs and has_collective_log(run):
         return AnalyzerResult()  # the stragglers analyzer judges from the collective log
     try:
-        rows = _rows(run)
+        rows, whole = _rows(run)
     except Exception as e:  # noqa: BLE001 - comm_compute reports an unreadable trace
         run.problems.append(f"{NAME}: no trace breakdown ({type(e).__name__}: {e})")
         return AnalyzerResult()
@@ -90,7 +102,11 @@ def _analyze(run) -> AnalyzerResult:
                            "min_excess_ms": MIN_EXCESS_MS, "chronic": CHRONIC,
                            "waiter_share": WAITER_SHARE},
             "definitions": "docs/stragglers-pipeline.md"}
-    if len(steps) < MIN_STEPS:
+    whole = whole and len(steps) == 1  # one window over each rank's whole trace
+    if whole:
+        base["whole_trace_window"] = True
+        base["thresholds"]["whole_trace_excess"] = WHOLE_EXCESS
+    if len(steps) < MIN_STEPS and not whole:
         run.problems.append(
             f"{NAME}: stragglers not judged from the traces: {len(steps)} profiled step(s) common "
             f"to every rank (needs {MIN_STEPS}; profile more steps)")
@@ -98,7 +114,7 @@ def _analyze(run) -> AnalyzerResult:
     own = np.array([[_own(rows[r][s]) for s in steps] for r in ranks])        # rank × step
     wait = np.array([[_coll_wait(rows[r][s]) for s in steps] for r in ranks])
     step_ms = float(median([[rows[r][s]["window_ms"] for s in steps] for r in ranks]))
-    floor = max(MIN_EXCESS * step_ms, MIN_EXCESS_MS)
+    floor = max((WHOLE_EXCESS if whole else MIN_EXCESS) * step_ms, MIN_EXCESS_MS)
     excess = np.array([own[i] - median(np.delete(own, i, axis=0), axis=0)
                        for i in range(len(ranks))])
     per_rank = [{"rank": r, "own_ms_per_step": round(float(median(own[i])), 3),
@@ -114,7 +130,7 @@ def _analyze(run) -> AnalyzerResult:
         waiting = [j for j in peers if median(wait[j]) >= WAITER_SHARE * e]
         if not peers or len(waiting) * 2 < len(peers):  # a late rank the others wait for
             continue
-        findings.append(_finding(ranks, rows, steps, i, e, step_ms, waiting, wait))
+        findings.append(_finding(ranks, rows, steps, i, e, step_ms, waiting, wait, whole))
         for j in waiting:
             waits[ranks[j]] = waits.get(ranks[j], 0.0) + round(float(median(wait[j])), 3)
     metrics = {**base, "step_window_ms": round(step_ms, 3), "floor_ms": round(floor, 3),
@@ -124,16 +140,20 @@ def _analyze(run) -> AnalyzerResult:
     return AnalyzerResult(metrics=metrics, findings=findings)
 
 
-def _finding(ranks, rows, steps, i, e, step_ms, waiting, wait) -> Finding:
+def _finding(ranks, rows, steps, i, e, step_ms, waiting, wait, whole=False) -> Finding:
     r = ranks[i]
     others = [q for q in ranks if q != r]
     med = lambda q, k: float(median([rows[q][s][k] for s in steps]))  # noqa: E731
-    part = {k: med(r, k) - float(median([med(q, k) for q in others]))
-            for k in ("compute_ms", "idle_ms", "other_ms", "data_ms")}
-    busy = part["compute_ms"] + part["other_ms"] + part["data_ms"]
-    what = (f"computes {busy:.1f} ms/step longer than its peers" if busy >= part["idle_ms"] else
-            f"is idle (off the CPU / no op running: sleeping, waiting on input or the OS) "
-            f"{part['idle_ms']:.1f} ms/step longer than its peers")
+    part = {k: med(r, k) - float(median([med(q, k) for q in others])) for k in _PARTS}
+    unit = "ms" if whole else "ms/step"
+    top = max(_PARTS, key=lambda k: part[k])  # the part that holds most of the excess
+    verb, note = _PARTS[top]
+    what = verb.format(f"{part[top]:.1f} {unit}") + note
+    named = _named_excess(rows, steps, r, others, part[top]) if top == "other_ms" else {}
+    if named:
+        what += " — most in " + ", ".join(f"{n} (+{v:.1f} {unit})" for n, v in named.items())
+    elif top == "other_ms":
+        what += " (Python, annotations; record with with_stack=True to see the functions)"
     types: dict[str, float] = {}
     for j in waiting:
         for s in steps:
@@ -143,15 +163,32 @@ def _finding(ranks, rows, steps, i, e, step_ms, waiting, wait) -> Finding:
     wait_ms = {str(ranks[j]): round(float(median(wait[j])), 3) for j in waiting}
     who = (f"ranks {', '.join(str(ranks[j]) for j in waiting)} wait" if len(waiting) > 1
            else f"rank {ranks[waiting[0]]} waits")
-    msg = (f"straggler (from the profiler traces): rank {r} {what} ({e:.1f} ms/step more outside "
-           f"communication, {e / step_ms:.0%} of the {step_ms:.1f} ms step) in "
-           f"{len(steps)} profiled steps; {who} "
-           f"{float(median(list(wait_ms.values()))):.1f} ms/step in {kind} for rank {r}")
+    where = (f"{e / step_ms:.0%} of the {step_ms:.1f} ms traced window)" if whole else
+             f"{e / step_ms:.0%} of the {step_ms:.1f} ms step) in {len(steps)} profiled steps")
+    msg = (f"straggler (from the profiler traces{', one window over the whole trace' if whole else ''}): "
+           f"rank {r} {what} ({e:.1f} {unit} more outside communication, {where}; {who} "
+           f"{float(median(list(wait_ms.values()))):.1f} {unit} in {kind} for rank {r}")
     return Finding("straggler", "warning", [r], msg, evidence={
         "rank": r, "source": "profiler traces", "excess_ms_per_step": round(e, 3),
         "step_window_ms": round(step_ms, 3), "profiled_steps": steps,
+        **({"whole_trace_window": True} if whole else {}),
+        "excess_in": top.replace("_ms", ""),
         "excess_by_part_ms_per_step": {k: round(v, 3) for k, v in part.items()},
+        **({"excess_other_by_name_ms_per_step": named} if named else {}),
         "waits_caused_ms": wait_ms, "waited_in": kind})
+
+
+def _named_excess(rows, steps, r, others, total: float, top: int = 3) -> dict[str, float]:
+    """The host events (comm_compute's other_by_name_ms: their self time outside torch ops)
+    that the rank spends longer in than its peers: name -> median excess per step, the ``top``
+    largest of at least 10 % of ``total`` (the rank's excess in other time) and 0.1 ms."""
+    names = {n for s in steps for n in (rows[r][s].get("other_by_name_ms") or {})}
+    val = lambda q, n: float(median([(rows[q][s].get("other_by_name_ms") or {}).get(n, 0.0)  # noqa: E731
+                                     for s in steps]))
+    ex = {n: val(r, n) - float(median([val(q, n) for q in others])) for n in names}
+    least = max(0.1, 0.1 * total)
+    keep = sorted(((n, v) for n, v in ex.items() if v >= least), key=lambda kv: -kv[1])[:top]
+    return {n: round(v, 3) for n, v in keep}
 
 
 def waits(run) -> dict:

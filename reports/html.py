@@ -265,7 +265,7 @@ def _section_order(metrics: Mapping) -> list[str]:
 
 
 def _problems(summary: dict) -> str:
-    problems = [p for p in (summary.get("problems") or [])]
+    problems = kit.input_problems(summary)  # the coverage line is shown with the findings
     errors = [e for e in (summary.get("errors") or [])]
     if not problems and not errors:
         return ""

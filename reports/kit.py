@@ -174,3 +174,11 @@ def coord_text(coords) -> str:
 def mesh_text(sizes) -> str:
     """Mesh sizes as "dp2·pp1·tp1" (an unnamed mesh's dim: "dim0=2")."""
     return "·".join(_dim_text(k, v) for k, v in sizes.items()) if isinstance(sizes, Mapping) else ""
+
+
+def input_problems(summary: Mapping) -> list:
+    """The summary's problems but the coverage line (what bare traces cannot give, shown on its
+    own): what could not be (fully) read or analyzed."""
+    cover = summary.get("coverage")
+    text = cover.get("text") if isinstance(cover, Mapping) else None
+    return [p for p in (summary.get("problems") or []) if p != text]

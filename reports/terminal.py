@@ -76,8 +76,10 @@ def key_metrics(summary: Mapping) -> list[tuple[str, str]]:
     cc = _get(m, "comm_compute") or {}
     exposed = _first(_get(cc, "exposed_comm_fraction"), _get(cc, "job", "exposed_comm_fraction"),
                      _get(cc, "exposed_fraction"), _get(cc, "job", "exposed_fraction"))
-    if isinstance(exposed, (int, float)):
-        out.append(("exposed communication", kit.fmt_pct(exposed) + " of step time"
+    if isinstance(exposed, (int, float)) and _has_comm(summary, cc):
+        whole = [r.get("whole_trace_window") for r in (cc.get("per_rank") or []) if isinstance(r, Mapping)]
+        of = " of the traced window" if whole and all(whole) else " of step time"
+        out.append(("exposed communication", kit.fmt_pct(exposed) + of
                     + _partial(_get(cc, "job"))))
     bubble = _first(_get(m, "pipeline", "bubble_fraction"), _get(m, "pipeline", "job", "bubble_fraction"))
     if isinstance(bubble, (int, float)):
@@ -85,6 +87,16 @@ def key_metrics(summary: Mapping) -> list[tuple[str, str]]:
     elif _get(m, "pipeline", "withheld"):
         out.append(("pipeline bubble", f"withheld: {_get(m, 'pipeline', 'withheld')}"))
     return out
+
+
+def _has_comm(summary: Mapping, cc: Mapping) -> bool:
+    """Whether the job communicates at all: not for one process, nor when no rank's trace holds
+    any communication (its exposed share is then no figure to headline)."""
+    if isinstance(cc, Mapping) and cc.get("per_rank") and isinstance(cc["per_rank"], list):
+        comm = [r.get("comm_fraction") for r in cc["per_rank"] if isinstance(r, Mapping)]
+        if comm and all(c == 0 for c in comm):
+            return False
+    return (_get(summary, "run", "world_size") or 0) != 1 or bool(_get(cc, "job", "comm_fraction"))
 
 
 def _partial(job) -> str:
@@ -189,7 +201,7 @@ def render_terminal(summary, report_path=None, console=None) -> None:
                           escape(rk.cap_numbers(f.get("message", ""))))
         console.print(table)
     n_err = len(summary.get("errors") or [])
-    n_prob = len(summary.get("problems") or [])
+    n_prob = len(kit.input_problems(summary))
     if n_err or n_prob:
         console.print(f"[yellow]{n_err} analyzer error(s), {n_prob} input problem(s)[/yellow] (see the report)")
     if report_path:

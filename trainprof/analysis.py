@@ -150,6 +150,8 @@ RUN_DIR_ANALYSES = (("step time", "step timings (steps.jsonl)"),
                     ("collective desync / mismatch", "the collective log (collectives.jsonl)"),
                     ("NaN origin", "the NaN watch (nan.jsonl)"),
                     ("hang", "heartbeats (heartbeat.jsonl)"))
+# analyses between ranks: they do not apply to a job of one process
+INTER_RANK_ANALYSES = ("stragglers over every step", "collective desync / mismatch")
 _LABELS = {"comm_compute": "communication vs compute", "trace_stragglers": "stragglers in the "
            "profiled steps", "launch": "kernel launch", "step_time": "step time",
            "nan_origin": "NaN origin"}
@@ -174,8 +176,10 @@ def coverage(run: RunDir, metrics: dict) -> dict | None:
     analyzed = [_LABELS.get(n, n) + (" (from the traces)" if n == "memory" and run.trace_inputs else "")
                 for n, m in metrics.items() if isinstance(m, dict) and not m.get("withheld")]
     missing: list[dict] = []
+    single = _one_process(run)
     if run.trace_inputs:
-        missing += [{"analysis": a, "needs": need} for a, need in RUN_DIR_ANALYSES]
+        missing += [{"analysis": a, "needs": need} for a, need in RUN_DIR_ANALYSES
+                    if not (single and a in INTER_RANK_ANALYSES)]
     why = (metrics.get("comm_compute") or {}).get("withheld")
     if why:
         missing += [{"analysis": _LABELS.get(n, n), "needs": "a profiled window of training steps"}
@@ -194,7 +198,16 @@ def coverage(run: RunDir, metrics: dict) -> dict | None:
     if why and run.trace_inputs:
         text += "; the profiled window holds no training step: trace figures withheld"
     text += "; analyzed: " + (", ".join(analyzed) if analyzed else "nothing")
-    return {"analyzed": analyzed, "not_analyzed": missing, "text": text}
+    return {"analyzed": analyzed, "not_analyzed": missing, "text": text,
+            **({"not_applicable": list(INTER_RANK_ANALYSES)} if single else {})}
+
+
+def _one_process(run: RunDir) -> bool:
+    """A job of one process (world size 1): stragglers and collective desync do not apply."""
+    try:
+        return run.world_size == 1 and len(run.ranks) <= 1
+    except Exception:  # noqa: BLE001 - unknown world size: the analyses may apply
+        return False
 
 
 def lost_traces(run: RunDir) -> str | None:

@@ -1,0 +1,190 @@
+"""What `trainprof analyze TRACES/` says about bare profiler traces, on small synthetic
+Kineto-shaped CPU (gloo) traces built here: the part of a straggler's excess that its message
+names (and the host events in it), a straggler judged over one whole-trace window (no
+ProfilerStep), a plain DDP job's default group labelled `world`, the units of a whole-trace
+window, a single process without the inter-rank noise, and the coverage line not counted as
+an input problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainprof.analysis import analyze
+from trainprof.rundir import RunDir
+
+STEP_US = 30_000
+BASE_US = 1_000_000_000_000
+
+
+def ev(name, cat, ts, dur, tid=100):
+    return {"ph": "X", "name": name, "cat": cat, "ts": BASE_US + ts, "dur": dur, "pid": 100,
+            "tid": tid, "args": {}}
+
+
+def rank_events(late: str | None, steps: int = 4, profiler_steps: bool = True,
+                wait_us: int = 22_000) -> list:
+    """One rank's events for ``steps`` iterations of STEP_US each. ``late``: how this rank
+    spends 20 ms at the start of each iteration ("sleep": in `<built-in function sleep>` under
+    a Python frame, as with_stack records it; "compute": in aten::mm; "idle": in no event, as
+    a sleep without with_stack), then
+    5 ms of aten::mm and a 2 ms all-reduce; None: a peer that computes 5 ms and then waits
+    ``wait_us`` in the all-reduce."""
+    # a whole-trace window runs from the trace's first event: every rank starts with one
+    out = [] if profiler_steps else [ev("aten::empty", "cpu_op", 0, 10)]
+    for i in range(steps):
+        t = i * STEP_US
+        if profiler_steps:
+            out.append(ev(f"ProfilerStep#{i}", "user_annotation", t, STEP_US))
+        if late is None:
+            mm, comm = (t, 5_000), (t + 5_000, wait_us)
+        else:
+            if late == "sleep":  # with_stack: the frame, and the call in it
+                out += [ev("train.py(12): <module>", "python_function", t, 27_000),
+                        ev("<built-in function sleep>", "python_function", t, 20_000)]
+            elif late == "compute":
+                out.append(ev("aten::mm", "cpu_op", t, 20_000))
+            mm, comm = (t + 20_000, 5_000), (t + 25_000, 2_000)
+        out += [ev("aten::mm", "cpu_op", *mm), ev("c10d::allreduce_", "cpu_op", *comm),
+                ev("gloo:all_reduce", "user_annotation", *comm, tid=200)]
+    return out
+
+
+def write_job(folder: Path, per_rank: list[list]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    world = len(per_rank)
+    for rank, events in enumerate(per_rank):
+        doc = {"schemaVersion": 1,
+               "distributedInfo": {"backend": "gloo", "rank": rank, "world_size": world,
+                                   "pg_count": 1,
+                                   "pg_config": [{"pg_name": "0", "pg_desc": "default_pg",
+                                                  "backend_config": "cpu:gloo,cuda:gloo",
+                                                  "pg_size": world, "ranks": list(range(world))}]},
+               "traceEvents": events}
+        (folder / f"host_{100 + rank}.{rank + 1}.pt.trace.json").write_text(json.dumps(doc))
+    return folder
+
+
+def summary_of(folder: Path) -> dict:
+    return analyze(RunDir(folder))
+
+
+def stragglers(s: dict) -> list:
+    return [f for f in s["findings"] if f["kind"] == "straggler"]
+
+
+# ------------------------------------------------------------------ the straggler's message
+@pytest.mark.parametrize("late,part,says,not_says", [
+    ("sleep", "other", ["spends 20.0 ms/step more than its peers in host code outside torch ops",
+                        "<built-in function sleep> (+20.0 ms/step)"], ["computes", "<module>"]),
+    ("compute", "compute", ["computes 20.0 ms/step longer than its peers"], ["host code"]),
+    ("idle", "idle", ["is idle 20.0 ms/step longer than its peers"], ["computes", "host code"]),
+])
+def test_straggler_message_names_the_part_that_holds_the_excess(tmp_path, late, part, says, not_says):
+    s = summary_of(write_job(tmp_path / late, [rank_events(None), rank_events(late)]))
+    (f,) = stragglers(s)
+    assert f["ranks"] == [1] and f["evidence"]["excess_in"] == part
+    by_part = f["evidence"]["excess_by_part_ms_per_step"]
+    assert max(by_part, key=by_part.get) == f"{part}_ms"
+    for text in says:
+        assert text in f["message"], f["message"]
+    for text in not_says:
+        assert text not in f["message"], f["message"]
+    if late == "sleep":  # the innermost event holds the time, not the Python frame around it
+        assert f["evidence"]["excess_other_by_name_ms_per_step"] == {
+            "<built-in function sleep>": pytest.approx(20.0)}
+        rows = [r for r in s["metrics"]["comm_compute"]["per_step"] if r["rank"] == 1]
+        assert all(r["other_by_name_ms"] == {"<built-in function sleep>": pytest.approx(20.0)}
+                   for r in rows)
+
+
+# ------------------------------------------------------------------ one whole-trace window
+def test_straggler_judged_over_one_whole_trace_window(tmp_path):
+    s = summary_of(write_job(tmp_path / "strag", [rank_events(None, 5, profiler_steps=False),
+                                                  rank_events("idle", 5, profiler_steps=False)]))
+    (f,) = stragglers(s)
+    assert f["ranks"] == [1] and f["evidence"]["whole_trace_window"] is True
+    assert "one window over the whole trace" in f["message"] and "ms/step" not in f["message"]
+    assert "rank 1 is idle 100.0 ms longer than its peers" in f["message"], f["message"]
+    assert f["evidence"]["excess_by_part_ms_per_step"]["idle_ms"] == pytest.approx(100.0, abs=0.1)
+    assert "rank 0 waits" in f["message"]
+    # the waiting rank is not blamed for exposed communication
+    assert not [g for g in s["findings"] if g["kind"] == "exposed_comm"], s["findings"]
+    assert s["metrics"]["comm_compute"]["waiting_for_late_ranks"]["late"] == [1]
+    assert not [p for p in s["problems"] if "not judged" in p]
+
+
+def test_whole_trace_window_clean_job_names_no_straggler_and_no_steps(tmp_path):
+    # both ranks wait 15 ms of 30 in every iteration: exposed communication, no late rank
+    s = summary_of(write_job(tmp_path / "clean", [
+        rank_events(None, 5, profiler_steps=False, wait_us=15_000) for _ in range(2)]))
+    assert not stragglers(s)
+    assert s["metrics"]["trace_stragglers"]["whole_trace_window"] is True
+    (f,) = [f for f in s["findings"] if f["kind"] == "exposed_comm"]
+    assert "ms/step" not in f["message"] and "of the traced window" in f["message"], f["message"]
+    from trainprof.reports.terminal import key_metrics
+
+    assert dict(key_metrics(s))["exposed communication"].endswith("of the traced window")
+
+
+# ------------------------------------------------------------------ default group = world
+def test_default_group_of_bare_gloo_traces_is_world(tmp_path):
+    s = summary_of(write_job(tmp_path / "ddp", [rank_events(None, 3) for _ in range(2)]))
+    cc = s["metrics"]["comm_compute"]
+    assert cc["group_dims"] == {"0": "world"}
+    assert {r["mesh_dim"] for r in cc["by_mesh_dim"]} == {"world"}
+    (f,) = [f for f in s["findings"] if f["kind"] == "exposed_comm"]
+    assert "exposed most in world" in f["message"] and "unknown" not in f["message"]
+
+
+# ------------------------------------------------------------------ one process
+def test_single_process_trace_has_no_inter_rank_noise(tmp_path):
+    from trainprof.reports.terminal import key_metrics
+
+    events = []
+    for i in range(3):
+        events += [ev(f"ProfilerStep#{i}", "user_annotation", i * STEP_US, STEP_US),
+                   ev("aten::mm", "cpu_op", i * STEP_US, 20_000)]
+    d = tmp_path / "one"
+    d.mkdir()
+    (d / "host_1.1.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    s = summary_of(d)
+    assert s["run"]["world_size"] == 1
+    assert "exposed communication" not in dict(key_metrics(s))
+    cov = s["coverage"]
+    missing = [m["analysis"] for m in cov["not_analyzed"]]
+    assert missing == ["step time", "NaN origin", "hang"]
+    assert "stragglers" not in cov["text"] and "desync" not in cov["text"]
+    assert cov["not_applicable"] == ["stragglers over every step", "collective desync / mismatch"]
+    # two ranks that communicate still have their headline and the inter-rank lines
+    s2 = summary_of(write_job(tmp_path / "two", [rank_events(None, 3) for _ in range(2)]))
+    assert "exposed communication" in dict(key_metrics(s2))
+    assert "collective desync / mismatch" in [m["analysis"] for m in s2["coverage"]["not_analyzed"]]
+
+
+# ------------------------------------------------------------------ problems vs coverage
+def test_coverage_line_is_not_an_input_problem(tmp_path):
+    from rich.console import Console
+
+    from trainprof.reports.html import render_html
+    from trainprof.reports.terminal import render_terminal
+
+    s = summary_of(write_job(tmp_path / "ddp", [rank_events(None, 3) for _ in range(2)]))
+    assert s["problems"] == [s["coverage"]["text"]]  # the only "problem" is the coverage line
+
+    def terminal(summary):
+        con = Console(record=True, width=200)
+        render_terminal(summary, console=con)
+        return con.export_text()
+
+    assert "input problem" not in terminal(s)
+    html = render_html(s)
+    assert "Input that could not be (fully) read" not in html
+    assert s["coverage"]["text"].split(";")[0] in html  # still shown, with the findings
+    # a real input problem is still counted and listed
+    bad = dict(s, problems=s["problems"] + ["x.json: truncated"])
+    assert "1 input problem(s)" in terminal(bad)
+    html = render_html(bad)
+    assert "Input that could not be (fully) read" in html and "x.json: truncated" in html
