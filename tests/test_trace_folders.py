@@ -109,10 +109,11 @@ def test_tensorboard_folder_two_ranks_latest_window(tb_windows, tmp_path):
     assert run["pg_config"][0]["pg_desc"] == "default_pg"
     assert run["ranks"][1]["host"] == "otherhost"
     assert run["input"] == {"kind": "profiler traces", "inputs": [str(d)], "files": 3,
-                            "older_windows_skipped": 1, "traces_read": 2, "unreadable": 0,
+                            "older_windows_skipped": 1, "traces_read": 3, "unreadable": 0,
                             "ranks": 2, "steps": 4}
-    older = [p for p in s["problems"] if "older" in p]
-    assert len(older) == 1 and old.name in older[0] and new.name in older[0]
+    (older,) = [p for p in s["problems"] if "profiler windows" in p]
+    assert older.startswith("rank 0: 2 profiler windows; they hold as much training; the latest")
+    assert f"analyzed: {new.name}" in older and f"left out: {old.name}" in older
     assert "partial" not in run
     assert {pr["rank"] for pr in s["metrics"]["comm_compute"]["per_rank"]} == {0, 1}
     assert "nothing_analyzed" not in s
@@ -177,13 +178,15 @@ def test_files_without_rank_one_rank_per_file_in_name_order(tb_windows, tmp_path
 def test_distributed_rank_wins_and_duplicates_keep_latest(tb_windows, tmp_path):
     old, new = tb_windows
     _as_rank(old, tmp_path / "rank-5.json", 1)   # distributedInfo says 1: the name's 5 is not used
-    _as_rank(new, tmp_path / "x_1.json", 1)       # a second file for rank 1: the latest is used
+    # a second file for rank 1, as much training in it: the latest window is used
+    _as_rank(new, tmp_path / "x_1.json", 1)
     import os
 
     os.utime(tmp_path / "rank-5.json", (1, 1))
     run = RunDir(tmp_path)
     assert run.ranks == [1] and run.traces()[1].path.name == "x_1.json"
-    assert any("rank 1: 2 traces claim this rank" in p and "rank-5.json" in p for p in run.problems)
+    assert any(p.startswith("rank 1: 2 profiler windows") and "left out: rank-5.json" in p
+               for p in run.problems)
 
 
 def test_no_profiler_step_is_one_whole_trace_window(tmp_path):
@@ -211,7 +214,7 @@ def test_no_profiler_step_is_one_whole_trace_window(tmp_path):
 def test_nothing_to_analyze_exits_3(tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "notes.json").write_text('{"not": "a trace"}')
+    (bad / "rank-0.pt.trace.json").write_text('{"traceEvents": [{"ph": "X", "name": "a", ')
     r = run_cli(["analyze", bad, "--no-report"])
     assert r.returncode == 3, r.stdout + r.stderr
     assert "nothing analyzed" in r.stderr and "none of the 1 profiler trace file(s)" in r.stderr

@@ -252,8 +252,11 @@ def _job(job: tuple, run=None, collect: bool = True) -> tuple:
                     run = _WORKER_RUNS.setdefault(key, RunDir(base))
             doc = digest_trace(run, rank, tr, names)
         else:
-            from trainprof.trace._discover import name_rank, trace_rank
+            from trainprof.trace._discover import name_rank, prepare_window, trace_rank
 
+            # what the window holds (the caller chooses among a process's windows), its
+            # trailing stub steps dropped before any analyzer reads it
+            window, said = prepare_window(tr)
             r = rank if rank is not None else trace_rank(tr)
             r = r if r is not None else name_rank(Path(path).name)
             tr.rank = r
@@ -264,6 +267,8 @@ def _job(job: tuple, run=None, collect: bool = True) -> tuple:
                 view = RunDir(Path(path), _preset={"trace_paths": {r: Path(path)},
                                                    "trace_heads": {r: head}, "digest_docs": {}})
                 doc = digest_trace(view, r, tr, names)
+            doc["facts"]["window"] = window
+            doc["problems"] = list(dict.fromkeys(said + doc["problems"]))
         doc["trace"] = stamp
         doc["trace_bytes"] = _json_bytes(tr)
         doc["seconds"] = {"parse": round(parse_s, 4), **doc.get("seconds", {})}
@@ -674,10 +679,11 @@ def build(run_dir: str | os.PathLike, ranks=None, workers: int | None = None,
 
 
 def bare_digests(paths: list[Path], names: list[str] | None = None, ranks: dict | None = None,
-                 workers: int | None = None) -> tuple[dict, list[str]]:
+                 workers: int | None = None, failed: dict | None = None) -> tuple[dict, list[str]]:
     """Digests of bare trace files, computed in the pool and returned (nothing written).
-    ``ranks``: path -> the rank to digest it as (else the trace's own, when it says). Returns
-    ({path: digest}, [errors])."""
+    ``ranks``: path -> the rank to digest it as (else the trace's own, when it says). Each
+    digest's facts hold ``window`` (trainprof/trace/_discover.py prepare_window). Returns
+    ({path: digest}, [errors]); ``failed``, when given, gets path -> error."""
     names = list(names or section_names())
     ranks = ranks or {}
     jobs = [("bare", None, ranks.get(p), str(p), _stamp_or_none(p), None, names, 1) for p in paths]
@@ -685,6 +691,8 @@ def bare_digests(paths: list[Path], names: list[str] | None = None, ranks: dict 
     for key, doc, err in run_jobs(jobs, workers):
         if err:
             errors.append(err)
+            if failed is not None:
+                failed[Path(key)] = err
         else:
             out[Path(key)] = doc
     return out, errors

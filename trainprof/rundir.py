@@ -345,6 +345,14 @@ def _listdir(d: Path, problems: list[str]) -> list[Path]:
         return []
 
 
+def _below(sub: Path, root: Path) -> str:
+    """``sub`` as a path under ``root`` ("lightning_logs/version_0/"), else as it is."""
+    try:
+        return f"{Path(sub).relative_to(root)}/"
+    except ValueError:
+        return str(sub)
+
+
 def _is_dir(p: Path) -> bool:
     try:
         return p.is_dir()
@@ -460,10 +468,36 @@ class RunDir:
             self.bare_snapshots = [p for p in entries
                                    if p.name.endswith(SNAPSHOT_SUFFIXES) and safeio.is_regular(p)]
             if not self.bare_snapshots:
-                raise RunDirError(
-                    f"{path}: not a trainprof run directory (no {MANIFEST}, {RANKS_DIR}/ or "
-                    f"{PROFILER_DIR}/), no profiler traces (*.json, *.json.gz) and no allocator "
-                    f"snapshots (*.pickle); create one with `trainprof wrap --out {path} -- CMD`")
+                self._traces_below(path)
+
+    def _traces_below(self, path: Path) -> None:
+        """A folder holding nothing trainprof reads: the traces in its subfolders (a bounded
+        search, trainprof/trace/_discover.py trace_folders). One folder of them: analyzed, the
+        outputs in ``path``, said in a problem line; several: refused, naming them; none:
+        refused."""
+        from trainprof.trace._discover import SEARCH_DEPTH, trace_folders
+
+        found, cut = trace_folders(path)
+        if len(found) == 1:
+            self._bare_trace_inputs(found)
+            self.path = path
+            self.problems.append(
+                f"{path}: no profiler trace in the folder itself; analyzed the traces in "
+                f"{_below(found[0], path)}, the only subfolder (down to {SEARCH_DEPTH} levels) "
+                f"that holds any")
+            return
+        if found:
+            shown = ", ".join(_below(f, path) for f in found[:6]) + (", …" if len(found) > 6 else "")
+            raise RunDirError(
+                f"{path}: no profiler trace in the folder itself; traces found in {len(found)} "
+                f"subfolders: {shown}; analyze one at a time (trainprof analyze {found[-1]}), or "
+                f"name the ones of one job together")
+        searched = (f"nor in its subfolders (down to {SEARCH_DEPTH} levels"
+                    f"{'; the search stopped at its bound' if cut else ''})")
+        raise RunDirError(
+            f"{path}: not a trainprof run directory (no {MANIFEST}, {RANKS_DIR}/ or "
+            f"{PROFILER_DIR}/), no profiler traces (*.json, *.json.gz) {searched} and no "
+            f"allocator snapshots (*.pickle); create one with `trainprof wrap --out {path} -- CMD`")
 
     def _several_run_dirs(self, dirs: list[Path]) -> None:
         """Run directories of one job, each holding some of its ranks (one per node): refused
@@ -1078,8 +1112,11 @@ class RunDir:
             traces, errors = load_traces(paths, progress=progress)
             self.problems.extend(errors)
             if self.trace_inputs:  # a bare trace is the rank its discovery gave it
+                from trainprof.trace._discover import prepare_window
+
                 for r, t in traces.items():
                     t.rank = r
+                    prepare_window(t)  # stub steps dropped as in its digest (said there)
             self._cache["traces"] = traces
         self._say_trace_facts([(r, t.path, t.stats.get("gpu_ops_without_launch"),
                                 t.meta.get("whole_trace_window"), t.meta.get("span_ns"))
@@ -1152,18 +1189,48 @@ class RunDir:
 
     # -- bare profiler traces (no run directory)
     def _load_bare_traces(self) -> None:
-        """Digest the latest window of every process among the inputs (in a process pool, one
-        trace per worker at a time, nothing written) and key them by rank
-        (trainprof/trace/_discover.py); what was found and read goes to ``input_facts``."""
+        """Digest every trace among the inputs (in a process pool, one trace per worker at a
+        time, nothing written), keep one job and the window of each of its processes that holds
+        the most training, and key them by rank (trainprof/trace/_discover.py); what was found
+        and read goes to ``input_facts``. JSON files that are not traces are said once; inputs
+        with no trace at all, or traces of several jobs given as several inputs, are refused."""
         from trainprof import digest
         from trainprof.trace import _discover as disc
 
         files = disc.candidates(self.trace_inputs, self.problems)
-        chosen = disc.latest_windows(files, self.problems)
-        docs, errors = digest.bare_digests(chosen)
-        self.problems.extend(errors)
-        heads = [(p, digest.TraceHead(docs[p])) for p in chosen if p in docs]
-        ranked = disc.assign_ranks(heads, self.problems)
+        failed: dict[Path, str] = {}
+        docs, _ = digest.bare_digests(files, failed=failed)
+        not_traces = [p for p, err in failed.items()
+                      if "not a Chrome trace" in err and disc.lacks_trace_events(p)]
+        self.problems.extend(err for p, err in failed.items() if p not in not_traces)
+        if not_traces:
+            shown = ", ".join(p.name for p in not_traces[:6]) + (", …" if len(not_traces) > 6 else "")
+            if len(not_traces) == len(files):
+                raise RunDirError(self._no_trace(not_traces, shown))
+            self.problems.append(f"{len(not_traces)} JSON file(s) are not profiler traces (no "
+                                 f"traceEvents), not analyzed: {shown}")
+        heads = [digest.TraceHead(docs[p]) for p in files if p in docs]
+        other_jobs: list[Path] = []
+        jobs = disc.group_jobs(heads)
+        if len(jobs) > 1:
+            said = "; ".join(f"job {i + 1} ({j.describe(jobs[0] if i else None, 'job 1', paths=True)})"
+                             for i, j in enumerate(jobs[:4])) + ("; …" if len(jobs) > 4 else "")
+            if len(self.trace_inputs) > 1:
+                raise RunDirError(
+                    f"these traces are of {len(jobs)} different jobs (time spans that do not "
+                    f"overlap, or distributedInfo that differs): {said}; analyze the traces of "
+                    f"one job at a time")
+            job = disc.pick_job(jobs)
+            for j in jobs:
+                if j is not job:
+                    other_jobs += [h.path for h in j.heads]
+                    self.problems.append(
+                        f"{self.trace_inputs[0]}: traces of another job left out "
+                        f"({j.describe(job)}); analyzed: the latest "
+                        f"{'complete ' if job.complete else ''}job ({job.describe()})")
+            heads = job.heads
+        heads, skipped = disc.choose_windows(heads, self.problems)
+        ranked = disc.assign_ranks([(h.path, h) for h in heads], self.problems)
         # a trace digested before its rank was known (or as another rank): once more as its rank
         redo = {h.path: r for r, h in ranked.items() if h.doc.get("rank") != r}
         if redo:
@@ -1177,12 +1244,34 @@ class RunDir:
         self._cache["trace_paths"] = {r: h.path for r, h in ranked.items()}
         self._cache["digest_docs"] = {r: h.doc for r, h in ranked.items()}
         whole = sum(1 for h in ranked.values() if h.meta.get("whole_trace_window"))
+        stubs = sum(len((h.doc["facts"].get("window") or {}).get("stub_steps") or [])
+                    for h in ranked.values())
         self.input_facts = {
             "kind": "profiler traces", "inputs": [str(p) for p in self.trace_inputs],
-            "files": len(files), "older_windows_skipped": len(files) - len(chosen),
-            "traces_read": len(docs), "unreadable": len(chosen) - len(docs),
+            "files": len(files) - len(not_traces), "older_windows_skipped": skipped["older"],
+            "traces_read": len(docs), "unreadable": len(files) - len(not_traces) - len(docs),
             "ranks": len(ranked), "steps": sum(h.steps for h in ranked.values()),
+            **({"later_windows_skipped": skipped["later"]} if skipped["later"] else {}),
+            **({"other_job_files": len(other_jobs)} if other_jobs else {}),
+            **({"not_traces": len(not_traces)} if not_traces else {}),
+            **({"stub_steps_dropped": stubs} if stubs else {}),
             **({"whole_trace_windows": whole} if whole else {})}
+
+    def _no_trace(self, not_traces: list[Path], shown: str) -> str:
+        """Why inputs whose every JSON file is something else than a trace are refused."""
+        where = ", ".join(str(p) for p in self.trace_inputs[:3]) + \
+            (" …" if len(self.trace_inputs) > 3 else "")
+        msg = (f"{where}: no profiler trace: {shown} {'is' if len(not_traces) == 1 else 'are'} "
+               f"JSON but not a Chrome trace (no traceEvents); expected traces written by "
+               f"torch.profiler (tensorboard_trace_handler or export_chrome_trace)")
+        if len(self.trace_inputs) == 1 and _is_dir(self.trace_inputs[0]):
+            from trainprof.trace._discover import trace_folders
+
+            found, _ = trace_folders(self.trace_inputs[0])
+            if found:
+                msg += (f"; traces found in {', '.join(_below(f, self.trace_inputs[0]) for f in found[:6])}"
+                        f": run trainprof analyze {found[0]}")
+        return msg
 
     def _trace_heads(self) -> dict:
         """rank -> the facts of its trace (trainprof.digest.TraceHead), without parsing it."""

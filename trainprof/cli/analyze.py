@@ -32,7 +32,10 @@ def analyze(inputs, out, as_json, no_report, quiet, max_input_mb):
     (tensorboard_trace_handler's <host>_<pid>.<ts>.pt.trace.json[.gz], HTA's rank-N.*), one trace
     file (FILE.summary.json / FILE.report.html beside it), or several files and folders together
     (outputs in their common folder). The rank is distributedInfo.rank, else the rank in the file
-    name, else one rank per file; of several windows of one process the latest is analyzed.
+    name, else one rank per file; of several windows of one process the one holding the most
+    training (steps with ops in them, then the latest). A folder of several jobs: its latest
+    complete job; several inputs of several jobs are refused. A folder whose traces are in one
+    subfolder (Lightning's lightning_logs/version_0/): that subfolder, outputs in the folder.
 
     Several RUN_DIRs: the per-node run directories of one job (one `wrap --out` per node) are
     analyzed as one job, their ranks merged; directories of different jobs (manifest job_id or
@@ -47,7 +50,8 @@ def analyze(inputs, out, as_json, no_report, quiet, max_input_mb):
     Inputs are read as untrusted (docs/security.md): only regular files, each up to
     --max-input-mb; what is refused is listed under problems.
 
-    Exit codes: 0 analyzed, 2 input refused (not a readable run directory, a newer schema, a
+    Exit codes: 0 analyzed, 2 input refused (not a readable run directory nor traces, JSON
+    files none of which is a trace, traces of several jobs as several inputs, a newer schema, a
     bad input limit), 3 nothing to analyze (no rank captured any data, e.g. the probes were
     disabled; no profiler trace could be read; the traces read hold no events).
     """
