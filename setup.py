@@ -8,4 +8,6 @@ Everything else is configured in pyproject.toml.
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("trainprof.probes._fastlog", ["probes/_fastlog.c"], optional=True,
+                             extra_compile_args=["-O2", "-std=c11"]),
+                   Extension("trainprof.trace._kineto", ["trainprof/trace/_kineto.c"], optional=True,
                              extra_compile_args=["-O2", "-std=c11"])])

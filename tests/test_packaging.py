@@ -49,6 +49,9 @@ def test_built_wheel_maps_subpackages(tmp_path):
     for sub in ("probes", "analyzers", "reports", "_bootstrap"):
         assert f"trainprof/{sub}/__init__.py" in names
     assert "trainprof/_bootstrap/sitecustomize.py" in names
+    compiled = {n.split("/")[-2] + "/" + n.split("/")[-1].split(".")[0] for n in names if n.endswith(".so")}
+    if "probes/_fastlog" in compiled:  # a compiler was at hand: both C parts are built
+        assert "trace/_kineto" in compiled, compiled
 
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)

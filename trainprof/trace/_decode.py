@@ -1,6 +1,10 @@
 """Chrome-trace bytes -> plain column lists, in one pass.
 
-Fast path: msgspec decodes straight into slotted structs that declare only the fields we keep,
+Fastest path: the C scan (trainprof/trace/_kineto.c, ``_from_scan``) goes from the JSON bytes
+to the columns with no Python object per event, and hands any document it does not take exactly
+as the typed decoder would to that decoder (``_typed``).
+
+Typed path: msgspec decodes straight into slotted structs that declare only the fields we keep,
 so the rest of each event (kernel occupancy figures, flow ids, ...) is skipped without creating
 Python objects. Fallback (no msgspec, or a trace whose field types surprise the typed decoder):
 orjson into dicts. Both run with the cyclic GC paused: the decoders create hundreds of thousands
@@ -214,7 +218,7 @@ def decode(data: bytes, fast: bool = True, pieces: int = 1) -> Columns:
                     c = _decode_pieces(data, min(pieces, len(data) // PIECE_MIN_BYTES))
                     if c is not None:
                         return c
-                return _from_structs(_DECODER.decode(data))
+                return _typed(data)
             except msgspec.ValidationError:
                 pass  # valid JSON of unexpected shape: the tolerant path sorts it out
             except msgspec.DecodeError as e:
@@ -260,7 +264,7 @@ def _fork_decoder(make_piece) -> tuple[int, int]:
         code = 1
         try:
             os.close(r)
-            out = pickle.dumps(_from_structs(_DECODER.decode(make_piece())), protocol=5)
+            out = pickle.dumps(_typed(make_piece()), protocol=5)
             with os.fdopen(w, "wb") as fh:
                 fh.write(out)
             code = 0
@@ -309,7 +313,7 @@ def _decode_pieces(data: bytes, k: int) -> Columns | None:
     try:
         for i in range(1, len(cuts) + 1):
             kids.append(_fork_decoder(lambda i=i: _piece(data, cuts, i)))
-        parts = [_from_structs(_DECODER.decode(own))]
+        parts = [_typed(own)]
         del own
         rest = _collect(kids)
         if rest is None:
@@ -392,7 +396,7 @@ def decode_stream(chunks, size_hint: int, pieces: int, fast: bool = True):
                 return None, spans.joined(), spans.size, bool(kids)
             own = b"".join((b'{"traceEvents": [', *spans.views(cuts[-1] + 2, spans.size)))
             try:
-                last = _from_structs(_DECODER.decode(own))
+                last = _typed(own)
             except (msgspec.ValidationError, msgspec.DecodeError):
                 last = None
             del own
@@ -432,6 +436,86 @@ def _concat(parts: list[Columns]) -> Columns:
             codes.append(remap[pc] if len(pc) else pc)
         setattr(c, col, (np.concatenate(codes), list(seen)))
     return c
+
+
+try:  # the one-pass C scan (trainprof/trace/_kineto.c): optional, built with the install
+    from trainprof.trace import _kineto
+except ImportError:  # pragma: no cover - an install without a C compiler
+    _kineto = None
+
+
+def _typed(data) -> Columns:
+    """The columns of a document: the C scan's where it takes the document, else the typed
+    decoder's (whose errors, msgspec.ValidationError / DecodeError, pass through)."""
+    c = _from_scan(data)
+    return c if c is not None else _from_structs(_DECODER.decode(data))
+
+
+def _from_scan(data) -> Columns | None:
+    """The C scan's columns of a document, or None where the typed decoder must decide (a
+    document it does not take exactly as _DECODER would, or no C scan in this install)."""
+    if _kineto is None or msgspec is None:
+        return None
+    r = _kineto.scan(data)
+    if r is None:
+        return None
+    try:
+        return _scanned_columns(r, memoryview(data))
+    except (ValueError, msgspec.DecodeError, RecursionError):
+        return None  # a value the typed decoder refuses too (say, a string that is not UTF-8)
+
+
+def _scanned_columns(r: dict, view: memoryview) -> Columns | None:
+    dec = msgspec.json.decode  # values of Any fields: decoded as the typed decoder decodes them
+    top = {}
+    for key, lo, hi in r["top"]:
+        if key in top:  # a repeated top-level key: the typed decoder's rule applies
+            return None
+        top[key] = (lo, hi)
+    c = Columns()
+    c.meta = {k: v for k in META_KEYS if k in top
+              for v in (dec(view[top[k][0]:top[k][1]]),) if v is not None}
+    c.n_events, n = r["n_events"], r["n"]
+    c.name, c.cat = _distinct(r["name"], r["names"]), _distinct(r["cat"], r["cats"])
+    c.pid, c.tid = (_scanned_ids(r[k], r[k + "_s"], r[k + "_strs"]) for k in ("pid", "tid"))
+    c.ts, c.dur = (np.frombuffer(r[k], np.float64).copy() for k in ("ts", "dur"))
+    c.stream, c.corr, c.ext = (np.frombuffer(r[k], np.int64).copy() for k in ("stream", "corr", "ext"))
+    for col in ("dims", "types", "concrete"):  # one object per distinct value (read-only)
+        values = [dec(view[lo:hi]) for lo, hi in r[col + "_spans"]] + [None]
+        codes = np.frombuffer(r[col], np.int32)
+        setattr(c, col, list(map(values.__getitem__, codes.tolist())) if len(values) > 1
+                else [None] * n)
+    for row, spans in r["comm"]:
+        out = {"row": row}
+        for (_, col), span in zip(COMM_KEYS, spans):
+            if span is not None:
+                v = dec(view[span[0]:span[1]])
+                if v is not None:
+                    out[col] = v
+        c.comm.append(out)
+    c.mem = r["mem"]
+    return c
+
+
+def _distinct(codes: bytes, values: list) -> tuple[np.ndarray, list]:
+    """(codes, distinct values) of a scanned string column: spans that differ only in their
+    escapes decode to one value."""
+    codes = np.frombuffer(codes, np.int64)
+    if len(set(values)) == len(values):
+        return codes.copy(), values
+    seen: dict = {}
+    remap = np.fromiter((seen.setdefault(v, len(seen)) for v in values), np.int64, len(values))
+    return remap[codes], list(seen)
+
+
+def _scanned_ids(values: bytes, str_codes: bytes, strs: list) -> np.ndarray:
+    """pid/tid: the scanned integers, a string id through _int_or_missing ("7" is 7)."""
+    out = np.frombuffer(values, np.int64).copy()
+    if strs:
+        idx = np.frombuffer(str_codes, np.int32)
+        m = idx >= 0
+        out[m] = np.array([_int_or_missing(v) for v in strs], np.int64)[idx[m]]
+    return out
 
 
 _NAME, _CAT, _PID, _TID, _TS, _DUR, _ARGS = map(
