@@ -182,3 +182,24 @@ def input_problems(summary: Mapping) -> list:
     cover = summary.get("coverage")
     text = cover.get("text") if isinstance(cover, Mapping) else None
     return [p for p in (summary.get("problems") or []) if p != text]
+
+
+def _n(x) -> int:
+    return x if isinstance(x, int) and not isinstance(x, bool) else 0
+
+
+def input_text(inp: Mapping) -> str:
+    """How much of a bare-trace input was analyzed (summary run.input), in one line: files,
+    windows read, and every part left out (unreadable, other windows, another job's files,
+    JSON that is no trace, stub steps)."""
+    parts = [f"{inp.get('files', '?')} trace file(s), {inp.get('traces_read', '?')} read"]
+    for key, what in (("unreadable", "unreadable"), ("older_windows_skipped", "earlier window(s) left out"),
+                      ("later_windows_skipped", "later window(s) left out"),
+                      ("other_job_files", "file(s) of another job left out"),
+                      ("not_traces", "JSON file(s) not traces"),
+                      ("stub_steps_dropped", "empty trailing step(s) dropped")):
+        if _n(inp.get(key)):
+            parts.append(f"{inp[key]} {what}")
+    return (f"input: {', '.join(parts)}; {inp.get('ranks', '?')} rank(s), "
+            f"{inp.get('steps', '?')} profiled step(s)"
+            + (" (whole-trace windows: no ProfilerStep)" if inp.get("whole_trace_windows") else ""))

@@ -158,13 +158,7 @@ def render_terminal(summary, report_path=None, console=None) -> None:
     inp = run.get("input")
     console.print(f"[bold]trainprof[/bold] {escape(_input_label(run, inp))}: {escape(', '.join(bits))}")
     if isinstance(inp, Mapping):  # bare profiler traces: how much of the input was analyzed
-        console.print(escape(
-            f"input: {inp.get('files', '?')} trace file(s), {inp.get('traces_read', '?')} read"
-            + (f", {inp['unreadable']} unreadable" if inp.get("unreadable") else "")
-            + (f", {inp['older_windows_skipped']} older window(s) skipped"
-               if inp.get("older_windows_skipped") else "")
-            + f"; {inp.get('ranks', '?')} rank(s), {inp.get('steps', '?')} profiled step(s)"
-            + (" (whole-trace windows: no ProfilerStep)" if inp.get("whole_trace_windows") else "")))
+        console.print(escape(kit.input_text(inp)))
     prof = run.get("profiled")  # --profile-ranks: a subset recorded the profiler window
     if isinstance(prof, Mapping) and prof.get("text") and prof.get("count") != prof.get("of"):
         console.print(escape(str(prof["text"])))

@@ -221,3 +221,20 @@ def test_analyze_real_run_writes_an_offline_report(small_run, tmp_path):
     if CHROMIUM:
         dom = _chromium(["--dump-dom", (tmp_path / "report.html").as_uri()], tmp_path).stdout
         assert "Step time" in dom and "<svg" in dom
+
+
+def test_input_line_names_every_part_left_out_in_terminal_and_report():
+    inp = {"files": 7, "traces_read": 5, "unreadable": 1, "later_windows_skipped": 2,
+           "other_job_files": 1, "not_traces": 1, "stub_steps_dropped": 2, "ranks": 2, "steps": 6}
+    line = ("input: 7 trace file(s), 5 read, 1 unreadable, 2 later window(s) left out, 1 file(s) "
+            "of another job left out, 1 JSON file(s) not traces, 2 empty trailing step(s) dropped; "
+            "2 rank(s), 6 profiled step(s)")
+    assert kit.input_text(inp) == line
+    summary = {"run": {"dir": "traces", "world_size": 2, "input": inp}, "metrics": {}, "findings": [],
+               "problems": [], "errors": []}
+    buf = io.StringIO()
+    from rich.console import Console
+
+    render_terminal(summary, console=Console(file=buf, force_terminal=False, width=300))
+    assert line in buf.getvalue()
+    assert kit.esc(line) in render_html(summary)
