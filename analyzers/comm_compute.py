@@ -348,18 +348,11 @@ def _other_by_name(ev, rows: np.ndarray, ops: np.ndarray, other: iv.Set) -> dict
         inside = np.minimum(t, other[1][last]) - other[0][last]
         return cum[np.maximum(k - 1, 0)] + np.where(k > 0, np.maximum(inside, 0), 0)
 
-    from trainprof.analyzers.ops import _nest_order
+    from trainprof.analyzers.ops import nest_parents
 
     n = len(idx)
-    order = _nest_order(ts, end, np.zeros(n, np.int64))
+    order, par = nest_parents(ts, end, np.zeros(n, np.int64))  # one thread: the main one
     s, e = ts[order], end[order]
-    par = np.arange(-1, n - 1)  # innermost earlier event still running at the start
-    todo = np.flatnonzero(par >= 0)
-    todo = todo[e[par[todo]] <= s[todo]]
-    while len(todo):
-        par[todo] = par[par[todo]]
-        todo = todo[par[todo] >= 0]
-        todo = todo[e[par[todo]] <= s[todo]]
     incl = upto(e) - upto(s)
     has = np.flatnonzero(par >= 0)
     child = (np.bincount(par[has], weights=upto(np.minimum(e[has], e[par[has]])) - upto(s[has]),

@@ -160,6 +160,23 @@ def _nest_order(ts: np.ndarray, end: np.ndarray, thread: np.ndarray) -> np.ndarr
     return order[_argsort_codes(code, len(uniq))]
 
 
+def nest_parents(ts: np.ndarray, end: np.ndarray, thread: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, parent): the events in (thread, start, longer first) order, and for each event in
+    that order the position of its parent there (-1 for none), the innermost earlier event of
+    its thread still running when it starts (pointer jumping, see self_times)."""
+    order = _nest_order(ts, end, thread)
+    s, e, th = ts[order], end[order], thread[order]
+    par = np.arange(-1, len(ts) - 1)
+    par[1:][th[1:] != th[:-1]] = -1
+    todo = np.flatnonzero(par >= 0)
+    todo = todo[e[par[todo]] <= s[todo]]
+    while len(todo):
+        par[todo] = par[par[todo]]
+        todo = todo[par[todo] >= 0]
+        todo = todo[e[par[todo]] <= s[todo]]
+    return order, par
+
+
 def self_times(ts: np.ndarray, end: np.ndarray, thread: np.ndarray) -> np.ndarray:
     """Self time of each event: its duration minus the parts of its direct children (events
     nested in it on the same thread) that lie inside it. An event's parent is the innermost
@@ -174,16 +191,8 @@ def self_times(ts: np.ndarray, end: np.ndarray, thread: np.ndarray) -> np.ndarra
     n = len(ts)
     if n == 0:
         return np.zeros(0, np.int64)
-    order = _nest_order(ts, end, thread)
-    s, e, th = ts[order], end[order], thread[order]
-    par = np.arange(-1, n - 1)
-    par[1:][th[1:] != th[:-1]] = -1
-    todo = np.flatnonzero(par >= 0)
-    todo = todo[e[par[todo]] <= s[todo]]
-    while len(todo):
-        par[todo] = par[par[todo]]
-        todo = todo[par[todo] >= 0]
-        todo = todo[e[par[todo]] <= s[todo]]
+    order, par = nest_parents(ts, end, thread)
+    s, e = ts[order], end[order]
     has = np.flatnonzero(par >= 0)
     p = par[has]
     child = np.bincount(p, weights=np.minimum(e[has], e[p]) - s[has], minlength=n) if len(has) \
