@@ -17,7 +17,7 @@ from helpers import run_cli, write_script
 from trainprof.rundir import RunDir
 
 DDP_JOB = """
-import gc, sys, torch, torch.distributed as dist
+import gc, sys, time, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -42,6 +42,17 @@ def main(mode, trace_dir):
             for step in range(8):
                 train_step()
                 prof.step()
+    elif mode == "cutoff":  # 7 steps of a 5-step cycle; rank 1 spends 40 ms a step off torch
+        slow = dist.get_rank() == 1
+        with torch.profiler.profile(
+                activities=[CPU],
+                schedule=torch.profiler.schedule(wait=1, warmup=1, active=3),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir)) as prof:
+            for step in range(7):
+                if slow:
+                    time.sleep(0.04)
+                train_step()
+                prof.step()
     else:  # "mid": started at step 4, while trainprof's default window (3-4) records
         prof = torch.profiler.profile(activities=[CPU],
                                       on_trace_ready=torch.profiler.tensorboard_trace_handler(trace_dir))
@@ -63,12 +74,12 @@ if __name__ == "__main__":
 """
 
 
-def _wrap_ddp(tmp_path, mode, *wrap_args):
+def _wrap_ddp(tmp_path, mode, *wrap_args, env=None):
     script = write_script(tmp_path / "job.py", DDP_JOB)
     out, traces = tmp_path / "run", tmp_path / "job-traces"
     res = run_cli(["wrap", "--out", out, *wrap_args, "--", sys.executable, "-m",
                    "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, mode,
-                   traces], timeout=300)
+                   traces], timeout=300, env=env)
     return res, out, traces
 
 
@@ -128,6 +139,43 @@ def test_ddp_job_with_its_own_scheduled_profiler(tmp_path):
         p.unlink()
     assert all(p.exists() for files in by_rank.values() for p in files)
     assert RunDir(out).profiler_traces() == {r: by_rank[r][-1] for r in (0, 1)}
+
+
+@pytest.mark.multiproc
+def test_ddp_job_whose_profiler_ends_with_a_cut_off_window(tmp_path, monkeypatch):
+    """7 steps of a wait 1 + warmup 1 + active 3 schedule: torch writes a full window (steps
+    2-4) and, when the profiler exits, a cut-off one (a stub ProfilerStep#7, the one linked into
+    RUN/profiler/). The full window is analyzed, the straggler found, the stub named."""
+    res, out, traces = _wrap_ddp(tmp_path, "cutoff", env={"OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    by_rank = _job_traces(traces)
+    assert sorted(by_rank) == [0, 1]
+    for files in by_rank.values():
+        assert [_profiler_steps(p) for p in files] == [
+            ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"], ["ProfilerStep#7"]]
+    summary = json.loads((out / "summary.json").read_text())
+    for r, (full, stub) in by_rank.items():
+        assert (f"rank {r}: 2 profiler windows; the one holding the most training is analyzed: "
+                f"{full.name} (3 step(s) with ops); left out: {stub.name} (no step with an op "
+                f"in it, later)") in summary["problems"]
+        # the digest (cached at the end of wrap) is of the full window, not of the linked stub
+        assert os.path.samefile(out / "profiler" / f"rank-{r:05d}.pt.trace.json", stub)
+        doc = json.loads((out / "digests" / f"rank-{r:05d}.json").read_text())
+        assert doc["trace"]["path"] == str(full) and doc["facts"]["steps"] == 3
+    assert not any("did not cover training steps" in p for p in summary["problems"])
+    assert {s["step"] for s in summary["metrics"]["comm_compute"]["per_step"]} == {2, 3, 4}
+    stragglers = [f for f in summary["findings"] if f["kind"] == "straggler"]
+    assert [f["ranks"] for f in stragglers] == [[1]], summary["findings"]
+    # analyzed again: the same choice, from what the digests kept (no trace parsed to choose)
+    from trainprof import digest
+
+    jobs: list = []
+    real = digest.run_jobs
+    monkeypatch.setattr(digest, "run_jobs", lambda js, *a, **k: (jobs.extend(js), real(js, *a, **k))[1])
+    run = RunDir(out)
+    assert run.profiler_traces() == {r: files[0] for r, files in by_rank.items()}
+    assert {r: len(w) for r, w in run.job_windows().items()} == {0: 2, 1: 2}
+    assert run.digest_docs() and jobs == []
 
 
 @pytest.mark.multiproc

@@ -234,23 +234,42 @@ _WORKER_RUNS: dict[str, RunDir] = {}  # a pool worker's view of its run director
 def _job(job: tuple, run=None, collect: bool = True) -> tuple:
     """One digest (in a pool worker, or in-process with the caller's ``run``). job = (kind,
     run_dir, rank, trace path, stamp, write, names, pieces); kind "run": a run directory's rank;
-    "bare": a bare trace whose rank (None: not known yet) is given. Returns (key, doc or None,
-    error or None). ``collect``: a full garbage collection after it, so that the next trace
-    parsed in this process finds the memory of this one free."""
+    "job": a run directory's rank whose trace the job's own profiler wrote (as "run", with its
+    trailing stub steps dropped and ``window`` in its facts); "bare": a bare trace whose rank
+    (None: not known yet) is given; "window": only what a trace's window holds (its facts with
+    ``window``, no section). Returns (key: the rank for "run" and "job", else the path; doc or
+    None, error or None). ``collect``: a full garbage collection after it, so that the next
+    trace parsed in this process finds the memory of this one free."""
     kind, base, rank, path, stamp, write, names, pieces = job
+    in_run = kind in ("run", "job")
     t0 = time.perf_counter()
     try:
         tr, err = _parse(Path(path), rank, pieces)
         if err:
-            return rank if kind == "run" else path, None, err
+            return rank if in_run else path, None, err
         parse_s = time.perf_counter() - t0
-        if kind == "run":
+        if kind == "window":
+            from trainprof.trace._discover import prepare_window
+
+            window, said = prepare_window(tr)
+            tr.rank = rank
+            doc = {"rank": rank, "facts": {**trace_facts(tr), "path": str(path), "window": window},
+                   "sections": {}, "problems": said}
+        elif in_run:
             if run is None:
                 key = json.dumps(base)
                 run = _WORKER_RUNS.get(key)
                 if run is None:
                     run = _WORKER_RUNS.setdefault(key, RunDir(base))
+            window, said = None, []
+            if kind == "job":  # as a bare trace's: the stub step torch wrote at the loop's end
+                from trainprof.trace._discover import prepare_window
+
+                window, said = prepare_window(tr)
             doc = digest_trace(run, rank, tr, names)
+            if window is not None:
+                doc["facts"]["window"] = window
+                doc["problems"] = list(dict.fromkeys(said + doc["problems"]))
         else:
             from trainprof.trace._discover import name_rank, prepare_window, trace_rank
 
@@ -273,7 +292,7 @@ def _job(job: tuple, run=None, collect: bool = True) -> tuple:
         doc["trace_bytes"] = _json_bytes(tr)
         doc["seconds"] = {"parse": round(parse_s, 4), **doc.get("seconds", {})}
         del tr
-        if kind == "run" and run is _WORKER_RUNS.get(json.dumps(base)):
+        if in_run and run is _WORKER_RUNS.get(json.dumps(base)):
             # a worker's view outlives the job: drop the rank's streams the sections read
             for k in [k for k in run._cache if isinstance(k, str) and k.startswith("stream:")
                       and k.endswith(f":{rank}") and not k.startswith("stream:groups:")]:
@@ -283,9 +302,9 @@ def _job(job: tuple, run=None, collect: bool = True) -> tuple:
                 write_json_atomic(write, doc, indent=None)
             except OSError:
                 pass  # a read-only run directory: the digest is used, not cached
-        return rank if kind == "run" else path, doc, None
+        return rank if in_run else path, doc, None
     except Exception as e:  # noqa: BLE001 - one bad trace must not lose the other ranks
-        return (rank if kind == "run" else path, None,
+        return (rank if in_run else path, None,
                 f"{path}: could not digest the trace: {type(e).__name__}: {e}")
     finally:
         if collect:
@@ -366,7 +385,7 @@ def run_jobs(jobs: list[tuple], workers: int | None = None, run=None, progress=N
     if workers == 1 and not isolate:
         for i, j in enumerate(jobs):
             # no collection after the last one (a full one costs tens of ms at start-up)
-            out[i] = _job(j, run if j[0] == "run" else None, collect=i + 1 < len(jobs))
+            out[i] = _job(j, run if j[0] in ("run", "job") else None, collect=i + 1 < len(jobs))
             if progress:
                 progress(f"trace digests {i + 1}/{len(jobs)}")
         return out
@@ -511,7 +530,7 @@ def _init_worker(override_mb, env_mb) -> None:
 
 
 def _worker_failed(j: tuple, e: BaseException) -> tuple:
-    return (j[2] if j[0] == "run" else j[3], None,
+    return (j[2] if j[0] in ("run", "job") else j[3], None,
             f"{j[3]}: could not digest the trace: the worker process failed "
             f"({type(e).__name__}: {e})")
 
@@ -613,8 +632,11 @@ def ensure(run: RunDir, names: list[str] | None = None, ranks=None, workers: int
         want = {int(r) for r in ranks}
         paths = {r: p for r, p in paths.items() if r in want}
     bare = bool(run.trace_inputs)
+    # ranks whose trace the job's own profiler wrote -> the windows it chose among
+    job_windows = {} if bare else run.job_windows()
     docs: dict[int, dict] = {}
     jobs = []
+    targets: dict[int, Path] = {}  # the digests of the job's traces: written here, windows in
     spec = None if bare else _run_spec(run)
     for r, p in sorted(paths.items()):
         root = p.parent if bare else digest_root(run, r, p)
@@ -623,15 +645,18 @@ def ensure(run: RunDir, names: list[str] | None = None, ranks=None, workers: int
         except OSError:
             stamp = None
         target = None if bare else digest_path(root, r)
+        keep = write and not bare and _own_digest_dir(run, root)
+        if keep and r in job_windows:
+            targets[r] = target
         # a trace over today's --max-input-mb (its file, or the JSON it inflates to) is refused
         # as its parse would be, cached or not (read_cached: within_limit)
         doc = None if bare else read_cached(run, target, r, stamp, names)
         if doc is not None:
             docs[r] = doc
         else:
-            keep = write and not bare and _own_digest_dir(run, root)
-            jobs.append(("bare" if bare else "run", spec, r, str(p), stamp,
-                         str(target) if keep else None, names, 1))
+            kind = "bare" if bare else "job" if r in job_windows else "run"
+            jobs.append((kind, spec, r, str(p), stamp,
+                         str(target) if keep and kind == "run" else None, names, 1))
     report = {"reused": sorted(docs), "built": [], "failed": {}}
     for r, doc, err in run_jobs(jobs, workers, run, progress, isolate=isolate):
         if err:
@@ -641,6 +666,18 @@ def ensure(run: RunDir, names: list[str] | None = None, ranks=None, workers: int
             docs[r] = doc
             report["built"].append(r)
     report["built"].sort()
+    for r, windows in job_windows.items():
+        # what each of the job's windows holds goes with the digest: the next analysis chooses
+        # among the same files without parsing them again (RunDir._job_traces)
+        doc = docs.get(r)
+        if doc is None or (r not in report["built"] and doc.get("windows") == windows):
+            continue
+        doc["windows"] = windows
+        if r in targets:
+            try:
+                write_json_atomic(targets[r], doc, indent=None)
+            except OSError:
+                pass  # a read-only run directory: the digest is used, not cached
     for r in sorted(docs):
         run.problems.extend(docs[r].get("problems") or [])
     return dict(sorted(docs.items())), report

@@ -353,6 +353,52 @@ def _below(sub: Path, root: Path) -> str:
         return str(sub)
 
 
+# what choosing among a job's windows reads of each (kept with the rank's digest)
+_WINDOW_FACTS = ("path", "whole_trace_window", "span_ns", "steps", "window")
+
+
+def _window_facts_ok(facts: dict) -> bool:
+    """Window facts kept in a digest have the types choosing among windows reads."""
+    w, span = facts.get("window"), facts.get("span_ns")
+    return (isinstance(facts.get("path"), str) and isinstance(w, dict)
+            and all(type(w.get(k, 0)) is int for k in ("work_steps", "events"))
+            and (span is None or (isinstance(span, list) and len(span) == 2
+                                  and all(type(x) is int for x in span))))
+
+
+def _distinct_files(paths: list[Path]) -> list[Path]:
+    """The regular files among ``paths``, each file once (hard links and repeats: the last)."""
+    out: list[Path] = []
+    for p in paths:
+        try:
+            if not p.is_file():
+                continue
+        except OSError:
+            continue
+        out = [q for q in out if not _same_file(q, p)] + [p]
+    return out
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _with_link(found: list[Path], linked: Path | None,
+               last: Path | None = None) -> list[tuple[Path, Path]]:
+    """The job's traces as (path read, path said): the one linked into RUN/profiler/ (the same
+    file, or ``last``: the job's file meta.json says was linked) read from there; a link that is
+    none of them (the job's files moved) is the last."""
+    if linked is None:
+        return [(p, p) for p in found]
+    out = [(linked, p) if _same_file(p, linked) or p == last else (p, p) for p in found]
+    if not any(read == linked for read, _ in out):
+        out.append((linked, linked))
+    return out
+
+
 def _is_dir(p: Path) -> bool:
     try:
         return p.is_dir()
@@ -1078,8 +1124,12 @@ class RunDir:
 
     def _job_traces(self, out: dict[int, Path]) -> None:
         """Ranks whose job ran its own profiler (meta.json ``job_profiler``): where trainprof
-        has no trace of its own, the job's last exported trace stands in; said in problems."""
+        has no trace of its own, the job's exported traces stand in (those still there; the one
+        linked into RUN/profiler/ is read from there); said in problems. Of several, the window
+        that holds the most training is analyzed, chosen as among bare traces (_choose_job_windows)."""
         said: dict[str, list[int]] = {}
+        several: dict[int, list[tuple[Path, Path]]] = {}
+        self._cache["job_windows"] = {}
         for m in sorted(m for root in self.roots for m in (root / RANKS_DIR).glob(f"rank-*/{META}")):
             try:
                 r = int(m.parent.name[5:])
@@ -1090,9 +1140,17 @@ class RunDir:
                 continue
             paths = [Path(p) for p in jp.get("traces") or []
                      if isinstance(p, str) and p.endswith((".json", ".json.gz"))]
-            found = [p for p in paths if p.is_file()]
-            if r not in out and found:
-                out[r] = found[-1]
+            found = _distinct_files(paths)
+            # meta's "linked": the file in RUN/profiler/ is the job's last (a copied run
+            # directory holds it as a file of its own)
+            last = paths[-1] if paths and out.get(r) is not None and \
+                jp.get("linked") == out[r].name else None
+            cands = _with_link(found, out.get(r), last)  # (path read, path said)
+            if cands:
+                out[r] = cands[-1][0]
+                self._cache["job_windows"][r] = []
+            if len(cands) > 1:
+                several[r] = cands
             where = (f"its traces are at {paths[-1].parent}" + ("" if r in out else " (not found: "
                      "no profiler analysis)") if paths else "it exported no trace: no profiler analysis")
             skipped = "trainprof's window skipped; " if jp.get("window_skipped") else ""
@@ -1100,6 +1158,82 @@ class RunDir:
         for msg, ranks in said.items():
             self.problems.append(f"{msg} (ranks {', '.join(map(str, ranks[:8]))}"
                                  f"{', …' if len(ranks) > 8 else ''})")
+        if several:
+            self._choose_job_windows(out, several)
+
+    def _choose_job_windows(self, out: dict[int, Path], several: dict) -> None:
+        """Ranks with several of the job's traces (torch writes one per cycle of a schedule, and
+        a last, cut off one when the profiler stops before its cycle ends): the window that
+        holds the most training is analyzed (trainprof/trace/_discover.py choose_window, its
+        trailing stub steps dropped), a problem line naming those left out. What each window
+        holds is read from the rank's digest when it lists those very files (same path, size
+        and mtime), else parsed (in the digest pool, no analyzer run) and kept with the digest
+        (trainprof/digest.py ensure)."""
+        from trainprof import digest
+        from trainprof.trace import _discover as disc
+
+        known: dict[tuple[int, Path], dict] = {}
+        stamps: dict[tuple[int, Path], dict] = {}
+        todo = []
+        for r, cands in sorted(several.items()):
+            root = digest.digest_root(self, r, out[r])
+            cached = self._cached_windows(digest.digest_path(root, r))
+            for p, _ in cands:
+                try:
+                    stamp = digest.trace_stamp(root, p)
+                except OSError:
+                    continue
+                stamps[r, p] = stamp
+                hit = next((w for w in cached if w["trace"] == stamp), None)
+                if hit is not None:
+                    known[r, p] = hit["facts"]
+                else:
+                    todo.append(("window", None, r, str(p), stamp, None, [], 1))
+        for (key, doc, err), job in zip(digest.run_jobs(todo), todo):
+            if err:
+                self.problems.append(err)
+            else:
+                known[job[2], Path(key)] = {k: doc["facts"][k] for k in _WINDOW_FACTS
+                                            if k in doc["facts"]}
+        for r, cands in sorted(several.items()):
+            heads, link = [], {}
+            for p, shown in cands:
+                facts = known.get((r, p))
+                if facts is None:
+                    continue
+                # named as the job named it (the trace linked into RUN/profiler/ too)
+                heads.append(digest.TraceHead({"rank": r, "facts": {**facts, "path": str(shown)}}))
+                link[shown] = p
+            if not heads:
+                continue
+            best = disc.choose_window(f"rank {r}", heads, self.problems)
+            out[r] = link[best.path]
+            self._cache["job_windows"][r] = [
+                {"trace": stamps[r, p], "facts": known[r, p]} for p, _ in cands if (r, p) in known]
+
+    def _cached_windows(self, path: Path) -> list[dict]:
+        """The windows a rank's cached digest lists (``windows``: what each of the job's traces
+        holds), when the digest is of this code; [] otherwise."""
+        from trainprof import digest
+
+        try:
+            os.stat(path)
+            doc = read_json(path)
+        except (OSError, RunDirError):
+            return []
+        if not isinstance(doc, dict) or doc.get("code") != digest.code_fingerprint():
+            return []
+        ws = doc.get("windows")
+        if not isinstance(ws, list):
+            return []
+        return [w for w in ws if isinstance(w, dict) and isinstance(w.get("trace"), dict)
+                and isinstance(w.get("facts"), dict) and _window_facts_ok(w["facts"])]
+
+    def job_windows(self) -> dict[int, list[dict]]:
+        """Ranks whose trace the job's own profiler wrote -> what each of its windows holds
+        ([{"trace": stamp, "facts": ...}]; [] when there was one window only)."""
+        self.profiler_traces()
+        return self._cache.get("job_windows", {})
 
     def traces(self, progress=None) -> dict:
         """rank -> parsed trace (trainprof.trace.Trace), parsed once, in parallel across ranks.
@@ -1117,6 +1251,12 @@ class RunDir:
                 for r, t in traces.items():
                     t.rank = r
                     prepare_window(t)  # stub steps dropped as in its digest (said there)
+            else:
+                from trainprof.trace._discover import prepare_window
+
+                for r in self.job_windows():  # the job's own traces: as bare traces
+                    if r in traces:
+                        prepare_window(traces[r])
             self._cache["traces"] = traces
         self._say_trace_facts([(r, t.path, t.stats.get("gpu_ops_without_launch"),
                                 t.meta.get("whole_trace_window"), t.meta.get("span_ns"))

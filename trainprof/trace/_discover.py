@@ -265,35 +265,41 @@ def _held(head) -> str:
 
 def choose_windows(heads: list, problems: list[str]) -> tuple[list, dict]:
     """One trace per process (the rank it claims, else torch's <host>_<pid>, else the file): the
-    window that holds the most training (_window_key), so that a window torch cut off when the
-    loop ended (one step, or a stub step alone) never wins over a full one. A problem line per
-    process with several windows names those left out and why. Returns (the chosen heads,
-    {"older": n, "later": n} windows left out before / after the chosen one)."""
+    window that holds the most training (choose_window). Returns (the chosen heads, {"older": n,
+    "later": n} windows left out before / after the chosen one)."""
     groups: dict[str, list] = {}
     for h in heads:
         groups.setdefault(_process(h), []).append(h)
-    keep, counts = [], {"older": 0, "later": 0}
-    for who, hs in groups.items():
-        best = max(hs, key=_window_key)
-        keep.append(best)
-        if len(hs) == 1:
-            continue
-        bspan = _span(best)
-        rest = sorted((h for h in hs if h is not best), key=lambda h: _span(h) or (0, 0))
-        parts = []
-        for h in rest:
-            span = _span(h)
-            later = span[0] > bspan[0] if span and bspan else \
-                _order_key(h.path) > _order_key(best.path)
-            counts["later" if later else "older"] += 1
-            parts.append(f"{h.path.name} ({_held(h)}, {'later' if later else 'earlier'})")
-        why = ("the one holding the most training is analyzed" if
-               any(_window_key(h)[:2] < _window_key(best)[:2] for h in rest)
-               else "they hold as much training; the latest is analyzed")
-        shown = "; ".join(parts[:5]) + ("; …" if len(parts) > 5 else "")
-        problems.append(f"{who}: {len(hs)} profiler windows; {why}: {best.path.name} "
-                        f"({_held(best)}); left out: {shown}")
+    counts = {"older": 0, "later": 0}
+    keep = [choose_window(who, hs, problems, counts) for who, hs in groups.items()]
     return sorted(keep, key=lambda h: h.path), counts
+
+
+def choose_window(who: str, hs: list, problems: list[str], counts: dict | None = None):
+    """Of the windows ``hs`` of one process (``who``: "rank 3"), the one that holds the most
+    training (_window_key), so that a window torch cut off when the loop ended (one step, or a
+    stub step alone) never wins over a full one. With several, a problem line names those left
+    out and why; ``counts`` ({"older": n, "later": n}) counts them. Returns the chosen head."""
+    best = max(hs, key=_window_key)
+    if len(hs) == 1:
+        return best
+    counts = counts if counts is not None else {"older": 0, "later": 0}
+    bspan = _span(best)
+    rest = sorted((h for h in hs if h is not best), key=lambda h: _span(h) or (0, 0))
+    parts = []
+    for h in rest:
+        span = _span(h)
+        later = span[0] > bspan[0] if span and bspan else \
+            _order_key(h.path) > _order_key(best.path)
+        counts["later" if later else "older"] += 1
+        parts.append(f"{h.path.name} ({_held(h)}, {'later' if later else 'earlier'})")
+    why = ("the one holding the most training is analyzed" if
+           any(_window_key(h)[:2] < _window_key(best)[:2] for h in rest)
+           else "they hold as much training; the latest is analyzed")
+    shown = "; ".join(parts[:5]) + ("; …" if len(parts) > 5 else "")
+    problems.append(f"{who}: {len(hs)} profiler windows; {why}: {best.path.name} "
+                    f"({_held(best)}); left out: {shown}")
+    return best
 
 
 # --------------------------------------------------------------------------- jobs
