@@ -49,8 +49,15 @@ def analyze(run) -> AnalyzerResult:
     excluded = excluded_steps(steps)
     drop = set(excluded["warmup"]) | set(excluded["profiler"])
     kept = steps[~steps["step"].isin(drop)]
-    if kept.empty:  # a very short run: better some numbers than none
+    only_excluded = kept.empty
+    if only_excluded:  # a very short run: better some numbers than none, said so
         kept = steps[steps["step"] >= min(WARMUP_STEPS, int(steps["step"].max()))]
+        used = sorted(int(x) for x in kept["step"].unique())
+        n = int(steps["step"].max()) + 1
+        run.problems.append(
+            f"{NAME}: the job recorded {n} step{'s' * (n != 1)}, each one a warm-up or profiler "
+            f"step that statistics leave out; the step time shown is from step{'s' * (len(used) != 1)} "
+            f"{', '.join(map(str, used))} alone and may not represent training")
 
     per_rank = []
     for rank, g in kept.groupby("rank"):
@@ -84,6 +91,7 @@ def analyze(run) -> AnalyzerResult:
         "tokens_per_s": (tokens / (median / 1e3)) if tokens and median else None,
         "steps_recorded": int(steps["step"].max()) + 1,
         "ranks_reporting": int(steps["rank"].nunique()),
+        **({"from_excluded_steps": True} if only_excluded else {}),
     }
     partial = partial_note(run, job["ranks_reporting"])
     if partial:

@@ -78,3 +78,20 @@ def test_off_training_rule_on_the_breakdown():
     assert "no training work" in off_training(Run(), idle)
     assert off_training(Run(), [rank(0, 0.01, 0.0), rank(1, 0.0, 0.0)]) is None  # 0.5 ms of ops
     assert off_training(Run(), [rank(0, 0.0, 0.3), rank(1, 0.0, 0.0)]) is None   # communication
+
+
+@pytest.mark.multiproc
+def test_window_never_reached_is_said_and_a_lone_warmup_step_is_flagged(tmp_path):
+    """A job of one step never reaches the default window (steps 3-4): no trace at all. That is
+    said (what was not analyzed, and a --profile-steps the job runs), never "nothing looks
+    wrong"; the step time shown comes from the warm-up step alone, which is said too."""
+    stdout, s = _wrap(tmp_path, "one", steps=1)
+    assert not (tmp_path / "one" / "profiler").exists()
+    cover = s["coverage"]
+    assert "was never reached: the job recorded 1 step" in cover["text"]
+    assert "--profile-steps 0-0" in cover["text"] and cover["text"] in s["problems"]
+    assert {"communication vs compute", "ops", "kernel launch"} <= {m["analysis"] for m in cover["not_analyzed"]}
+    assert "nothing looks wrong" not in stdout and "no findings in what was analyzed" in stdout
+    job = s["metrics"]["step_time"]["job"]
+    assert job["from_excluded_steps"] is True and job["steps"] == 1
+    assert [p for p in s["problems"] if p.startswith("step_time: the job recorded 1 step,")]

@@ -184,6 +184,10 @@ def coverage(run: RunDir, metrics: dict) -> dict | None:
     if why:
         missing += [{"analysis": _LABELS.get(n, n), "needs": "a profiled window of training steps"}
                     for n in WINDOW_ANALYZERS if n in metrics]
+    unreached = None if run.trace_inputs else window_unreached(run)
+    if unreached:
+        missing += [{"analysis": _LABELS.get(n, n), "needs": "a profiled window of training steps"}
+                    for n in WINDOW_ANALYZERS if n not in metrics or n == "trace_stragglers"]
     if not missing:
         return None
     needs = list(dict.fromkeys(m["needs"] for m in missing))
@@ -192,6 +196,8 @@ def coverage(run: RunDir, metrics: dict) -> dict | None:
                 + ", ".join(m["analysis"] for m in missing if m["needs"] in dict(RUN_DIR_ANALYSES).values())
                 + "; they need a run directory's " + ", ".join(n for n in needs if "window" not in n)
                 + " (record one with `trainprof wrap -- CMD`)")
+    elif unreached:
+        text = "not analyzed: " + ", ".join(m["analysis"] for m in missing) + f" ({unreached})"
     else:
         text = ("not analyzed: " + ", ".join(m["analysis"] for m in missing)
                 + " (the profiler window did not cover training steps: see problems)")
@@ -200,6 +206,36 @@ def coverage(run: RunDir, metrics: dict) -> dict | None:
     text += "; analyzed: " + (", ".join(analyzed) if analyzed else "nothing")
     return {"analyzed": analyzed, "not_analyzed": missing, "text": text,
             **({"not_applicable": list(INTER_RANK_ANALYSES)} if single else {})}
+
+
+def window_unreached(run: RunDir) -> str | None:
+    """Why a run directory has no profiler trace although its probes were to record a window
+    (meta.json ``profile_steps``): the job ended before the window's first step. None when a
+    trace exists, no window was asked for (``--profile-steps none``, the job's own profiler),
+    or the ranks skipped it on purpose (--profile-ranks)."""
+    try:
+        if run.profiler_traces():
+            return None
+    except Exception:  # noqa: BLE001 - the trace analyzers report an unreadable profiler/
+        return None
+    windows, recorded = [], []
+    for r in run.ranks:
+        m = run.rank_meta(r)
+        w = m.get("profile_steps")
+        if m.get("profiled") is False or m.get("job_profiler") or not (
+                isinstance(w, list) and len(w) == 2 and all(type(x) is int for x in w)):
+            continue
+        windows.append(tuple(w))
+        n = m.get("steps_recorded")
+        if type(n) is int:
+            recorded.append(n)
+    if not windows or not recorded or max(recorded) > windows[0][0]:
+        return None  # a window reached but not written is lost_traces' to say
+    first, last = windows[0]
+    n = max(recorded)
+    rerun = "0-0" if n == 1 else f"1-{min(n - 1, 2)}"  # steps the job does run
+    return (f"the profiler window, steps {first}-{last}, was never reached: the job recorded "
+            f"{n} step{'s' * (n != 1)}; rerun with `trainprof wrap --profile-steps {rerun}`")
 
 
 def _one_process(run: RunDir) -> bool:
