@@ -584,7 +584,19 @@ def analyze(run) -> AnalyzerResult:
     if late["wait_ms"]:
         metrics["exposed_comm_fraction_excl_late_ranks"] = late["exposed"]
         metrics["waiting_for_late_ranks"] = {"late": late["late"], "wait_ms_per_step": late["wait_ms"]}
-    return AnalyzerResult(metrics=metrics, findings=_findings(per_rank, job["exposed_comm_fraction"], late))
+    missing = _missing_ranks(run)
+    return AnalyzerResult(metrics=metrics, findings=_findings(per_rank, job["exposed_comm_fraction"], late,
+                                                              missing))
+
+
+def _missing_ranks(run) -> list[int]:
+    """Ranks of the job with no data at all (a partial run: a trace unreadable, a rank lost):
+    time the others spend waiting for them looks like exposed communication."""
+    try:
+        p = run.partial()
+    except Exception:  # noqa: BLE001
+        return []
+    return list((p or {}).get("missing_ranks") or [])
 
 
 def _late_waits(run, per_rank: list[dict]) -> dict:
@@ -634,7 +646,8 @@ def _coords(run, rank) -> dict:
         return {}
 
 
-def _findings(per_rank: list[dict], exposed: float, late: dict | None = None) -> list[Finding]:
+def _findings(per_rank: list[dict], exposed: float, late: dict | None = None,
+              missing: list[int] | None = None) -> list[Finding]:
     out = []
     # waits for a late rank are that rank's finding (stragglers analyzer), not communication
     adjusted = (late or {}).get("adjusted") or {}
@@ -662,6 +675,13 @@ def _findings(per_rank: list[dict], exposed: float, late: dict | None = None) ->
             lr = late["late"]
             note = (f" (not counting the time spent waiting for late rank{'s' if len(lr) > 1 else ''} "
                     f"{', '.join(map(str, lr))}: {exposed:.0%} with it; see that rank's finding)")
+        if missing:  # a rank without data may be the one the others wait for
+            from trainprof.rankranges import ranges
+
+            note += (f"; rank{'s' if len(missing) > 1 else ''} {ranges(missing)} of the job "
+                     f"{'have' if len(missing) > 1 else 'has'} no data here: part of this may be "
+                     f"time spent waiting for {'them' if len(missing) > 1 else 'it'}, which cannot "
+                     f"be told apart")
         out.append(Finding(
             kind="exposed_comm", severity="warning",  # every rank above the threshold
             ranks=[r["rank"] for r in worst if own[r["rank"]] >= EXPOSED_COMM_FINDING],
@@ -673,6 +693,7 @@ def _findings(per_rank: list[dict], exposed: float, late: dict | None = None) ->
                           "waiting_for_late_ranks_ms": late["wait_ms"], "late_ranks": late["late"]}
                          if adjusted else {}),
                       "per_rank": {str(r["rank"]): own[r["rank"]] for r in per_rank},
+                      **({"ranks_without_data": missing} if missing else {}),
                       "comm_by_type_ms_per_step": {t: round(v, 2) for t, v in top},
                       "exposed_by_dim_ms_per_step": {d: round(v, 2) for d, v in top_dims}}))
     stalls = [r for r in per_rank if r["sync_fraction"] >= HOST_STALL_FINDING]

@@ -239,3 +239,23 @@ def test_exposed_comm_finding_names_every_rank_above_threshold(tmp_path):
             X("gloo:all_reduce", "user_annotation", 100, comm, tid=2)])
     (f,) = [f for f in comm_compute.analyze(RunDir(tmp_path)).findings if f.kind == "exposed_comm"]
     assert f.ranks == [0, 2, 3, 4, 5]  # all five above 40 %; rank 1 (10 %) is not
+
+
+def test_exposed_comm_with_a_rank_without_data_says_its_waits_cannot_be_told_apart(tmp_path):
+    """Rank 1's trace is truncated: rank 0's waits for it look like exposed communication, and
+    the finding says that a rank of the job has no data (never a bare blame of rank 0)."""
+    from test_trace_findings import rank_events, summary_of, write_job
+
+    d = write_job(tmp_path / "job", [rank_events(None, 3), rank_events(None, 3)])
+    whole = summary_of(d)
+    (f,) = [f for f in whole["findings"] if f["kind"] == "exposed_comm"]
+    assert "no data" not in f["message"] and "ranks_without_data" not in f["evidence"]
+    second = sorted(d.glob("*.pt.trace.json"))[1]
+    data = second.read_bytes()
+    second.write_bytes(data[:len(data) // 2])  # cut off while it was being written
+    s = summary_of(d)
+    assert s["run"]["partial"]["missing_ranks"] == [1]
+    (f,) = [f for f in s["findings"] if f["kind"] == "exposed_comm"]
+    assert f["ranks"] == [0] and f["evidence"]["ranks_without_data"] == [1]
+    assert "rank 1 of the job has no data here: part of this may be time spent waiting for it" \
+        in f["message"], f["message"]
