@@ -238,3 +238,15 @@ def test_input_line_names_every_part_left_out_in_terminal_and_report():
     render_terminal(summary, console=Console(file=buf, force_terminal=False, width=300))
     assert line in buf.getvalue()
     assert kit.esc(line) in render_html(summary)
+
+
+def test_mesh_dim_table_mentions_the_collective_log_only_when_there_is_one():
+    from trainprof.reports.sections import comm_compute as section
+
+    traces_only = {"by_mesh_dim": [{"mesh_dim": "world", "rank": 0, "comm_ms_per_step": 4.0,
+                                    "exposed_ms_per_step": 3.0, "blocked_ms_per_step": None}]}
+    html = section.render(traces_only, {})
+    assert "collective log" not in html and "blocked (log)" not in html and "world" in html
+    logged = {"by_mesh_dim": [dict(traces_only["by_mesh_dim"][0], blocked_ms_per_step=2.5)]}
+    html = section.render(logged, {})
+    assert "always-on collective log" in html and "blocked (log)" in html

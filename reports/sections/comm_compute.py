@@ -98,14 +98,18 @@ def render(metrics: dict, summary: dict) -> str:
                 if d.get(col) is not None:
                     a[key].append(d[col])
         mean = lambda v: sum(v) / len(v) if v else None  # noqa: E731
+        logged = any(v["blocked"] for v in agg.values())  # traces alone have no collective log
         parts.append(kit.para("Per mesh dimension, ms per profiled step (mean over ranks): "
-                              "communication and its exposed part from the traces; time blocked "
-                              "in collectives from the always-on collective log (all steps but 0)."))
+                              "communication and its exposed part from the traces"
+                              + ("; time blocked in collectives from the always-on collective log "
+                                 "(all steps but 0)." if logged else ".")))
+        cols = ("comm", "exposed", "worst rank exposed") + (("blocked (log)",) if logged else ())
         parts.append(kit.table(
             [{"mesh dim": k, "comm": mean(v["comm"]), "exposed": mean(v["exposed"]),
               "worst rank exposed": max(v["exposed"]) if v["exposed"] else None,
-              "blocked (log)": mean(v["blocked"])} for k, v in sorted(agg.items())],
-            fmt={c: kit.fmt_ms for c in ("comm", "exposed", "worst rank exposed", "blocked (log)")}))
+              **({"blocked (log)": mean(v["blocked"])} if logged else {})}
+             for k, v in sorted(agg.items())],
+            fmt={c: kit.fmt_ms for c in cols}))
     stalls = [r for r in per_rank if r.get("sync_calls_per_step")]
     if stalls:
         parts.append(kit.para("Host-side stalls (GPU): blocking synchronizations and device-to-host "
