@@ -1,11 +1,13 @@
-"""Why a straggler is late: its extra time per step split into input wait, CPU wait (host
-contention) and its own work, with the CPU time and context switches of its training thread
-(steps.jsonl, Linux) and NVML telemetry (telemetry.jsonl) against its peers'.
+"""Why a straggler is late: its extra time per step split into input wait, its own work on the
+CPU, CPU wait (host contention) and time off the CPU, with the CPU time and context switches of
+its training thread (steps.jsonl, Linux) and NVML telemetry (telemetry.jsonl) against its peers'.
 
-Host contention = its extra CPU wait, less what its extra on-CPU time would wait at its peers'
-ratio of CPU wait to CPU time, is at least half its excess: another process on its cores. A
-rank with more work on an oversubscribed host waits for a CPU too, in proportion to its extra
-on-CPU time: that is its own work."""
+Extra on-CPU time of its training thread (≥ a quarter of the excess) is its own work and named
+first. Host contention = its extra CPU wait, less what its extra on-CPU time would wait at its
+peers' ratio of CPU wait to CPU time: the cause when it is at least half the excess and the
+rank's CPU time did not grow (another process on its cores), a second factor beside its own
+extra work otherwise. Extra busy time that is neither on a CPU nor waiting for one is time off
+the CPU: sleeping or blocked (I/O, a lock, the OS, the device)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ PERF_THROTTLES = {"sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw
 SCHED_FIELDS = ("cpu_ms", "cpu_wait_ms", "nvcsw", "nivcsw")
 CAUSE_SHARE = 0.5     # a component explaining ≥ half of the excess names the cause
 CLOCK_RATIO = 0.9     # SM clock ≤ 90 % of the peers' median: a slowed device
-OFF_CPU_SHARE = 0.25  # on-CPU time explains < 25 % of extra own work: the thread was off the CPU
+OFF_CPU_SHARE = 0.25  # extra on-CPU time ≥ 25 % of the excess: its own CPU work, named first;
+                      # < 25 % of its extra busy time: the thread was off the CPU
 
 
 def telemetry(run, kept) -> dict[int, dict]:
@@ -89,10 +92,41 @@ def _unexplained_wait(p: dict, peers: list[dict], cpu_wait: float, on_cpu) -> fl
     return cpu_wait - ratio * on_cpu
 
 
-def explain(p: dict, peers: list[dict], excess: float) -> dict:
+def _peer_median(peers: list[dict], field: str):
+    v = [q[field] for q in peers if isinstance(q.get(field), (int, float))]
+    return float(np.median(v)) if v else None
+
+
+def _where_on_cpu(on_cpu: float, ops) -> tuple[str, str]:
+    """(where its extra on-CPU time goes, a note on its torch ops): outside torch ops when the
+    profiled steps show its torch ops taking (almost) no longer than its peers'."""
+    if ops is not None and ops < OFF_CPU_SHARE * on_cpu:
+        return ("outside torch ops (Python / host code)",
+                f"; its torch ops {ops:+.1f} ms vs its peers' in the profiled steps")
+    return "(Python / host code, or torch ops run on the CPU)", ""
+
+
+def _contention_text(p: dict, cpu_wait: float, nivcsw, also: bool = False) -> str:
+    text = (f"its training thread waits {p['cpu_wait_ms']:.0f} ms/step for a CPU"
+            if not also else f"it also waits {p['cpu_wait_ms']:.0f} ms/step for a CPU")
+    text += f" (+{cpu_wait:.0f} ms vs its peers{', more than its extra work explains' if also else ''})"
+    if nivcsw is not None and nivcsw > 0:
+        text += (f", {p['nivcsw']:.0f} involuntary context switches per step "
+                 f"({_signed(nivcsw)} vs its peers)")
+    return text
+
+
+def explain(p: dict, peers: list[dict], excess: float, ops_ms: dict | None = None) -> dict:
     """The cause of rank ``p``'s excess (ms per step) from per-rank medians (``data_wait_ms``,
     ``busy_ms``, sched fields, ``telemetry``) against its peers' medians:
-    {cause: input | host_contention | device_throttling | compute, parts: {...}, text}."""
+    {cause: input | compute | host_contention | device_throttling | off_cpu, parts: {...},
+    text}. ``ops_ms``: rank -> its torch ops' time per profiled step (CPU traces), which tells
+    whether extra on-CPU time is in torch ops or outside them.
+
+    Its own extra on-CPU time (≥ OFF_CPU_SHARE of the excess) is its own work and is named
+    first, with a CPU wait beyond what that work explains as a second factor; host contention
+    is the cause when its CPU time did not grow that much but it waited for a CPU; off_cpu
+    when its busy time grew with its CPU time and CPU wait flat (sleeping, blocked)."""
     data = _diff(p, peers, "data_wait_ms") or 0.0
     cpu_wait = _diff(p, peers, "cpu_wait_ms")
     on_cpu = _diff(p, peers, "cpu_ms")
@@ -103,25 +137,46 @@ def explain(p: dict, peers: list[dict], excess: float) -> dict:
              "cpu_ms": on_cpu, "busy_ms": busy, "nivcsw": nivcsw}
     ex = max(float(excess), 1e-9)
     peer_tel = [q["telemetry"] for q in peers if "telemetry" in q]
+    own_time = busy is not None and busy >= CAUSE_SHARE * ex  # the excess is in its own time
+    contention_also = False
     if data >= CAUSE_SHARE * ex:
         cause = "input"
         text = (f"input-bound: it waits {p['data_wait_ms']:.0f} ms/step for its data loader "
                 f"({_signed(data)} ms vs its peers)")
+    elif own_time and on_cpu is not None and on_cpu >= OFF_CPU_SHARE * ex:
+        # its own extra work on the CPU, whatever else slows it
+        cause = "compute"
+        ops = _diff({"ops": (ops_ms or {}).get(p.get("rank"))},
+                    [{"ops": (ops_ms or {}).get(q.get("rank"))} for q in peers], "ops")
+        where, note = _where_on_cpu(on_cpu, ops)
+        text = (f"its own work on the CPU: its training thread spends {on_cpu:.0f} ms/step more "
+                f"on the CPU {where} than its peers ({p['cpu_ms']:.1f} vs "
+                f"{_peer_median(peers, 'cpu_ms'):.1f} ms per step{note})")
+        if unexplained is not None and unexplained >= OFF_CPU_SHARE * ex:
+            contention_also = True
+            text += ("; " + _contention_text(p, cpu_wait, nivcsw, also=True)
+                     + ": other processes compete for its cores too")
     elif unexplained is not None and unexplained >= CAUSE_SHARE * ex:
         # it waits for a CPU more than its extra work explains: another process takes its cores
         cause = "host_contention"
-        text = (f"host contention: its training thread waits {p['cpu_wait_ms']:.0f} ms/step for a "
-                f"CPU (+{cpu_wait:.0f} ms vs its peers)")
-        if nivcsw is not None and nivcsw > 0:
-            text += (f", {p['nivcsw']:.0f} involuntary context switches per step "
-                     f"({_signed(nivcsw)} vs its peers)")
-        text += ": another process competes for its cores"
+        text = ("host contention: " + _contention_text(p, cpu_wait, nivcsw)
+                + ": another process competes for its cores")
     elif _throttled(p.get("telemetry"), peer_tel):
         cause = "device_throttling"
         text = "device throttling: " + telemetry_text(p["telemetry"], peer_tel)
+    elif own_time and on_cpu is not None and on_cpu < OFF_CPU_SHARE * busy:
+        # longer busy time that is neither on a CPU nor waiting for one
+        cause = "off_cpu"
+        grew = (f"grew by only {on_cpu:.0f} ms" if on_cpu >= 1.0
+                else "did not grow")  # less CPU time than its peers' is noise, not a time
+        text = (f"off the CPU (sleeping / blocked: I/O, a lock, the OS"
+                f"{', the device' if p.get('telemetry') else ''}): its own work takes "
+                f"{busy:.0f} ms/step longer than its peers' ({p['busy_ms']:.0f} ms busy per "
+                f"step) while its training thread's CPU time {grew} ({p['cpu_ms']:.1f} ms per "
+                f"step vs {_peer_median(peers, 'cpu_ms'):.1f} ms for its peers)")
     else:
         cause = "compute"
-        if busy is not None and busy < CAUSE_SHARE * ex:
+        if not own_time and busy is not None:
             # lateness without more host time (asynchronous collectives: the host runs ahead)
             text = (f"its host time per step matches its peers' ({p['busy_ms']:.0f} ms busy, "
                     f"{_signed(busy)} ms vs its peers): the delay is in when it issues its "
@@ -130,13 +185,10 @@ def explain(p: dict, peers: list[dict], excess: float) -> dict:
             text = "compute-bound: its own work takes longer"
             if busy is not None:
                 text += f" ({p['busy_ms']:.0f} ms busy per step, {_signed(busy)} ms vs its peers)"
-        if on_cpu is not None and busy is not None and busy > 0:
-            if on_cpu < OFF_CPU_SHARE * busy:
-                text += (f"; its training thread is off the CPU for most of the extra time "
-                         f"(on-CPU {_signed(on_cpu)} ms): sleeping, blocked on I/O, a lock or the device")
-            else:
+            if on_cpu is not None and on_cpu > 0:
                 text += f"; on-CPU time {_signed(on_cpu)} ms vs its peers"
-    if cause != "host_contention" and cpu_wait is not None and cpu_wait >= 0.25 * ex:
+    if (cause != "host_contention" and not contention_also and cpu_wait is not None
+            and cpu_wait >= 0.25 * ex):
         text += (f"; on a busy host its extra work also waits {cpu_wait:.0f} ms/step more than "
                  "its peers' for a CPU")
     if cause != "device_throttling" and p.get("telemetry"):

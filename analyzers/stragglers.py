@@ -37,11 +37,12 @@ it does — a rank that arrives late while every rank waits the same is not hold
 max(STEP_SCORE × noise, MIN_EXCESS × step) in some steps only is *transient* (metrics only). A
 whole stage slower than the others is stage imbalance (the pipeline analyzer), not a straggler.
 
-The finding names the cause (analyzers/_straggler_cause.py: input wait, CPU wait of the training
-thread, device throttling, or its own work) and the waits it causes: per other rank, the part of
-its collective waits that the straggler's late arrival explains (_lateness.waits_caused) —
-what exposed_comm then leaves out. A rank whose data wait is a large share of its step is
-`data_starvation`; a straggler late for its input is reported there.
+The finding names the cause (analyzers/_straggler_cause.py: input wait, its own work on the CPU,
+CPU wait of the training thread, device throttling, time off the CPU, or its own work) and the
+waits it causes: per other rank, the part of its collective waits that the straggler's late
+arrival explains (_lateness.waits_caused) — what exposed_comm then leaves out. A rank whose data
+wait is a large share of its step is `data_starvation`; a straggler late for its input is
+reported there.
 """
 
 from __future__ import annotations
@@ -447,13 +448,15 @@ def _analyze(run) -> AnalyzerResult:
         if data_med >= DATA_MIN_MS and step_ms and rec["data_share"] >= DATA_SHARE:
             starving.append(rec)
 
-    findings, input_late = [], {}
+    findings, input_late, ops_ms = [], {}, None
     for p in per_rank:
         if p["status"] != "chronic":
             continue
         peers = [q for q in per_rank if q["group"] == p["group"] and q["rank"] != p["rank"]]
         size = p["excess_ms"] if p["signal"] == "own_time" else p["late_ms"]
-        why = cause.explain(p, peers, size)
+        if ops_ms is None and has_sched:
+            ops_ms = _trace_ops_ms(run)
+        why = cause.explain(p, peers, size, ops_ms)
         waits = _caused(fr, p["rank"], kept, size)
         if why["cause"] == "input" and p["rank"] in {q["rank"] for q in starving}:
             input_late[p["rank"]] = waits  # reported with the data starvation it is
@@ -492,6 +495,25 @@ def _analyze(run) -> AnalyzerResult:
     if has_sched:
         metrics["cpu_wait_ms_by_rank"] = _matrix(t, "cpu_wait_ms", shown)
     return AnalyzerResult(metrics=metrics, findings=findings)
+
+
+def _trace_ops_ms(run) -> dict[int, float]:
+    """rank -> median time in torch ops per profiled step of a CPU job (comm_compute's
+    compute_ms from the rank's trace digest); {} without profiler traces. On a GPU the ops run
+    on the device, which says nothing of the training thread's CPU time."""
+    try:
+        if not run.profiler_traces():
+            return {}
+        digests = run.trace_digests("comm_compute")
+    except Exception:  # noqa: BLE001 - comm_compute reports an unreadable trace
+        return {}
+    out = {}
+    for r, d in digests.items():
+        v = [x["compute_ms"] for x in d.get("rows") or []
+             if isinstance(x, dict) and isinstance(x.get("compute_ms"), (int, float))]
+        if d.get("kind") == "cpu" and v:
+            out[int(r)] = float(np.median(v))
+    return out
 
 
 def _straggler_finding(p, peers, size, why, waits, kept) -> Finding:

@@ -1,6 +1,7 @@
 """Stragglers from profiler traces alone (no run directory's collective log): a rank that spends
-longer outside communication than its peers in every profiled step — computing longer, or off the
-CPU (sleeping, waiting on input or the OS) — while its peers wait for it in collectives.
+longer outside communication than its peers in every profiled step — computing longer, in host
+code, or with no op recorded (sleeping, waiting, or Python the trace does not record) — while its
+peers wait for it in collectives.
 
 Reads only the comm_compute digests (``run.trace_digests("comm_compute")``: per rank and
 profiled step, the window and its compute / exposed communication / idle parts). It runs only
@@ -8,11 +9,14 @@ when the input holds no collective log (bare traces): with one, the ``stragglers
 judges from every step, and this one stays silent so that a straggler is reported once. Traces
 without ProfilerStep (one window over each rank's whole trace) are judged over that window with
 a stricter floor. The finding names the part of the step that holds the excess (compute, host
-code outside torch ops — with the host events in it —, data loading, idle).
+code outside torch ops — with the host events in it, a sleep named as one —, data loading, no
+op recorded), and the net excess with each part when other parts offset it.
 Definitions and thresholds: docs/stragglers-pipeline.md ("Stragglers from traces alone").
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -31,8 +35,13 @@ _PARTS = {  # how the message says where the excess lies: (verb phrase, what it 
     "compute_ms": ("computes {} longer than its peers", " (its torch ops run longer)"),
     "other_ms": ("spends {} more than its peers in host code outside torch ops", ""),
     "data_ms": ("spends {} more than its peers loading data", " (enumerate(DataLoader))"),
-    "idle_ms": ("is idle {} longer than its peers",
-                " (off the CPU / no op running: sleeping, waiting on input or the OS)")}
+    "idle_ms": ("has no op recorded in the trace for {} longer than its peers",
+                " (sleeping, waiting, or Python/host code the trace does not record — record "
+                "with with_stack=True to see which)")}
+_LABELS = {"compute_ms": "torch ops", "other_ms": "host code", "data_ms": "data loading",
+           "idle_ms": "no op recorded"}  # the parts, in the breakdown of a net excess
+OFFSET = 0.10          # a part against the excess ≥ 10 % of it (and 0.5 ms): the message says so
+_SLEEP = re.compile(r"(?<![a-z0-9_])sleep(?![a-z0-9_])", re.IGNORECASE)  # time.sleep & co.
 _P2P = frozenset({"send", "recv", "send_recv"})  # pipeline waits are not a late peer's
 
 
@@ -150,7 +159,14 @@ def _finding(ranks, rows, steps, i, e, step_ms, waiting, wait, whole=False) -> F
     verb, note = _PARTS[top]
     what = verb.format(f"{part[top]:.1f} {unit}") + note
     named = _named_excess(rows, steps, r, others, part[top]) if top == "other_ms" else {}
-    if named:
+    sleep = next(iter(named), None)  # the top host event, when it is a sleep
+    if sleep is not None and _SLEEP.search(sleep):
+        what = (f"is sleeping {named[sleep]:.1f} {unit} longer than its peers (in {sleep}; "
+                f"{part[top]:.1f} {unit} more in host code outside torch ops")
+        rest = {n: v for n, v in named.items() if n != sleep}
+        what += ("; also " + ", ".join(f"{n} (+{v:.1f} {unit})" for n, v in rest.items())
+                 if rest else "") + ")"
+    elif named:
         what += " — most in " + ", ".join(f"{n} (+{v:.1f} {unit})" for n, v in named.items())
     elif top == "other_ms":
         what += " (Python, annotations; record with with_stack=True to see the functions)"
@@ -163,10 +179,11 @@ def _finding(ranks, rows, steps, i, e, step_ms, waiting, wait, whole=False) -> F
     wait_ms = {str(ranks[j]): round(float(median(wait[j])), 3) for j in waiting}
     who = (f"ranks {', '.join(str(ranks[j]) for j in waiting)} wait" if len(waiting) > 1
            else f"rank {ranks[waiting[0]]} waits")
-    where = (f"{e / step_ms:.0%} of the {step_ms:.1f} ms traced window)" if whole else
-             f"{e / step_ms:.0%} of the {step_ms:.1f} ms step) in {len(steps)} profiled steps")
+    net, parts = _net(e, part, top, unit)
+    where = (f"{e / step_ms:.0%} of the {step_ms:.1f} ms traced window{parts})" if whole else
+             f"{e / step_ms:.0%} of the {step_ms:.1f} ms step{parts}) in {len(steps)} profiled steps")
     msg = (f"straggler (from the profiler traces{', one window over the whole trace' if whole else ''}): "
-           f"rank {r} {what} ({e:.1f} {unit} more outside communication, {where}; {who} "
+           f"rank {r} {what} ({net}, {where}; {who} "
            f"{float(median(list(wait_ms.values()))):.1f} {unit} in {kind} for rank {r}")
     return Finding("straggler", "warning", [r], msg, evidence={
         "rank": r, "source": "profiler traces", "excess_ms_per_step": round(e, 3),
@@ -176,6 +193,19 @@ def _finding(ranks, rows, steps, i, e, step_ms, waiting, wait, whole=False) -> F
         "excess_by_part_ms_per_step": {k: round(v, 3) for k, v in part.items()},
         **({"excess_other_by_name_ms_per_step": named} if named else {}),
         "waits_caused_ms": wait_ms, "waited_in": kind})
+
+
+def _net(e: float, part: dict[str, float], top: str, unit: str) -> tuple[str, str]:
+    """('12.0 ms/step more outside communication', ''), or when other parts offset the one
+    named, the net excess and each part: ('net 25.2 ms/step more outside communication',
+    ': no op recorded +40.0, torch ops -4.7, host code -7.6 ms/step, each a median')."""
+    least = max(0.5, OFFSET * abs(e))
+    shown = [k for k in sorted(part, key=lambda k: -part[k]) if k == top or abs(part[k]) >= least]
+    if not any(part[k] < 0 for k in shown if k != top) and part[top] <= e + least:
+        return f"{e:.1f} {unit} more outside communication", ""
+    return (f"net {e:.1f} {unit} more outside communication",
+            ": " + ", ".join(f"{_LABELS[k]} {part[k]:+.1f}" for k in shown)
+            + f" {unit}, each a median")
 
 
 def _named_excess(rows, steps, r, others, total: float, top: int = 3) -> dict[str, float]:

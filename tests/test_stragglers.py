@@ -1,12 +1,13 @@
 """stragglers analyzer: hand-built runs of 2, 4, 8 and 1,024 ranks (own time = step − waits,
 per-step excess over the other peers, scores hand-computed), the cause named (input, CPU wait,
-device throttling, own work), the waits a straggler causes attributed to it and left out of
+device throttling, own work on or off the CPU), the waits a straggler causes attributed to it and left out of
 exposed communication, and the reference workload with injected ground truth."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 
 from helpers import run_cli
 from runs import straggler_delay_ms, straggler_run
-from trainprof.analyzers import collectives, comm_compute, stragglers
+from trainprof.analyzers import _straggler_cause, collectives, comm_compute, stragglers
 from trainprof.rundir import JsonlWriter, RunDir, rank_dir
 
 MS = 1_000_000
@@ -357,7 +358,61 @@ def test_off_cpu_straggler(tmp_path):
                  for s in range(10)} for r in range(2)}
     res = stragglers.analyze(make_run(tmp_path, busy, steps=10, nranks=2, mesh=False, sched=sched))
     (f,) = straggler_findings(res)
-    assert f.evidence["cause"] == "compute" and "off the CPU" in f.message
+    assert f.evidence["cause"] == "off_cpu", f.message
+    assert "off the CPU (sleeping / blocked: I/O, a lock, the OS)" in f.message
+    assert "compute-bound" not in f.message
+    assert "CPU time did not grow (480.0 ms per step vs 480.0 ms for its peers)" in f.message
+
+
+def test_off_cpu_straggler_with_less_cpu_time_than_its_peers(tmp_path):
+    # a sleeping rank whose thread is on the CPU 2 ms less than its peer's (measurement noise):
+    # no negative time in the message
+    busy = noisy_busy(9, steps=10, nranks=2)
+    busy[1] = [b + 200 for b in busy[1]]
+    sched = {r: {s: {"cpu_ms": 480.0 - (2 if r else 0), "cpu_wait_ms": 15.0, "nvcsw": 10,
+                     "nivcsw": 5} for s in range(10)} for r in range(2)}
+    res = stragglers.analyze(make_run(tmp_path, busy, steps=10, nranks=2, mesh=False, sched=sched))
+    (f,) = straggler_findings(res)
+    assert f.evidence["cause"] == "off_cpu" and f.evidence["cause_parts"]["cpu_ms"] == pytest.approx(-2)
+    assert "did not grow (478.0 ms per step vs 480.0 ms for its peers)" in f.message
+    assert not re.search(r"(?<![\w.])-\d", f.message), f.message
+
+
+def test_own_cpu_work_named_before_contention(tmp_path):
+    # rank 1 runs 220 ms more Python per step, and on a busy host also waits 240 ms more for
+    # a CPU (its peer, blocked in the all_reduce, hardly waits): its own work first, the
+    # contention as a second factor
+    busy = noisy_busy(9, steps=10, nranks=2)
+    busy[1] = [b + 460 for b in busy[1]]
+    sched = {r: {s: {"cpu_ms": 40.0 + (220 if r else 0), "cpu_wait_ms": 2.0 + (240 if r else 0),
+                     "nvcsw": 10, "nivcsw": 10 if r else 2} for s in range(10)} for r in range(2)}
+    res = stragglers.analyze(make_run(tmp_path, busy, steps=10, nranks=2, mesh=False, sched=sched))
+    (f,) = straggler_findings(res)
+    assert f.evidence["cause"] == "compute", f.message
+    assert "host contention:" not in f.message and "compute-bound" not in f.message
+    own = f.message.index("its training thread spends 220 ms/step more on the CPU")
+    assert own < f.message.index("it also waits 242 ms/step for a CPU (+240 ms vs its peers") \
+        < f.message.index("other processes compete for its cores too")
+    assert "(Python / host code, or torch ops run on the CPU)" in f.message  # no trace to tell
+
+
+def test_own_cpu_work_outside_torch_ops_from_the_traces():
+    # the profiled steps (CPU traces) show its torch ops taking no longer: outside torch ops
+    p = {"rank": 1, "busy_ms": 48.8, "cpu_ms": 26.1, "cpu_wait_ms": 24.3, "nivcsw": 10.0,
+         "data_wait_ms": 0.0}
+    q = {"rank": 0, "busy_ms": 4.6, "cpu_ms": 3.8, "cpu_wait_ms": 0.1, "nivcsw": 2.0,
+         "data_wait_ms": 0.0}
+    why = _straggler_cause.explain(p, [q], 44.1, {0: 1.6, 1: 1.7})
+    assert why["cause"] == "compute"
+    assert ("its training thread spends 22 ms/step more on the CPU outside torch ops "
+            "(Python / host code) than its peers") in why["text"]
+    assert "its torch ops +0.1 ms vs its peers' in the profiled steps" in why["text"]
+    # torch ops that take longer too: not claimed to be outside them
+    why = _straggler_cause.explain(p, [q], 44.1, {0: 1.6, 1: 21.6})
+    assert "outside torch ops" not in why["text"]
+    # its CPU time did not grow but it waited for a CPU: host contention, as before
+    why = _straggler_cause.explain({**p, "cpu_ms": 3.9, "cpu_wait_ms": 44.0}, [q], 44.1)
+    assert why["cause"] == "host_contention" and why["text"].startswith("host contention:")
 
 
 def test_exposed_comm_leaves_out_waits_for_a_straggler(tmp_path):

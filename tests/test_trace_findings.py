@@ -25,13 +25,13 @@ def ev(name, cat, ts, dur, tid=100):
 
 
 def rank_events(late: str | None, steps: int = 4, profiler_steps: bool = True,
-                wait_us: int = 22_000) -> list:
+                wait_us: int = 22_000, mm_us: int = 5_000) -> list:
     """One rank's events for ``steps`` iterations of STEP_US each. ``late``: how this rank
     spends 20 ms at the start of each iteration ("sleep": in `<built-in function sleep>` under
-    a Python frame, as with_stack records it; "compute": in aten::mm; "idle": in no event, as
-    a sleep without with_stack), then
-    5 ms of aten::mm and a 2 ms all-reduce; None: a peer that computes 5 ms and then waits
-    ``wait_us`` in the all-reduce."""
+    a Python frame, as with_stack records it; "host": in a Python function with no call under
+    it, as a busy loop; "compute": in aten::mm; "idle": in no event, as a sleep or a busy loop
+    without with_stack), then ``mm_us`` of aten::mm and a 2 ms all-reduce; None: a peer that
+    computes 5 ms and then waits ``wait_us`` in the all-reduce."""
     # a whole-trace window runs from the trace's first event: every rank starts with one
     out = [] if profiler_steps else [ev("aten::empty", "cpu_op", 0, 10)]
     for i in range(steps):
@@ -44,9 +44,11 @@ def rank_events(late: str | None, steps: int = 4, profiler_steps: bool = True,
             if late == "sleep":  # with_stack: the frame, and the call in it
                 out += [ev("train.py(12): <module>", "python_function", t, 27_000),
                         ev("<built-in function sleep>", "python_function", t, 20_000)]
+            elif late == "host":
+                out.append(ev("train.py(30): spin", "python_function", t, 20_000))
             elif late == "compute":
                 out.append(ev("aten::mm", "cpu_op", t, 20_000))
-            mm, comm = (t + 20_000, 5_000), (t + 25_000, 2_000)
+            mm, comm = (t + 20_000, mm_us), (t + 20_000 + mm_us, 2_000)
         out += [ev("aten::mm", "cpu_op", *mm), ev("c10d::allreduce_", "cpu_op", *comm),
                 ev("gloo:all_reduce", "user_annotation", *comm, tid=200)]
     return out
@@ -77,10 +79,16 @@ def stragglers(s: dict) -> list:
 
 # ------------------------------------------------------------------ the straggler's message
 @pytest.mark.parametrize("late,part,says,not_says", [
-    ("sleep", "other", ["spends 20.0 ms/step more than its peers in host code outside torch ops",
-                        "<built-in function sleep> (+20.0 ms/step)"], ["computes", "<module>"]),
+    ("sleep", "other", ["is sleeping 20.0 ms/step longer than its peers (in <built-in function "
+                        "sleep>; 20.0 ms/step more in host code outside torch ops)"],
+     ["computes", "<module>", "spends"]),
+    ("host", "other", ["spends 20.0 ms/step more than its peers in host code outside torch ops "
+                       "— most in train.py(30): spin (+20.0 ms/step)"], ["computes", "sleeping"]),
     ("compute", "compute", ["computes 20.0 ms/step longer than its peers"], ["host code"]),
-    ("idle", "idle", ["is idle 20.0 ms/step longer than its peers"], ["computes", "host code"]),
+    ("idle", "idle", ["has no op recorded in the trace for 20.0 ms/step longer than its peers "
+                      "(sleeping, waiting, or Python/host code the trace does not record — "
+                      "record with with_stack=True to see which)"],
+     ["computes", "host code outside", "is idle", "off the CPU"]),
 ])
 def test_straggler_message_names_the_part_that_holds_the_excess(tmp_path, late, part, says, not_says):
     s = summary_of(write_job(tmp_path / late, [rank_events(None), rank_events(late)]))
@@ -100,6 +108,28 @@ def test_straggler_message_names_the_part_that_holds_the_excess(tmp_path, late, 
                    for r in rows)
 
 
+def test_straggler_message_states_the_net_excess_and_the_parts_that_offset_it(tmp_path):
+    # rank 1 has no op recorded for 20 ms/step, runs its aten::mm 1 ms instead of 5 and so
+    # idles 4 ms more at the step's end (24 ms with no op), a net 20 ms more outside
+    # communication: the message states the net and the parts that offset each other
+    s = summary_of(write_job(tmp_path / "offset", [rank_events(None),
+                                                   rank_events("idle", mm_us=1_000)]))
+    (f,) = stragglers(s)
+    parts = f["evidence"]["excess_by_part_ms_per_step"]
+    assert parts["idle_ms"] == pytest.approx(24.0, abs=0.1)
+    assert parts["compute_ms"] == pytest.approx(-4.0, abs=0.1)
+    e = f["evidence"]["excess_ms_per_step"]
+    assert e == pytest.approx(20.0, abs=0.1)
+    assert (f"(net {e:.1f} ms/step more outside communication, "
+            in f["message"]), f["message"]
+    assert "step: no op recorded +24.0, torch ops -4.0 ms/step, each a median)" in f["message"]
+    # without an offsetting part: the excess alone
+    (g,) = stragglers(summary_of(write_job(tmp_path / "plain", [rank_events(None),
+                                                                rank_events("idle")])))
+    assert "(20.0 ms/step more outside communication, " in g["message"]
+    assert "net " not in g["message"] and "each a median" not in g["message"]
+
+
 # ------------------------------------------------------------------ one whole-trace window
 def test_straggler_judged_over_one_whole_trace_window(tmp_path):
     s = summary_of(write_job(tmp_path / "strag", [rank_events(None, 5, profiler_steps=False),
@@ -107,7 +137,8 @@ def test_straggler_judged_over_one_whole_trace_window(tmp_path):
     (f,) = stragglers(s)
     assert f["ranks"] == [1] and f["evidence"]["whole_trace_window"] is True
     assert "one window over the whole trace" in f["message"] and "ms/step" not in f["message"]
-    assert "rank 1 is idle 100.0 ms longer than its peers" in f["message"], f["message"]
+    assert "rank 1 has no op recorded in the trace for 100.0 ms longer than its peers" in \
+        f["message"], f["message"]
     assert f["evidence"]["excess_by_part_ms_per_step"]["idle_ms"] == pytest.approx(100.0, abs=0.1)
     assert "rank 0 waits" in f["message"]
     # the waiting rank is not blamed for exposed communication
