@@ -19,8 +19,8 @@ from trainprof.probes import runtime
 from trainprof.probes.rankinfo import identity, mesh_info
 from trainprof.probes.steps import StepClock
 from trainprof.probes.ticker import Ticker
-from trainprof.rundir import (META, STEPS, JsonlWriter, profiler_trace_path, rank_dir,
-                              write_json_atomic)
+from trainprof.rundir import (JOB_TRACES_DIR, META, STEPS, JsonlWriter, is_job_trace_name,
+                              job_trace_dir, profiler_trace_path, rank_dir, write_json_atomic)
 
 DEFAULT_PROFILE_STEPS = "3-4"
 MAX_JOB_TRACES = 20  # paths of the job's own profiler traces kept in meta.json (the last ones)
@@ -234,20 +234,67 @@ class ProbeSession:
         self.update_meta(job_profiler=rec)
 
     def _link_job_trace(self) -> None:
-        """Without a trace of its own, hard-link the job's last trace into RUN/profiler/ under
-        this rank's name: the run directory then holds it (a link: no copy, and the job's file
-        stays where it is). Where linking is impossible the analysis follows meta's path."""
-        traces = (self.meta.get("job_profiler") or {}).get("traces") or []
+        """Without a trace of its own, hard-link the job's traces into the run directory: the
+        last under this rank's name in RUN/profiler/, and each recorded one under its own name
+        in RUN/profiler/job/rank-NNNNN/ (meta ``links``), so that the run directory holds every
+        window the analysis may choose (links: nothing copied, the job's files stay where they
+        are). A file that cannot be linked (another file system, gone) is skipped: the analysis
+        follows meta's path."""
+        jp = self.meta.get("job_profiler") or {}
+        traces = [t for t in jp.get("traces") or [] if isinstance(t, str)]
         own = profiler_trace_path(self.run_dir, self.rank)
         if not traces or own.exists():
             return
-        src = Path(traces[-1])
-        with open(src, "rb") as f:
-            gz = f.read(2) == b"\x1f\x8b"
-        dst = own if gz else own.with_name(own.name[:-len(".gz")])
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        os.link(src, dst)
-        self.meta["job_profiler"]["linked"] = dst.name
+        try:
+            src = Path(traces[-1])
+            with open(src, "rb") as f:
+                gz = f.read(2) == b"\x1f\x8b"
+            dst = own if gz else own.with_name(own.name[:-len(".gz")])
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.link(src, dst)
+            with self._meta_lock:
+                jp["linked"] = dst.name
+        except OSError as e:
+            runtime.warn(f"job's last trace not linked into the run directory: {e}")
+        links = self._link_job_traces(traces)
+        if links:
+            with self._meta_lock:
+                jp["links"] = links
+
+    def _link_job_traces(self, traces: list[str]) -> dict[str, str]:
+        """Hard-link each of the job's traces into RUN/profiler/job/rank-NNNNN/ under its own
+        name; returns {the job's path: the link's path relative to RUN/profiler/}."""
+        d = job_trace_dir(self.run_dir, self.rank)
+        links: dict[str, str] = {}
+        made = ready = False
+        for t in traces:
+            src = Path(t)
+            if not is_job_trace_name(src.name):
+                continue
+            dst = d / src.name
+            try:
+                if not ready:
+                    d.parent.mkdir(parents=True, exist_ok=True)
+                    try:
+                        d.mkdir()
+                        made = True
+                    except FileExistsError:
+                        pass
+                    ready = True
+                try:
+                    os.link(src, dst)
+                except FileExistsError:
+                    if not os.path.samefile(src, dst):  # another of the job's files: kept as is
+                        continue
+            except OSError:
+                continue  # another file system, or the job's file is gone: meta's path only
+            links[t] = f"{JOB_TRACES_DIR}/{d.name}/{src.name}"
+        if made and not links:
+            try:
+                d.rmdir()  # the folder made above, left empty
+            except OSError:
+                pass
+        return links
 
     # -- events from the job
     def note_mesh(self, mesh) -> None:

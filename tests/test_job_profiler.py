@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -134,9 +135,9 @@ def test_ddp_job_with_its_own_scheduled_profiler(tmp_path):
     assert sorted(p["rank"] for p in cc["per_rank"]) == [0, 1]
     assert {s["step"] for s in cc["per_step"]} == {6, 7}  # ProfilerStep numbers of the job's trace
 
-    # without the links (a run directory copied elsewhere) the analysis follows meta.json's paths
-    for p in (out / "profiler").iterdir():
-        p.unlink()
+    # without the links (on another file system than the job's traces) the analysis follows
+    # meta.json's paths
+    shutil.rmtree(out / "profiler")
     assert all(p.exists() for files in by_rank.values() for p in files)
     assert RunDir(out).profiler_traces() == {r: by_rank[r][-1] for r in (0, 1)}
 
@@ -158,10 +159,17 @@ def test_ddp_job_whose_profiler_ends_with_a_cut_off_window(tmp_path, monkeypatch
         assert (f"rank {r}: 2 profiler windows; the one holding the most training is analyzed: "
                 f"{full.name} (3 step(s) with ops); left out: {stub.name} (no step with an op "
                 f"in it, later)") in summary["problems"]
-        # the digest (cached at the end of wrap) is of the full window, not of the linked stub
+        # every window is linked into the run directory (the last also under the rank's name)
         assert os.path.samefile(out / "profiler" / f"rank-{r:05d}.pt.trace.json", stub)
+        linked = out / "profiler" / "job" / f"rank-{r:05d}"
+        assert sorted(p.name for p in linked.iterdir()) == sorted([full.name, stub.name])
+        assert all(os.path.samefile(linked / p.name, p) for p in (full, stub))
+        assert RunDir(out).rank_meta(r)["job_profiler"]["links"] == {
+            str(p): f"job/rank-{r:05d}/{p.name}" for p in (full, stub)}
+        # the digest (cached at the end of wrap) is of the full window, read from its link
         doc = json.loads((out / "digests" / f"rank-{r:05d}.json").read_text())
-        assert doc["trace"]["path"] == str(full) and doc["facts"]["steps"] == 3
+        assert doc["trace"]["path"] == f"profiler/job/rank-{r:05d}/{full.name}"
+        assert doc["facts"]["steps"] == 3
     assert not any("did not cover training steps" in p for p in summary["problems"])
     assert {s["step"] for s in summary["metrics"]["comm_compute"]["per_step"]} == {2, 3, 4}
     stragglers = [f for f in summary["findings"] if f["kind"] == "straggler"]
@@ -173,9 +181,95 @@ def test_ddp_job_whose_profiler_ends_with_a_cut_off_window(tmp_path, monkeypatch
     real = digest.run_jobs
     monkeypatch.setattr(digest, "run_jobs", lambda js, *a, **k: (jobs.extend(js), real(js, *a, **k))[1])
     run = RunDir(out)
-    assert run.profiler_traces() == {r: files[0] for r, files in by_rank.items()}
+    full_links = {r: out / "profiler" / "job" / f"rank-{r:05d}" / files[0].name
+                  for r, files in by_rank.items()}
+    assert run.profiler_traces() == full_links
     assert {r: len(w) for r, w in run.job_windows().items()} == {0: 2, 1: 2}
     assert run.digest_docs() and jobs == []
+
+    # the run directory is self-contained: copied elsewhere, the job's folder gone, the copy
+    # chooses the same windows (from the digests it holds: nothing parsed) and analyzes them
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    # a later --force removes the links (the job's files stay) and nothing of the user's
+    from trainprof import outdir
+
+    (out / "profiler" / "job" / "notes.md").write_text("the user's")
+    plan = outdir.plan_force(out, json.loads((out / "manifest.json").read_text()))
+    for r, files in by_rank.items():
+        for p in files:
+            assert f"profiler/job/rank-{r:05d}/{p.name}" in plan.remove
+    assert plan.keep == ["profiler/job/notes.md"]
+    assert outdir.execute(plan) == []
+    assert sorted(p.name for p in out.rglob("*")) == ["job", "notes.md", "profiler"]
+    assert all(_profiler_steps(p) for files in by_rank.values() for p in files)
+    shutil.rmtree(traces)
+    copied = RunDir(copy)
+    assert copied.profiler_traces() == {r: copy / p.relative_to(out) for r, p in full_links.items()}
+    assert copied.digest_docs() and jobs == []
+    res = run_cli(["analyze", copy])
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((copy / "summary.json").read_text())
+    for r, (full, stub) in by_rank.items():
+        assert (f"rank {r}: 2 profiler windows; the one holding the most training is analyzed: "
+                f"{full.name} (3 step(s) with ops); left out: {stub.name} (no step with an op "
+                f"in it, later)") in summary["problems"]
+    assert not any("did not cover training steps" in p for p in summary["problems"])
+    assert {s["step"] for s in summary["metrics"]["comm_compute"]["per_step"]} == {2, 3, 4}
+
+
+def test_linking_the_jobs_traces_skips_what_cannot_be_linked(tmp_path, monkeypatch):
+    """At exit every recorded trace of the job is hard-linked into RUN/profiler/job/rank-NNNNN/;
+    one that cannot be (another file system, gone, not *.json[.gz], a name already taken by
+    another file) is left out of meta's ``links``, and nothing is raised into the job."""
+    import errno
+    import threading
+    from types import SimpleNamespace
+
+    from trainprof.probes import session as sess
+
+    job = tmp_path / "tb"
+    job.mkdir()
+    names = ["a.pt.trace.json", "other-fs.pt.trace.json", "gone.pt.trace.json", "notes.txt",
+             "last.pt.trace.json"]
+    for n in names:
+        (job / n).write_text("{}")
+    (job / "gone.pt.trace.json").unlink()
+    run = tmp_path / "run"
+    real = os.link
+
+    def link(src, dst, *a, **k):
+        if Path(src).name == "other-fs.pt.trace.json":
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(sess.os, "link", link)
+    traces = [str(job / n) for n in names]
+    s = SimpleNamespace(meta={"job_profiler": {"traces": traces}}, run_dir=run, rank=3,
+                        _meta_lock=threading.Lock())
+    s._link_job_traces = lambda t: sess.ProbeSession._link_job_traces(s, t)
+    sess.ProbeSession._link_job_trace(s)
+    jp = s.meta["job_profiler"]
+    assert jp["linked"] == "rank-00003.pt.trace.json"
+    assert jp["links"] == {str(job / n): f"job/rank-00003/{n}"
+                           for n in ("a.pt.trace.json", "last.pt.trace.json")}
+    linked = run / "profiler" / "job" / "rank-00003"
+    assert sorted(p.name for p in linked.iterdir()) == ["a.pt.trace.json", "last.pt.trace.json"]
+    assert sorted(p.name for p in job.iterdir()) == sorted(set(names) - {"gone.pt.trace.json"})
+    # a second exit of the rank (its links there already) links nothing twice, raises nothing;
+    # a name another file holds is left alone
+    (run / "profiler" / "rank-00003.pt.trace.json").unlink()
+    (linked / "a.pt.trace.json").unlink()
+    (linked / "a.pt.trace.json").write_text("not the job's")
+    s.meta = {"job_profiler": {"traces": traces}}
+    sess.ProbeSession._link_job_trace(s)
+    assert s.meta["job_profiler"]["links"] == {str(job / "last.pt.trace.json"):
+                                               "job/rank-00003/last.pt.trace.json"}
+    assert (linked / "a.pt.trace.json").read_text() == "not the job's"
+    # nothing linkable: no folder left behind
+    s.meta, s.rank = {"job_profiler": {"traces": [str(job / "other-fs.pt.trace.json")]}}, 4
+    sess.ProbeSession._link_job_trace(s)
+    assert "links" not in s.meta["job_profiler"] and not (run / "profiler" / "job" / "rank-00004").exists()
 
 
 @pytest.mark.multiproc

@@ -110,7 +110,7 @@ def test_tensorboard_folder_two_ranks_latest_window(tb_windows, tmp_path):
     assert run["ranks"][1]["host"] == "otherhost"
     assert run["input"] == {"kind": "profiler traces", "inputs": [str(d)], "files": 3,
                             "older_windows_skipped": 1, "traces_read": 3, "unreadable": 0,
-                            "ranks": 2, "steps": 4}
+                            "ranks": 2, "steps": 2, "rank_steps": 4}  # 2 steps, on each rank
     (older,) = [p for p in s["problems"] if "profiler windows" in p]
     assert older.startswith("rank 0: 2 profiler windows; they hold as much training; the latest")
     assert f"analyzed: {new.name}" in older and f"left out: {old.name}" in older
@@ -145,7 +145,8 @@ def test_hta_layout_matches_hta_numbers(tmp_path):
         assert kind == "gpu"
         got = (hta["idle_pct"], hta["compute_pct"], hta["non_compute_pct"], hta["overlap_pct"])
         assert np.allclose(got, want[r], atol=0.5), (r, got)
-    assert run.input_facts["traces_read"] == 2 and run.input_facts["steps"] == 4
+    assert run.input_facts["traces_read"] == 2 and run.input_facts["steps"] == 2
+    assert run.input_facts["rank_steps"] == 4
 
 
 def test_single_file_and_rank_from_name(tb_windows, tmp_path):

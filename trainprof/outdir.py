@@ -36,7 +36,8 @@ from trainprof.worker_exits import STREAM as WORKER_EXITS
 from trainprof.probes.hang_watchdog import TRIGGER as HANG_TRIGGER
 from trainprof import nodes
 from trainprof.nodes import CLAIM, NODE_FILE_RE, NODE_KIND, NODES_DIR
-from trainprof.rundir import INJECTED, MANIFEST, PROFILER_DIR, RANKS_DIR, REPORT, SUMMARY
+from trainprof.rundir import (INJECTED, JOB_TRACES_DIR, MANIFEST, PROFILER_DIR, RANKS_DIR, REPORT,
+                              SUMMARY, is_job_trace_name)
 
 RUN_KIND = "trainprof-run"
 LOCK = ".trainprof.lock"  # held while a launcher decides about --out (prepare_locked)
@@ -94,8 +95,7 @@ def layout_files(out: Path) -> tuple[list[str], list[str]]:
         elif e.is_dir(follow_symlinks=False) and e.name == RANKS_DIR:
             walk_dir(rel, ranks)
         elif e.is_dir(follow_symlinks=False) and e.name == PROFILER_DIR:
-            walk_dir(rel, lambda r, x: (ours if _regular(x) and _is_layout_name(x.name, TRACE_RE)
-                                        else other).append(r))
+            walk_dir(rel, profiler)
         elif e.is_dir(follow_symlinks=False) and e.name == DIGESTS_DIR:
             walk_dir(rel, lambda r, x: (ours if _regular(x) and _is_layout_name(x.name, DIGEST_RE)
                                         else other).append(r))
@@ -104,6 +104,21 @@ def layout_files(out: Path) -> tuple[list[str], list[str]]:
                 x.name == CLAIM or _is_layout_name(x.name, NODE_FILE_RE)) else other).append(r))
         elif _regular(e) and _is_layout_name(e.name, TOP_FILES):
             ours.append(rel)
+        else:
+            other.append(rel)
+
+    def profiler(rel, e):
+        if _regular(e) and _is_layout_name(e.name, TRACE_RE):
+            ours.append(rel)
+        elif e.name == JOB_TRACES_DIR and e.is_dir(follow_symlinks=False):
+            walk_dir(rel, job_ranks)  # the probes' links to the job's own traces
+        else:
+            other.append(rel)
+
+    def job_ranks(rel, e):
+        if e.is_dir(follow_symlinks=False) and RANK_DIR_RE.fullmatch(e.name):
+            walk_dir(rel, lambda r, x: (ours if _regular(x) and is_job_trace_name(x.name)
+                                        else other).append(r))
         else:
             other.append(rel)
 
@@ -246,9 +261,10 @@ def execute(plan: Plan) -> list[str]:
             p.unlink()
         except OSError as e:
             failed.append(f"{rel} ({e.strerror or e})")
-    dirs = sorted({str(Path(rel).parent) for rel in plan.remove if "/" in rel},
+    dirs = sorted({str(a) for rel in plan.remove for a in Path(rel).parents if str(a) != "."},
                   key=lambda d: -d.count("/"))
-    for d in dirs + [RANKS_DIR, PROFILER_DIR, NODES_DIR, DIGESTS_DIR]:
+    for d in dirs + [RANKS_DIR, f"{PROFILER_DIR}/{JOB_TRACES_DIR}", PROFILER_DIR, NODES_DIR,
+                     DIGESTS_DIR]:
         try:
             (plan.out / d).rmdir()  # only when empty
         except OSError:

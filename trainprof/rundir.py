@@ -59,6 +59,20 @@ def profiler_trace_path(run: str | os.PathLike, rank: int) -> Path:
     return Path(run) / PROFILER_DIR / f"{rank_dirname(rank)}.pt.trace.json.gz"
 
 
+JOB_TRACES_DIR = "job"  # RUN/profiler/job/rank-NNNNN/: links to the traces the job's profiler wrote
+
+
+def job_trace_dir(run: str | os.PathLike, rank: int) -> Path:
+    """Where a rank's links to its job's own profiler traces live (each under the job's name)."""
+    return Path(run) / PROFILER_DIR / JOB_TRACES_DIR / rank_dirname(rank)
+
+
+def is_job_trace_name(name: str) -> bool:
+    """A name the probe links a job's trace under: a *.json[.gz] file name, not hidden."""
+    return (name.endswith((".json", ".json.gz")) and not name.startswith(".")
+            and "/" not in name and "\\" not in name)
+
+
 # --------------------------------------------------------------------------- writing
 
 
@@ -366,17 +380,19 @@ def _window_facts_ok(facts: dict) -> bool:
                                   and all(type(x) is int for x in span))))
 
 
-def _distinct_files(paths: list[Path]) -> list[Path]:
-    """The regular files among ``paths``, each file once (hard links and repeats: the last)."""
-    out: list[Path] = []
-    for p in paths:
-        try:
-            if not p.is_file():
-                continue
-        except OSError:
-            continue
-        out = [q for q in out if not _same_file(q, p)] + [p]
-    return out
+def _distinct_steps(heads) -> int:
+    """How many distinct steps (ProfilerStep numbers) the traces of ``heads`` profiled, each
+    step once whatever the number of ranks that hold it; a trace whose step numbers its digest
+    does not list counts its own number of steps."""
+    nums: set = set()
+    counted = 0
+    for h in heads:
+        steps = (h.doc.get("facts", {}).get("window") or {}).get("steps")
+        if isinstance(steps, list):
+            nums.update(s for s in steps if isinstance(s, int))
+        else:
+            counted = max(counted, h.steps)
+    return max(len(nums), counted)
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -386,17 +402,49 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def _with_link(found: list[Path], linked: Path | None,
-               last: Path | None = None) -> list[tuple[Path, Path]]:
-    """The job's traces as (path read, path said): the one linked into RUN/profiler/ (the same
-    file, or ``last``: the job's file meta.json says was linked) read from there; a link that is
-    none of them (the job's files moved) is the last."""
-    if linked is None:
-        return [(p, p) for p in found]
-    out = [(linked, p) if _same_file(p, linked) or p == last else (p, p) for p in found]
-    if not any(read == linked for read, _ in out):
-        out.append((linked, linked))
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except OSError:
+        return False
+
+
+def _job_candidates(root: Path, rank: int, jp: dict, paths: list[Path],
+                    linked: Path | None) -> list[tuple[Path, Path]]:
+    """A rank's job traces as (path read, path said: the job's own), each file once. Each is
+    read from the run directory where it holds it: ``linked`` (RUN/profiler/rank-NNNNN.*, the
+    job's last trace when meta's ``linked`` names it, or the same file), else its link in
+    RUN/profiler/job/rank-NNNNN/ (meta's ``links``), else the job's path; so a run directory
+    copied elsewhere, or whose job folder was cleaned, reads the same windows. Files met twice
+    (hard links, repeats): the last. A ``linked`` that is none of them (the job's files moved,
+    meta without ``linked``) is the last, unless it is a copy of one of them (same size and
+    mtime: copytree, cp -p)."""
+    links = jp.get("links") if isinstance(jp.get("links"), dict) else {}
+    last = paths[-1] if paths and linked is not None and jp.get("linked") == linked.name else None
+    out: list[tuple[Path, Path]] = []
+    for p in paths:
+        options = [linked] if linked is not None and (p == last or _same_file(p, linked)) else []
+        rel = links.get(str(p))
+        parts = rel.split("/") if isinstance(rel, str) else []
+        if (len(parts) == 3 and parts[:2] == [JOB_TRACES_DIR, rank_dirname(rank)]
+                and is_job_trace_name(parts[2])):
+            options.append(job_trace_dir(root, rank) / parts[2])
+        read = next((q for q in options + [p] if _is_file(q)), None)
+        if read is not None:
+            out = [c for c in out if not _same_file(c[0], read)] + [(read, p)]
+    if linked is not None and _is_file(linked) and not any(read == linked for read, _ in out):
+        sig = _size_mtime(linked)
+        if sig is None or all(_size_mtime(read) != sig for read, _ in out):
+            out = [c for c in out if not _same_file(c[0], linked)] + [(linked, linked)]
     return out
+
+
+def _size_mtime(p: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(p)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def _is_dir(p: Path) -> bool:
@@ -1124,9 +1172,10 @@ class RunDir:
 
     def _job_traces(self, out: dict[int, Path]) -> None:
         """Ranks whose job ran its own profiler (meta.json ``job_profiler``): where trainprof
-        has no trace of its own, the job's exported traces stand in (those still there; the one
-        linked into RUN/profiler/ is read from there); said in problems. Of several, the window
-        that holds the most training is analyzed, chosen as among bare traces (_choose_job_windows)."""
+        has no trace of its own, the job's exported traces stand in (read from their links in
+        RUN/profiler/ where the run directory holds them, else where the job wrote them: those
+        still there, _job_candidates); said in problems. Of several, the window that holds the
+        most training is analyzed, chosen as among bare traces (_choose_job_windows)."""
         said: dict[str, list[int]] = {}
         several: dict[int, list[tuple[Path, Path]]] = {}
         self._cache["job_windows"] = {}
@@ -1140,12 +1189,8 @@ class RunDir:
                 continue
             paths = [Path(p) for p in jp.get("traces") or []
                      if isinstance(p, str) and p.endswith((".json", ".json.gz"))]
-            found = _distinct_files(paths)
-            # meta's "linked": the file in RUN/profiler/ is the job's last (a copied run
-            # directory holds it as a file of its own)
-            last = paths[-1] if paths and out.get(r) is not None and \
-                jp.get("linked") == out[r].name else None
-            cands = _with_link(found, out.get(r), last)  # (path read, path said)
+            # (path read, path said): the copies the run directory holds read first
+            cands = _job_candidates(m.parent.parent.parent, r, jp, paths, out.get(r))
             if cands:
                 out[r] = cands[-1][0]
                 self._cache["job_windows"][r] = []
@@ -1390,7 +1435,8 @@ class RunDir:
             "kind": "profiler traces", "inputs": [str(p) for p in self.trace_inputs],
             "files": len(files) - len(not_traces), "older_windows_skipped": skipped["older"],
             "traces_read": len(docs), "unreadable": len(files) - len(not_traces) - len(docs),
-            "ranks": len(ranked), "steps": sum(h.steps for h in ranked.values()),
+            "ranks": len(ranked), "steps": _distinct_steps(ranked.values()),
+            "rank_steps": sum(h.steps for h in ranked.values()),
             **({"later_windows_skipped": skipped["later"]} if skipped["later"] else {}),
             **({"other_job_files": len(other_jobs)} if other_jobs else {}),
             **({"not_traces": len(not_traces)} if not_traces else {}),
