@@ -83,7 +83,7 @@ def test_cut_off_window_never_beats_the_full_one(tmp_path):
     assert run.profiler_traces() == {0: files[0][0], 1: files[1][0]}
     inp = s["run"]["input"]
     assert (inp["files"], inp["traces_read"], inp["older_windows_skipped"],
-            inp["later_windows_skipped"], inp["steps"]) == (4, 4, 0, 2, 6)
+            inp["later_windows_skipped"], inp["steps"], inp["rank_steps"]) == (4, 4, 0, 2, 3, 6)
     for rank in (0, 1):
         (line,) = [p for p in s["problems"] if p.startswith(f"rank {rank}: 2 profiler windows")]
         assert f"{files[rank][0].name} (3 step(s) with ops)" in line
@@ -101,7 +101,7 @@ def test_stub_window_alone_is_left_out(tmp_path):
     files = straggler_job(d, windows=("full", "stub"))
     run = RunDir(d)
     assert run.profiler_traces() == {0: files[0][0], 1: files[1][0]}
-    assert run.input_facts["steps"] == 6
+    assert (run.input_facts["steps"], run.input_facts["rank_steps"]) == (3, 6)
     assert any("no step with an op in it, later" in p and files[0][1].name in p
                for p in run.problems)
 
@@ -125,7 +125,7 @@ def test_trailing_stub_step_is_dropped_from_the_steps(tmp_path):
         write(d, f"host_{pid}.1000000000001.pt.trace.json",
               trace(rank, 2, pid, steps(2, 3, 1e6) + [(5, 1e6 + 3 * STEP_US, "stub")]))
     run = RunDir(d)
-    assert run.input_facts["steps"] == 6 and run.input_facts["stub_steps_dropped"] == 2
+    assert run.input_facts["steps"] == 3 and run.input_facts["stub_steps_dropped"] == 2
     assert sum("ProfilerStep#5 (0.013 ms) holds no op" in p for p in run.problems) == 2
     rows = run.trace_digests("comm_compute")[0]["rows"]
     assert [r["step"] for r in rows] == [2, 3, 4]
