@@ -20,7 +20,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_DEPTH 256
+/* real traces nest a few levels; deeper documents go to the typed decoder, whose own limit is
+   the interpreter's recursion budget left at the call */
+#define MAX_DEPTH 64
 
 typedef struct {
     const char *base, *p, *end;
@@ -156,10 +158,31 @@ static int scan_string(Cur *c, Span *out, int *escaped) {
         switch (p[1]) {
         case '"': case '\\': case '/': case 'b': case 'f': case 'n': case 'r': case 't':
             p += 2; break;
-        case 'u':
+        case 'u': {
+            /* the typed decoder checks every escape, in skipped strings too: a high surrogate
+               must be followed by a low one, and a low one never stands alone */
+            unsigned cp = 0;
             if (p + 6 > end) return -1;
-            for (int i = 2; i < 6; i++) if (hexval(p[i]) < 0) return -1;
-            p += 6; break;
+            for (int i = 2; i < 6; i++) {
+                int h = hexval(p[i]);
+                if (h < 0) return -1;
+                cp = cp << 4 | (unsigned)h;
+            }
+            p += 6;
+            if (cp >= 0xDC00 && cp <= 0xDFFF) return -1;
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+                unsigned lo = 0;
+                if (p + 6 > end || p[0] != '\\' || p[1] != 'u') return -1;
+                for (int i = 2; i < 6; i++) {
+                    int h = hexval(p[i]);
+                    if (h < 0) return -1;
+                    lo = lo << 4 | (unsigned)h;
+                }
+                if (lo < 0xDC00 || lo > 0xDFFF) return -1;
+                p += 6;
+            }
+            break;
+        }
         default:
             return -1;
         }
@@ -307,7 +330,7 @@ static const double POW10[] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9,
    else goes through PyOS_string_to_double. 0 ok, -1 not finite or a Python error (cleared). */
 static int span_double(Span v, double *out) {
     const char *p = v.s, *end = v.s + v.n;
-    int neg = 0, frac = 0, digits = 0;
+    int neg = 0, frac = 0, digits = 0, has_point = 0;
     uint64_t m = 0;
     if (p < end && *p == '-') { neg = 1; p++; }
     for (; p < end && *p >= '0' && *p <= '9'; p++) {
@@ -316,6 +339,7 @@ static int span_double(Span v, double *out) {
         if (digits > 18) goto slow;
     }
     if (p < end && *p == '.') {
+        has_point = 1;
         for (p++; p < end && *p >= '0' && *p <= '9'; p++) {
             if (m || *p != '0') digits++;
             m = m * 10 + (uint64_t)(*p - '0');
@@ -326,7 +350,8 @@ static int span_double(Span v, double *out) {
     if (p != end || frac > 22 || m > (1ULL << 53)) goto slow;
     {
         double d = (double)m / POW10[frac];
-        *out = neg ? -d : d;
+        /* an integer literal is an int to the typed decoder: -0 is 0, +0.0 as a float */
+        *out = (neg && !(m == 0 && !has_point)) ? -d : d;
         return 0;
     }
 slow:
@@ -491,7 +516,7 @@ static const char PHASES[] = "XiBEIbnesStfPONDMRCc()";
 typedef struct {
     Vec name, cat, pid, tid, pid_s, tid_s, ts, dur, stream, corr, ext, dims, types, conc;
     Table t_name, t_cat, t_pid_s, t_tid_s, t_dims, t_types, t_conc;
-    PyObject *comm, *mem, *top;
+    PyObject *comm, *mem, *top, *check;  /* check: spans the caller decodes only to validate */
     Py_ssize_t n_events;
 } Out;
 
@@ -547,6 +572,16 @@ static PyObject *span_tuple(Cur *c, Span v) {
     return Py_BuildValue("(nn)", (Py_ssize_t)(v.s - c->base), (Py_ssize_t)(v.s - c->base + v.n));
 }
 
+/* A value the typed decoder decodes (an Any field) but the columns do not keep: its span goes to
+   the caller, which decodes it once to refuse the document where the typed decoder would. */
+static int push_check(Cur *c, Out *o, Span v) {
+    PyObject *x = span_tuple(c, v);
+    if (!x) return -2;
+    int fail = PyList_Append(o->check, x);
+    Py_DECREF(x);
+    return fail ? -2 : 0;
+}
+
 /* -1 refused (not the typed decoder's), -2 memory error */
 static int complete_event(Cur *c, Out *o, Span *ev, int *seen, Span *a, int *aseen, int args_read) {
     int64_t code, v64;
@@ -595,6 +630,9 @@ static int complete_event(Cur *c, Out *o, Span *ev, int *seen, Span *a, int *ase
         int fail = PyList_Append(o->comm, row);
         Py_DECREF(row);
         if (fail) return -2;
+    } else {
+        for (int i = 0; i < 12; i++)
+            if (aseen[A_COMM0 + i] && push_check(c, o, a[A_COMM0 + i]) < 0) return -2;
     }
     return 0;
 }
@@ -637,7 +675,11 @@ static int instant_event(Cur *c, Out *o, Span *ev, int *seen) {
     for (int i = 0; i < N_MEM; i++) {
         v[i] = MEM_DEFAULT[i];
         if (!mseen[i]) continue;
-        if (is_memory ? span_int64(m[i], &v[i]) < 0 : has_high_byte(m[i])) return -1;
+        if (is_memory) {
+            if (span_int64(m[i], &v[i]) < 0) return -1;  /* only plain integers here */
+        } else if (push_check(c, o, m[i]) < 0) {
+            return -2;
+        }
     }
     if (!is_memory) return 0;
     /* (ts, Bytes, Total Allocated, Total Reserved, Device Type, Device Id, Addr) */
@@ -769,6 +811,49 @@ static void out_free(Out *o) {
     Py_XDECREF(o->comm);
     Py_XDECREF(o->mem);
     Py_XDECREF(o->top);
+    Py_XDECREF(o->check);
+}
+
+/* The scan's columns as a dict; None where a string the typed decoder refuses was found while
+   decoding the distinct values; NULL with an error set on a memory error (building stops at the
+   first failure: nothing runs with an error set). */
+static PyObject *build_result(Out *o, const char *base) {
+    enum { N_ITEMS = 27 };
+    static const char *keys[N_ITEMS] = {
+        "names", "cats", "pid_strs", "tid_strs", "name", "cat", "pid", "pid_s", "tid", "tid_s",
+        "ts", "dur", "stream", "corr", "ext", "dims", "dims_spans", "types", "types_spans",
+        "concrete", "concrete_spans", "comm", "mem", "top", "check", "n_events", "n"};
+    PyObject *vals[N_ITEMS] = {NULL};
+    PyObject *result = NULL;
+    Table *strings[4] = {&o->t_name, &o->t_cat, &o->t_pid_s, &o->t_tid_s};
+    Vec *vecs[11] = {&o->name, &o->cat, &o->pid, &o->pid_s, &o->tid, &o->tid_s, &o->ts, &o->dur,
+                     &o->stream, &o->corr, &o->ext};
+    int i = 0;
+    for (int k = 0; k < 4; k++, i++) {
+        vals[i] = table_strings(strings[k]);
+        if (vals[i] == Py_None) { result = Py_None; Py_INCREF(result); goto out; }
+        if (!vals[i]) goto out;
+    }
+    for (int k = 0; k < 11; k++, i++)
+        if (!(vals[i] = vec_bytes(vecs[k]))) goto out;
+    Vec *span_vecs[3] = {&o->dims, &o->types, &o->conc};
+    Table *span_tables[3] = {&o->t_dims, &o->t_types, &o->t_conc};
+    for (int k = 0; k < 3; k++) {
+        if (!(vals[i++] = vec_bytes(span_vecs[k]))) goto out;
+        if (!(vals[i++] = table_spans(span_tables[k], base))) goto out;
+    }
+    PyObject *lists[4] = {o->comm, o->mem, o->top, o->check};
+    for (int k = 0; k < 4; k++, i++) { vals[i] = lists[k]; Py_INCREF(vals[i]); }
+    if (!(vals[i++] = PyLong_FromSsize_t(o->n_events))) goto out;
+    if (!(vals[i++] = PyLong_FromSsize_t(o->ts.len))) goto out;
+    result = PyDict_New();
+    if (!result) goto out;
+    for (int k = 0; k < N_ITEMS; k++) {
+        if (PyDict_SetItemString(result, keys[k], vals[k]) < 0) { Py_CLEAR(result); goto out; }
+    }
+out:
+    for (int k = 0; k < N_ITEMS; k++) Py_XDECREF(vals[k]);
+    return result;
 }
 
 static PyObject *scan(PyObject *self, PyObject *arg) {
@@ -787,7 +872,8 @@ static PyObject *scan(PyObject *self, PyObject *arg) {
     o.comm = PyList_New(0);
     o.mem = PyList_New(0);
     o.top = PyList_New(0);
-    if (!o.comm || !o.mem || !o.top) goto done;
+    o.check = PyList_New(0);
+    if (!o.comm || !o.mem || !o.top || !o.check) goto done;
     Cur c = {(const char *)view.buf, (const char *)view.buf, (const char *)view.buf + view.len};
     int r = scan_doc(&c, &o);
     if (r == -2 || PyErr_Occurred()) {
@@ -795,28 +881,7 @@ static PyObject *scan(PyObject *self, PyObject *arg) {
         goto done;
     }
     if (r < 0) { result = Py_None; Py_INCREF(result); goto done; }
-    PyObject *strs[4] = {table_strings(&o.t_name), table_strings(&o.t_cat),
-                         table_strings(&o.t_pid_s), table_strings(&o.t_tid_s)};
-    int bad = 0, none = 0;
-    for (int i = 0; i < 4; i++) { bad |= strs[i] == NULL; none |= strs[i] == Py_None; }
-    if (bad || none) {  /* a memory error, else a string the typed decoder refuses */
-        for (int i = 0; i < 4; i++) Py_XDECREF(strs[i]);
-        if (!bad) { result = Py_None; Py_INCREF(result); }
-        goto done;
-    }
-    PyObject *names = strs[0], *cats = strs[1], *pids = strs[2], *tids = strs[3];
-    result = Py_BuildValue(
-        "{s:n,s:n,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:O,s:O,s:O}",
-        "n_events", o.n_events, "n", o.ts.len,
-        "name", vec_bytes(&o.name), "names", names, "cat", vec_bytes(&o.cat), "cats", cats,
-        "pid", vec_bytes(&o.pid), "pid_s", vec_bytes(&o.pid_s), "pid_strs", pids,
-        "tid", vec_bytes(&o.tid), "tid_s", vec_bytes(&o.tid_s), "tid_strs", tids,
-        "ts", vec_bytes(&o.ts), "dur", vec_bytes(&o.dur),
-        "stream", vec_bytes(&o.stream), "corr", vec_bytes(&o.corr), "ext", vec_bytes(&o.ext),
-        "dims", vec_bytes(&o.dims), "dims_spans", table_spans(&o.t_dims, c.base),
-        "types", vec_bytes(&o.types), "types_spans", table_spans(&o.t_types, c.base),
-        "concrete", vec_bytes(&o.conc), "concrete_spans", table_spans(&o.t_conc, c.base),
-        "comm", o.comm, "mem", o.mem, "top", o.top);
+    result = build_result(&o, c.base);
 done:
     out_free(&o);
     PyBuffer_Release(&view);
