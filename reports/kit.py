@@ -197,7 +197,7 @@ def input_text(inp: Mapping) -> str:
                       ("later_windows_skipped", "later window(s) left out"),
                       ("other_job_files", "file(s) of another job left out"),
                       ("not_traces", "JSON file(s) not traces"),
-                      ("stub_steps_dropped", "empty trailing step(s) dropped")):
+                      ("stub_steps_dropped", "empty trailing step(s) dropped over the ranks")):
         if _n(inp.get(key)):
             parts.append(f"{inp[key]} {what}")
     return (f"input: {', '.join(parts)}; {inp.get('ranks', '?')} rank(s), "

@@ -227,7 +227,8 @@ def test_input_line_names_every_part_left_out_in_terminal_and_report():
     inp = {"files": 7, "traces_read": 5, "unreadable": 1, "later_windows_skipped": 2,
            "other_job_files": 1, "not_traces": 1, "stub_steps_dropped": 2, "ranks": 2, "steps": 6}
     line = ("input: 7 trace file(s), 5 read, 1 unreadable, 2 later window(s) left out, 1 file(s) "
-            "of another job left out, 1 JSON file(s) not traces, 2 empty trailing step(s) dropped; "
+            "of another job left out, 1 JSON file(s) not traces, 2 empty trailing step(s) dropped over the "
+            "ranks; "
             "2 rank(s), 6 profiled step(s)")
     assert kit.input_text(inp) == line
     summary = {"run": {"dir": "traces", "world_size": 2, "input": inp}, "metrics": {}, "findings": [],
