@@ -54,10 +54,12 @@ def analyze(run) -> AnalyzerResult:
         kept = steps[steps["step"] >= min(WARMUP_STEPS, int(steps["step"].max()))]
         used = sorted(int(x) for x in kept["step"].unique())
         n = int(steps["step"].max()) + 1
-        run.problems.append(
-            f"{NAME}: the job recorded {n} step{'s' * (n != 1)}, each one a warm-up or profiler "
-            f"step that statistics leave out; the step time shown is from step{'s' * (len(used) != 1)} "
-            f"{', '.join(map(str, used))} alone and may not represent training")
+        if set(used) & set(excluded["warmup"]):  # the first step's start-up cost is in it
+            run.problems.append(
+                f"{NAME}: the job recorded {n} step{'s' * (n != 1)}, each one a warm-up or "
+                f"profiler step that statistics leave out; the step time shown is from "
+                f"step{'s' * (len(used) != 1)} {', '.join(map(str, used))} alone, the warm-up "
+                f"included, and does not represent training")
 
     per_rank = []
     for rank, g in kept.groupby("rank"):
