@@ -121,7 +121,7 @@ def _header(summary: dict) -> str:
                          for k, v in facts if v not in (None, ""))
     inp = run.get("input")  # bare profiler traces: how much of the input was analyzed
     inp_html = f'<div class="cmd">{kit.esc(kit.input_text(inp))}</div>' if isinstance(inp, Mapping) else ""
-    return (f"<header><h1>trainprof report — {kit.esc(run.get('dir') or 'run')}</h1>"
+    return (f"<header><h1>trainprof report — {kit.esc(kit.input_label(run) or 'run')}</h1>"
             f'<div class="cmd">{kit.esc(cmd_s)}</div><div class="facts">{facts_html}</div>'
             f"{inp_html}</header>")
 

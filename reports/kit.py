@@ -188,6 +188,16 @@ def _n(x) -> int:
     return x if isinstance(x, int) and not isinstance(x, bool) else 0
 
 
+def input_label(run: Mapping) -> str:
+    """What was analyzed: the run directory, or for bare traces the one file or folder analyzed
+    (several: the folder they were found in)."""
+    inp = run.get("input")
+    given = inp.get("inputs") if isinstance(inp, Mapping) else None
+    if isinstance(given, list) and len(given) == 1 and str(given[0]) not in (".", "./", ""):
+        return str(given[0])
+    return str(run.get("dir") or "")
+
+
 def input_text(inp: Mapping) -> str:
     """How much of a bare-trace input was analyzed (summary run.input), in one line: files,
     windows read, and every part left out (unreadable, other windows, another job's files,

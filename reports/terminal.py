@@ -156,7 +156,7 @@ def render_terminal(summary, report_path=None, console=None) -> None:
     if run.get("exit_code") is not None:
         bits.append(f"exit {run['exit_code']}" + (f" (signal {run['signal']})" if run.get("signal") else ""))
     inp = run.get("input")
-    console.print(f"[bold]trainprof[/bold] {escape(_input_label(run, inp))}: {escape(', '.join(bits))}")
+    console.print(f"[bold]trainprof[/bold] {escape(kit.input_label(run))}: {escape(', '.join(bits))}")
     if isinstance(inp, Mapping):  # bare profiler traces: how much of the input was analyzed
         console.print(escape(kit.input_text(inp)))
     prof = run.get("profiled")  # --profile-ranks: a subset recorded the profiler window
@@ -200,15 +200,6 @@ def render_terminal(summary, report_path=None, console=None) -> None:
         console.print(f"[yellow]{n_err} analyzer error(s), {n_prob} input problem(s)[/yellow] (see the report)")
     if report_path:
         console.print(f"report: {escape(str(report_path))}")
-
-
-def _input_label(run: Mapping, inp) -> str:
-    """What was analyzed: the run directory, or for bare traces the one file or folder given
-    (several: the folder they were found in)."""
-    given = inp.get("inputs") if isinstance(inp, Mapping) else None
-    if isinstance(given, list) and len(given) == 1 and str(given[0]) not in (".", "./", ""):
-        return str(given[0])
-    return str(run.get("dir") or "")
 
 
 def partial_text(p: Mapping) -> str:

@@ -239,6 +239,12 @@ def test_input_line_names_every_part_left_out_in_terminal_and_report():
     render_terminal(summary, console=Console(file=buf, force_terminal=False, width=300))
     assert line in buf.getvalue()
     assert kit.esc(line) in render_html(summary)
+    # the folder analyzed (a subfolder found below the one given) titles both
+    summary["run"]["input"]["inputs"] = ["traces/lightning_logs/version_0"]
+    assert "<h1>trainprof report — traces/lightning_logs/version_0</h1>" in render_html(summary)
+    buf = io.StringIO()
+    render_terminal(summary, console=Console(file=buf, force_terminal=False, width=300))
+    assert buf.getvalue().startswith("trainprof traces/lightning_logs/version_0:")
 
 
 def test_mesh_dim_table_mentions_the_collective_log_only_when_there_is_one():
