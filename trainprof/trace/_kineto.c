@@ -462,6 +462,17 @@ static const Key MEM_KEYS[N_MEM] = {K("Device Type"), K("Device Id"), K("Addr"),
                                    K("Total Allocated"), K("Total Reserved")};
 static const int64_t MEM_DEFAULT[N_MEM] = {-1, -1, 0, 0, -1, -1};
 
+/* A member's key and its colon: "key" : (an escaped key is refused). 0 ok, -1 refused. */
+static int read_key(Cur *c, Span *k) {
+    int esc;
+    skip_ws(c);
+    if (c->p >= c->end || *c->p != '"' || scan_string(c, k, &esc) < 0 || esc) return -1;
+    skip_ws(c);
+    if (c->p >= c->end || *c->p != ':') return -1;
+    c->p++;
+    return 0;
+}
+
 /* Read an object's members into spans of the known keys (others skipped); repeated known keys
    and escaped keys are refused. At '{'. 0 ok, -1 refused. When ``inner`` is given, the value of
    key ``inner_at``, where it is an object, is read at once into the spans of ``inner`` (the args
@@ -469,17 +480,12 @@ static const int64_t MEM_DEFAULT[N_MEM] = {-1, -1, 0, 0, -1, -1};
 static int read_object(Cur *c, const Key *keys, int nkeys, Span *vals, int *seen, int inner_at,
                        const Key *inner, int ninner, Span *ivals, int *iseen, int *inner_read) {
     Span k;
-    int esc;
     for (int i = 0; i < nkeys; i++) seen[i] = 0;
     c->p++;
     skip_ws(c);
     if (c->p < c->end && *c->p == '}') { c->p++; return 0; }
     for (;;) {
-        skip_ws(c);
-        if (c->p >= c->end || *c->p != '"' || scan_string(c, &k, &esc) < 0 || esc) return -1;
-        skip_ws(c);
-        if (c->p >= c->end || *c->p != ':') return -1;
-        c->p++;
+        if (read_key(c, &k) < 0) return -1;
         int idx = k.n ? key_index(k, keys, nkeys) : -1;
         if (idx >= 0 && idx == inner_at && inner) {
             skip_ws(c);
@@ -728,18 +734,14 @@ static int scan_events(Cur *c, Out *o) {
 
 static int scan_doc(Cur *c, Out *o) {
     Span k;
-    int esc, have_events = 0;
+    int have_events = 0;
     skip_ws(c);
     if (c->p >= c->end || *c->p != '{') return -1;
     c->p++;
     skip_ws(c);
     if (c->p < c->end && *c->p == '}') return -1;  /* no traceEvents */
     for (;;) {
-        skip_ws(c);
-        if (c->p >= c->end || *c->p != '"' || scan_string(c, &k, &esc) < 0 || esc) return -1;
-        skip_ws(c);
-        if (c->p >= c->end || *c->p != ':') return -1;
-        c->p++;
+        if (read_key(c, &k) < 0) return -1;
         skip_ws(c);
         if (key_is(k, "traceEvents")) {
             if (have_events || c->p >= c->end || *c->p != '[') return -1;
