@@ -35,7 +35,7 @@ _PARTS = {  # how the message says where the excess lies: (verb phrase, what it 
     "compute_ms": ("computes {} longer than its peers", " (its torch ops run longer)"),
     "other_ms": ("spends {} more than its peers in host code outside torch ops", ""),
     "data_ms": ("spends {} more than its peers loading data", " (enumerate(DataLoader))"),
-    "idle_ms": ("has no op recorded in the trace for {} longer than its peers",
+    "idle_ms": ("spends {} more than its peers with no op recorded in the trace",
                 " (sleeping, waiting, or Python/host code the trace does not record — record "
                 "with with_stack=True to see which)")}
 _LABELS = {"compute_ms": "torch ops", "other_ms": "host code", "data_ms": "data loading",

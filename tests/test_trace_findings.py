@@ -85,7 +85,7 @@ def stragglers(s: dict) -> list:
     ("host", "other", ["spends 20.0 ms/step more than its peers in host code outside torch ops "
                        "— most in train.py(30): spin (+20.0 ms/step)"], ["computes", "sleeping"]),
     ("compute", "compute", ["computes 20.0 ms/step longer than its peers"], ["host code"]),
-    ("idle", "idle", ["has no op recorded in the trace for 20.0 ms/step longer than its peers "
+    ("idle", "idle", ["spends 20.0 ms/step more than its peers with no op recorded in the trace "
                       "(sleeping, waiting, or Python/host code the trace does not record — "
                       "record with with_stack=True to see which)"],
      ["computes", "host code outside", "is idle", "off the CPU"]),
@@ -137,7 +137,7 @@ def test_straggler_judged_over_one_whole_trace_window(tmp_path):
     (f,) = stragglers(s)
     assert f["ranks"] == [1] and f["evidence"]["whole_trace_window"] is True
     assert "one window over the whole trace" in f["message"] and "ms/step" not in f["message"]
-    assert "rank 1 has no op recorded in the trace for 100.0 ms longer than its peers" in \
+    assert "rank 1 spends 100.0 ms more than its peers with no op recorded in the trace" in \
         f["message"], f["message"]
     assert f["evidence"]["excess_by_part_ms_per_step"]["idle_ms"] == pytest.approx(100.0, abs=0.1)
     assert "rank 0 waits" in f["message"]
