@@ -248,10 +248,13 @@ def _job(job: tuple, run=None, collect: bool = True) -> tuple:
         if err:
             return rank if in_run else path, None, err
         parse_s = time.perf_counter() - t0
-        if kind == "window":
+        window, said = None, []
+        if kind != "run":  # what the window holds (the caller may choose among a process's
+            # windows), its trailing stub steps dropped before any analyzer reads it
             from trainprof.trace._discover import prepare_window
 
             window, said = prepare_window(tr)
+        if kind == "window":
             tr.rank = rank
             doc = {"rank": rank, "facts": {**trace_facts(tr), "path": str(path), "window": window},
                    "sections": {}, "problems": said}
@@ -261,21 +264,10 @@ def _job(job: tuple, run=None, collect: bool = True) -> tuple:
                 run = _WORKER_RUNS.get(key)
                 if run is None:
                     run = _WORKER_RUNS.setdefault(key, RunDir(base))
-            window, said = None, []
-            if kind == "job":  # as a bare trace's: the stub step torch wrote at the loop's end
-                from trainprof.trace._discover import prepare_window
-
-                window, said = prepare_window(tr)
             doc = digest_trace(run, rank, tr, names)
-            if window is not None:
-                doc["facts"]["window"] = window
-                doc["problems"] = list(dict.fromkeys(said + doc["problems"]))
         else:
-            from trainprof.trace._discover import name_rank, prepare_window, trace_rank
+            from trainprof.trace._discover import name_rank, trace_rank
 
-            # what the window holds (the caller chooses among a process's windows), its
-            # trailing stub steps dropped before any analyzer reads it
-            window, said = prepare_window(tr)
             r = rank if rank is not None else trace_rank(tr)
             r = r if r is not None else name_rank(Path(path).name)
             tr.rank = r
@@ -286,6 +278,7 @@ def _job(job: tuple, run=None, collect: bool = True) -> tuple:
                 view = RunDir(Path(path), _preset={"trace_paths": {r: Path(path)},
                                                    "trace_heads": {r: head}, "digest_docs": {}})
                 doc = digest_trace(view, r, tr, names)
+        if window is not None and kind != "window":
             doc["facts"]["window"] = window
             doc["problems"] = list(dict.fromkeys(said + doc["problems"]))
         doc["trace"] = stamp

@@ -1290,15 +1290,13 @@ class RunDir:
 
             traces, errors = load_traces(paths, progress=progress)
             self.problems.extend(errors)
-            if self.trace_inputs:  # a bare trace is the rank its discovery gave it
-                from trainprof.trace._discover import prepare_window
+            from trainprof.trace._discover import prepare_window
 
+            if self.trace_inputs:  # a bare trace is the rank its discovery gave it
                 for r, t in traces.items():
                     t.rank = r
                     prepare_window(t)  # stub steps dropped as in its digest (said there)
             else:
-                from trainprof.trace._discover import prepare_window
-
                 for r in self.job_windows():  # the job's own traces: as bare traces
                     if r in traces:
                         prepare_window(traces[r])
