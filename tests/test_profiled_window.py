@@ -30,7 +30,7 @@ def _wrap(tmp_path, name: str, steps: int, sleep_ms: int = 0) -> tuple[str, dict
     res = run_cli(["wrap", "--out", out, "--", sys.executable, script],
                   env={"STEPS": str(steps), "SLEEP_MS": str(sleep_ms)})
     assert res.returncode == 0, res.stderr[-3000:]
-    return res.stdout, json.loads((out / "summary.json").read_text())
+    return res.stderr, json.loads((out / "summary.json").read_text())  # wrap prints on stderr
 
 
 @pytest.mark.multiproc

@@ -47,7 +47,9 @@ def test_python_script_exit_code_and_output_preserved(tmp_path, end):
     res = run_cli(["wrap", "--out", out, "--profile-steps", "1-2", "--", sys.executable, script],
                   env=env, cwd=tmp_path)
     assert res.returncode == expected, res.stderr
-    assert "stdout-marker" in res.stdout and "stderr-marker" in res.stderr
+    # stdout is the job's alone (`wrap ... > out.txt`); wrap's findings go to stderr
+    assert res.stdout == "stdout-marker\n" and "stderr-marker" in res.stderr
+    assert "summary: " in res.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["exit_code"] == (128 + int(end[3:]) if end.startswith("sig") else int(end))
     assert manifest["status"] == ("ok" if end == "0" else "killed" if end.startswith("sig") else "failed")

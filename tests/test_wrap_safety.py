@@ -267,7 +267,8 @@ def test_full_file_system_keeps_exit_code(tmp_path, limit, job):
 
 @pytest.mark.parametrize("end, expected", [("sys.exit(5)", 5), ("os.kill(os.getpid(), 9)", -9)])
 def test_closed_stdout_keeps_exit_status(tmp_path, end, expected):
-    """wrap's stdout is a pipe nobody reads any more (`trainprof wrap ... | head -0`)."""
+    """wrap's stdout is a pipe nobody reads any more (`trainprof wrap ... | head -0`): the
+    analysis, on stderr, is still printed."""
     proc = subprocess.Popen(TRAINPROF + ["wrap", "--out", str(tmp_path / "run"), "--", sys.executable,
                                          "-c", f"import os, sys, time; time.sleep(0.5); {end}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -275,8 +276,22 @@ def test_closed_stdout_keeps_exit_status(tmp_path, end, expected):
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == expected, err
     _no_traceback(err)
-    (note,) = [ln for ln in trainprof_lines(err) if "passed on unchanged" in ln]
-    assert "stdout closed" in note
+    assert "summary: " in err and not [ln for ln in trainprof_lines(err) if "passed on unchanged" in ln]
+
+
+@pytest.mark.parametrize("end, expected", [("sys.exit(5)", 5), ("os.kill(os.getpid(), 9)", -9)])
+def test_closed_stderr_keeps_exit_status_and_stdout(tmp_path, end, expected):
+    """wrap's stderr, where it prints the analysis, is a closed pipe: the job's status and its
+    stdout are what they would be without trainprof."""
+    proc = subprocess.Popen(TRAINPROF + ["wrap", "--out", str(tmp_path / "run"), "--", sys.executable,
+                                         "-c", "import os, sys, time; print('job-out', flush=True); "
+                                               f"time.sleep(0.5); {end}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stderr.close()
+    out = proc.stdout.read()
+    assert proc.wait(timeout=120) == expected, out
+    assert out == "job-out\n"
+    assert (tmp_path / "run" / "summary.json").is_file()  # analyzed all the same
 
 
 def _unshare_works(tmp_path: Path) -> bool:
@@ -421,8 +436,8 @@ def test_disable_0_captures_and_disable_1_never_reads_as_nothing_wrong(tmp_path)
                   env={"TRAINPROF_DISABLE": "1", "CODE": "0"})
     assert res.returncode == 0, res.stderr  # the job's exit code, whatever the analysis says
     assert not (off / "ranks").exists()
-    assert "nothing looks wrong" not in res.stdout and "nothing analyzed" in res.stdout
-    assert "probes were disabled" in res.stdout
+    assert "nothing looks wrong" not in res.stderr and "nothing analyzed" in res.stderr
+    assert "probes were disabled" in res.stderr and res.stdout == ""  # stdout is the job's
     res = run_cli(["analyze", off])
     assert res.returncode == 3 and "nothing looks wrong" not in res.stdout
     assert "nothing analyzed: the probes were disabled" in res.stderr
@@ -430,7 +445,7 @@ def test_disable_0_captures_and_disable_1_never_reads_as_nothing_wrong(tmp_path)
     assert "disabled" in summary["nothing_analyzed"] and "disabled" in summary["problems"][0]
     # a job that never started its probes (no torch at all): also not "nothing looks wrong"
     res = run_cli(["wrap", "--out", tmp_path / "bare", "--", sys.executable, "-c", "pass"])
-    assert res.returncode == 0 and "no rank captured any data" in res.stdout
+    assert res.returncode == 0 and "no rank captured any data" in res.stderr
     assert run_cli(["analyze", tmp_path / "bare"]).returncode == 3
 
 

@@ -59,8 +59,10 @@ def progress_status(enabled: bool = True):
         yield lambda msg: status.update(f"analyzing: {msg}")
 
 
-def analyze_and_print(run_dir, out_dir=None, as_json=False, report=True, quiet=False):
-    """Run the analysis and print the terminal summary (or the JSON). Returns the summary."""
+def analyze_and_print(run_dir, out_dir=None, as_json=False, report=True, quiet=False,
+                      err=False):
+    """Run the analysis and print the terminal summary (or the JSON). Returns the summary.
+    ``err``: print on stderr (wrap: its stdout is the job's)."""
     import json
 
     from trainprof.analysis import analyze_and_write
@@ -69,12 +71,15 @@ def analyze_and_print(run_dir, out_dir=None, as_json=False, report=True, quiet=F
         summary, summary_path, report_path = analyze_and_write(
             run_dir, out_dir, report=report, progress=progress)
     if as_json:
-        click.echo(json.dumps(summary, indent=2, default=str))
+        click.echo(json.dumps(summary, indent=2, default=str), err=err)
     elif not quiet:
-        from trainprof.reports.terminal import render_terminal
+        from rich.console import Console
 
-        from trainprof.reports.terminal import printable
+        from trainprof.reports.terminal import printable, render_terminal
 
-        render_terminal(summary, report_path=str(report_path) if report_path else None)
-        click.echo(f"summary: {printable(summary_path)}")
+        stream = sys.stderr if err else sys.stdout
+        console = Console(highlight=False, stderr=err, soft_wrap=not stream.isatty())
+        render_terminal(summary, report_path=str(report_path) if report_path else None,
+                        console=console)
+        click.echo(f"summary: {printable(summary_path)}", err=err)
     return summary

@@ -58,7 +58,9 @@ def wrap(out, force, no_analyze, profile_steps, profile_ranks, job_id, hang_time
     stdout/stderr, exit code and signals are preserved: trainprof exits as the job did (or with
     code 124 when --on-hang kill ended a hung job), also when trainprof cannot write its run
     directory or analyze it (one line on stderr says what it could not do). When the job ends,
-    even by a signal, the run is analyzed and the report's path printed.
+    even by a signal, the run is analyzed and its findings and the report's path printed on
+    stderr: stdout carries the job's output alone (`wrap ... > out.txt` holds what the job
+    printed).
 
     Refused before the job starts, with exit code 2: a TRAINPROF_* variable with a value that
     is not accepted (or a name that is no setting), an --out that is /, your home, the current
@@ -150,11 +152,11 @@ def finish(out: Path, result: JobResult, analyze: bool) -> None:
         try:
             from trainprof.cli._output import analyze_and_print
 
-            analyze_and_print(out)
+            analyze_and_print(out, err=True)  # stdout is the job's alone
         except KeyboardInterrupt:
             notes.append("analysis interrupted; run `trainprof analyze` later")
-        except SystemExit:  # rich exits this way when stdout is a closed pipe
-            notes.append("could not print the analysis (stdout closed)")
+        except SystemExit:  # rich exits this way when stderr is a closed pipe
+            notes.append("could not print the analysis (stderr closed)")
         except Exception as e:  # noqa: BLE001 - the job's exit status matters more than our report
             notes.append(f"could not analyze the run ({reason(e)}); the captured data in {out} "
                          f"is kept for `trainprof analyze`")
