@@ -64,11 +64,23 @@ typedef struct {
     Py_ssize_t mask;
     Vec spans;          /* Span */
     Vec hashes;         /* uint64_t */
+    Py_ssize_t lookups, probes;  /* the cost so far, against PROBE_BUDGET */
 } Table;
+
+/* A random key per process (set at import) keeps a file from being written to collide: names
+   that share a hash would make every lookup walk one long run of slots. Whatever the hash, a
+   table whose lookups probe more than PROBE_SLACK slots each on average (plus PROBE_BASE) gives
+   the document to the typed decoder, whose dicts hash with the interpreter's keyed hash: an
+   input's cost stays linear in its size. At a load factor of at most 1/2 a lookup probes
+   about 1.5-2.5 slots on average. */
+static uint64_t hash_key = 0x9E3779B97F4A7C15ULL;
+#define PROBE_SLACK 16
+#define PROBE_BASE 4096
+#define TABLE_COSTLY (-3)
 
 static uint64_t hash_bytes(const char *s, Py_ssize_t n) {
     /* a word at a time: kernel names run to hundreds of bytes */
-    uint64_t h = 0x9E3779B97F4A7C15ULL ^ (uint64_t)n, w;
+    uint64_t h = hash_key ^ (uint64_t)n, w;
     Py_ssize_t i = 0;
     for (; i + 8 <= n; i += 8) {
         memcpy(&w, s + i, 8);
@@ -86,6 +98,7 @@ static int table_init(Table *t) {
     t->slots = PyMem_Calloc(256, sizeof(Py_ssize_t));
     t->spans = (Vec){NULL, 0, 0, sizeof(Span)};
     t->hashes = (Vec){NULL, 0, 0, sizeof(uint64_t)};
+    t->lookups = t->probes = 0;
     return t->slots ? 0 : -1;
 }
 
@@ -107,16 +120,19 @@ static int table_grow(Table *t) {
     return 0;
 }
 
-/* The code of span s (its first-seen order), or -1 on a memory error. */
+/* The code of span s (its first-seen order), -1 on a memory error, TABLE_COSTLY when the
+   table's lookups have probed beyond their budget. */
 static Py_ssize_t table_code(Table *t, const char *s, Py_ssize_t n) {
     uint64_t h = hash_bytes(s, n);
     Py_ssize_t j = (Py_ssize_t)(h & (uint64_t)t->mask);
     Span *sp = (Span *)t->spans.data;
     uint64_t *hs = (uint64_t *)t->hashes.data;
+    t->lookups++;
     while (t->slots[j]) {
         Py_ssize_t k = t->slots[j] - 1;
         if (hs[k] == h && sp[k].n == n && memcmp(sp[k].s, s, (size_t)n) == 0) return k;
         j = (j + 1) & t->mask;
+        if (++t->probes > PROBE_SLACK * t->lookups + PROBE_BASE) return TABLE_COSTLY;
     }
     Span ns = {s, n};
     if (vec_push(&t->spans, &ns) < 0 || vec_push(&t->hashes, &h) < 0) return -1;
@@ -530,6 +546,7 @@ typedef struct {
 static int string_code(Table *t, Span v, int64_t *code) {
     if (v.n < 2 || v.s[0] != '"') return -1;
     Py_ssize_t k = table_code(t, v.s, v.n);  /* the quoted span: escapes are told apart */
+    if (k == TABLE_COSTLY) return -1;
     if (k < 0) return -2;
     *code = k;
     return 0;
@@ -542,6 +559,7 @@ static int id_value(Table *t, Span v, int present, int64_t *val, int32_t *scode)
     if (!present || is_null(v)) return 0;
     if (v.s[0] == '"') {
         Py_ssize_t k = table_code(t, v.s, v.n);
+        if (k == TABLE_COSTLY) return -1;
         if (k < 0) return -2;
         if (k > INT32_MAX) return -1;
         *scode = (int32_t)k;
@@ -567,6 +585,7 @@ static int span_code(Table *t, Vec *col, Span v, int present) {
     int32_t code = -1;
     if (present) {
         Py_ssize_t k = table_code(t, v.s, v.n);
+        if (k == TABLE_COSTLY) return -1;
         if (k < 0) return -2;
         if (k > INT32_MAX) return -1;
         code = (int32_t)k;
@@ -890,13 +909,44 @@ done:
     return result;
 }
 
+/* tests: set the hash key (to build names that collide under it), and hash a span with it */
+static PyObject *set_hash_key(PyObject *self, PyObject *arg) {
+    unsigned long long k = PyLong_AsUnsignedLongLongMask(arg);
+    if (k == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    hash_key = (uint64_t)k;
+    Py_RETURN_NONE;
+}
+
+static PyObject *hash_span(PyObject *self, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    uint64_t h = hash_bytes((const char *)b.buf, b.len);
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_O, "scan(buffer) -> dict of columns, or None where the typed decoder must decide."},
+    {"_set_hash_key", set_hash_key, METH_O, "tests: the key of the span hash (random per process)."},
+    {"_hash_span", hash_span, METH_O, "tests: the hash of a span under the current key."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kineto", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
+/* the hash key: random bytes from os.urandom */
+static int init_hash_key(void) {
+    PyObject *os = PyImport_ImportModule("os");
+    if (!os) return -1;
+    PyObject *b = PyObject_CallMethod(os, "urandom", "i", 8);
+    Py_DECREF(os);
+    if (!b) return -1;
+    if (PyBytes_Check(b) && PyBytes_GET_SIZE(b) == 8) memcpy(&hash_key, PyBytes_AS_STRING(b), 8);
+    Py_DECREF(b);
+    return 0;
+}
+
 PyMODINIT_FUNC PyInit__kineto(void) {
     init_tables();
+    if (init_hash_key() < 0) return NULL;
     return PyModule_Create(&module);
 }
