@@ -51,8 +51,11 @@ def measure(device: str = "cpu", budget_s: float = BUDGET_S) -> dict:
     t_start = time.perf_counter()
     for key, dtype, n in ((("matmul", torch.float32, 4096 if cuda else 512),)
                           + ((("matmul_bf16", torch.bfloat16, 4096),) if cuda else ())):
-        a = torch.randn(n, n, device=dev, dtype=dtype)
-        b = torch.randn(n, n, device=dev, dtype=dtype)
+        # a generator of its own: the job's random streams (a seeded job's data, dropout,
+        # init) are exactly what they would be without trainprof
+        gen = torch.Generator(device=dev).manual_seed(0)
+        a = torch.randn(n, n, device=dev, dtype=dtype, generator=gen)
+        b = torch.randn(n, n, device=dev, dtype=dtype, generator=gen)
         c = torch.empty(n, n, device=dev, dtype=dtype)
         s, reps = _timed(lambda: torch.mm(a, b, out=c), sync, budget_s / 2)
         out[key] = {"dtype": "bf16" if dtype == torch.bfloat16 else "fp32", "n": n, "reps": reps,

@@ -555,3 +555,47 @@ def test_sigkilled_rank_is_named_first_failure(tmp_path):
     assert states[1] == "died" and (states[0] == "ended_by_launcher" or c["also_failed"] == [0])
     res = run_cli(["hang", out])
     assert res.returncode == 0 and "rank 1 was the first to fail" in " ".join(res.stdout.split())
+
+
+SEEDED_JOB = """
+import os, random
+import numpy as np
+import torch
+import torch.distributed as dist
+
+random.seed(0); np.random.seed(0); torch.manual_seed(0)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+model = torch.nn.Linear(32, 32)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(6):
+    loss = model(torch.randn(8, 32)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    print(step, f"{loss.item():.6f}", flush=True)
+print("torch", torch.randn(4).tolist(), "python", random.random(), "numpy", np.random.rand())
+dist.destroy_process_group()
+"""
+
+
+def test_a_seeded_job_draws_the_same_numbers_under_wrap(tmp_path):
+    """The probes (the peak calibration included: it runs on CPU in step 0) never draw from the
+    job's random streams: a seeded job prints the same losses and draws under wrap."""
+    import socket
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    script = write_script(tmp_path / "job.py", SEEDED_JOB)
+    env = {"PORT": str(free_port())}
+    bare = subprocess.run([sys.executable, str(script)], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 0, bare.stderr
+    env["PORT"] = str(free_port())
+    res = run_cli(["wrap", "--out", tmp_path / "run", "--no-analyze", "--", sys.executable, script],
+                  env=env)
+    assert res.returncode == 0, res.stderr
+    meta = json.loads((tmp_path / "run/ranks/rank-00000/meta.json").read_text())
+    assert "calibration" in meta  # the calibration ran in this job
+    assert res.stdout == bare.stdout and "torch" in bare.stdout
