@@ -68,6 +68,18 @@ def _throttled(mine: dict | None, peers: list[dict]) -> bool:
             and mine["sm_clock_mhz"] <= CLOCK_RATIO * float(np.median(clk)))
 
 
+def ms(x: float) -> str:
+    """A time in ms with the precision its size needs: '128', '3.4', '0.42' (a 4 ms step's
+    excess is not '1 ms vs 0 ms')."""
+    a = abs(x)
+    return f"{x:.0f}" if a >= 10 or a == 0 else f"{x:.1f}" if a >= 1 else f"{x:.2f}"
+
+
+def _signed_ms(x: float) -> str:
+    """'+12' / '-3.4' / '+0.42' / '0' ms."""
+    return "0" if abs(x) < 0.005 else ("+" if x > 0 else "") + ms(x)
+
+
 def _signed(x: float) -> str:
     """'+12' / '-3' / '0' ms without a '-0'."""
     v = round(x)
@@ -107,9 +119,9 @@ def _where_on_cpu(on_cpu: float, ops) -> tuple[str, str]:
 
 
 def _contention_text(p: dict, cpu_wait: float, nivcsw, also: bool = False) -> str:
-    text = (f"its training thread waits {p['cpu_wait_ms']:.0f} ms/step for a CPU"
-            if not also else f"it also waits {p['cpu_wait_ms']:.0f} ms/step for a CPU")
-    text += f" (+{cpu_wait:.0f} ms vs its peers{', more than its extra work explains' if also else ''})"
+    text = (f"its training thread waits {ms(p['cpu_wait_ms'])} ms/step for a CPU"
+            if not also else f"it also waits {ms(p['cpu_wait_ms'])} ms/step for a CPU")
+    text += f" ({_signed_ms(cpu_wait)} ms vs its peers{', more than its extra work explains' if also else ''})"
     if nivcsw is not None and nivcsw > 0:
         text += (f", {p['nivcsw']:.0f} involuntary context switches per step "
                  f"({_signed(nivcsw)} vs its peers)")
@@ -141,15 +153,15 @@ def explain(p: dict, peers: list[dict], excess: float, ops_ms: dict | None = Non
     contention_also = False
     if data >= CAUSE_SHARE * ex:
         cause = "input"
-        text = (f"input-bound: it waits {p['data_wait_ms']:.0f} ms/step for its data loader "
-                f"({_signed(data)} ms vs its peers)")
+        text = (f"input-bound: it waits {ms(p['data_wait_ms'])} ms/step for its data loader "
+                f"({_signed_ms(data)} ms vs its peers)")
     elif own_time and on_cpu is not None and on_cpu >= OFF_CPU_SHARE * ex:
         # its own extra work on the CPU, whatever else slows it
         cause = "compute"
         ops = _diff({"ops": (ops_ms or {}).get(p.get("rank"))},
                     [{"ops": (ops_ms or {}).get(q.get("rank"))} for q in peers], "ops")
         where, note = _where_on_cpu(on_cpu, ops)
-        text = (f"its own work on the CPU: its training thread spends {on_cpu:.0f} ms/step more "
+        text = (f"its own work on the CPU: its training thread spends {ms(on_cpu)} ms/step more "
                 f"on the CPU {where} than its peers ({p['cpu_ms']:.1f} vs "
                 f"{_peer_median(peers, 'cpu_ms'):.1f} ms per step{note})")
         if unexplained is not None and unexplained >= OFF_CPU_SHARE * ex:
@@ -167,29 +179,29 @@ def explain(p: dict, peers: list[dict], excess: float, ops_ms: dict | None = Non
     elif own_time and on_cpu is not None and on_cpu < OFF_CPU_SHARE * busy:
         # longer busy time that is neither on a CPU nor waiting for one
         cause = "off_cpu"
-        grew = (f"grew by only {on_cpu:.0f} ms" if on_cpu >= 1.0
+        grew = (f"grew by only {ms(on_cpu)} ms" if on_cpu >= 1.0
                 else "did not grow")  # less CPU time than its peers' is noise, not a time
         text = (f"off the CPU (sleeping / blocked: I/O, a lock, the OS"
                 f"{', the device' if p.get('telemetry') else ''}): its own work takes "
-                f"{busy:.0f} ms/step longer than its peers' ({p['busy_ms']:.0f} ms busy per "
+                f"{ms(busy)} ms/step longer than its peers' ({ms(p['busy_ms'])} ms busy per "
                 f"step) while its training thread's CPU time {grew} ({p['cpu_ms']:.1f} ms per "
                 f"step vs {_peer_median(peers, 'cpu_ms'):.1f} ms for its peers)")
     else:
         cause = "compute"
         if not own_time and busy is not None:
             # lateness without more host time (asynchronous collectives: the host runs ahead)
-            text = (f"its host time per step matches its peers' ({p['busy_ms']:.0f} ms busy, "
-                    f"{_signed(busy)} ms vs its peers): the delay is in when it issues its "
+            text = (f"its host time per step matches its peers' ({ms(p['busy_ms'])} ms busy, "
+                    f"{_signed_ms(busy)} ms vs its peers): the delay is in when it issues its "
                     "collectives, e.g. its device work before them")
         else:
             text = "compute-bound: its own work takes longer"
             if busy is not None:
-                text += f" ({p['busy_ms']:.0f} ms busy per step, {_signed(busy)} ms vs its peers)"
+                text += f" ({ms(p['busy_ms'])} ms busy per step, {_signed_ms(busy)} ms vs its peers)"
             if on_cpu is not None and on_cpu > 0:
-                text += f"; on-CPU time {_signed(on_cpu)} ms vs its peers"
+                text += f"; on-CPU time {_signed_ms(on_cpu)} ms vs its peers"
     if (cause != "host_contention" and not contention_also and cpu_wait is not None
             and cpu_wait >= 0.25 * ex):
-        text += (f"; on a busy host its extra work also waits {cpu_wait:.0f} ms/step more than "
+        text += (f"; on a busy host its extra work also waits {ms(cpu_wait)} ms/step more than "
                  "its peers' for a CPU")
     if cause != "device_throttling" and p.get("telemetry"):
         tel = telemetry_text(p["telemetry"], peer_tel)

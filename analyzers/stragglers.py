@@ -311,7 +311,7 @@ def _waits_text(w: dict, late_rank: int) -> str:
         return ""
     ops = ", ".join(list(w["ops"])[:2]) or "collectives"
     verb = "wait" if len(w["waiters"]) > 1 else "waits"
-    return (f"{_ranks_text(w['waiters'])} {verb} {w['wait_ms']:.0f} ms/step in {ops} for "
+    return (f"{_ranks_text(w['waiters'])} {verb} {cause.ms(w['wait_ms'])} ms/step in {ops} for "
             f"rank {late_rank} (median)")
 
 
@@ -519,10 +519,11 @@ def _trace_ops_ms(run) -> dict[int, float]:
 def _straggler_finding(p, peers, size, why, waits, kept) -> Finding:
     ranks = sorted([p["rank"]] + [q["rank"] for q in peers])
     if p["signal"] == "own_time":
-        what = (f"{p['own_ms']:.0f} ms of its own time per step vs {p['peer_own_ms']:.0f} ms for "
-                f"its peers (median excess {size:.0f} ms per step, score {p['score']:.1f})")
+        what = (f"{cause.ms(p['own_ms'])} ms of its own time per step vs "
+                f"{cause.ms(p['peer_own_ms'])} ms for its peers (median excess {cause.ms(size)} ms "
+                f"per step, score {p['score']:.1f})")
     else:
-        what = (f"it issues its collectives {size:.0f} ms after its peers (median per step, "
+        what = (f"it issues its collectives {cause.ms(size)} ms after its peers (median per step, "
                 f"score {p['late_score']:.1f})")
     wait_text = _waits_text(waits, p["rank"])
     msg = (f"rank {p['rank']} ({_coords_text(p['coords'])}, host {p['host']}) is a chronic "

@@ -618,3 +618,18 @@ def test_lateness_of_a_lone_member_is_nan_not_an_index_error():
                        "rank": [0, 1, 0], "complete": [True, True, True]})
     out = lateness(df).tolist()
     assert out[:2] == [-2.0, 2.0] and np.isnan(out[2])
+
+
+def test_small_times_keep_their_precision_in_the_cause():
+    """A 4 ms step's straggler: its numbers are not rounded to '1 ms vs 0 ms', and a second
+    factor is never stated as '0 ms'."""
+    from trainprof.analyzers import _straggler_cause as cause
+
+    assert [cause.ms(x) for x in (128.4, 12.0, 3.44, 0.424, 0.0)] == ["128", "12", "3.4", "0.42", "0"]
+    p = {"rank": 1, "busy_ms": 4.2, "cpu_ms": 4.18, "cpu_wait_ms": 0.62, "nivcsw": 1.0}
+    peers = [{"rank": 0, "busy_ms": 3.2, "cpu_ms": 3.24, "cpu_wait_ms": 0.1, "nivcsw": 1.0}]
+    why = cause.explain(p, peers, excess=1.0)
+    assert why["cause"] == "compute"
+    assert "spends 0.94 ms/step more on the CPU" in why["text"]
+    assert "it also waits 0.62 ms/step for a CPU (+0.52 ms vs its peers" in why["text"]
+    assert " 0 ms" not in why["text"]

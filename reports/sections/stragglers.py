@@ -7,6 +7,14 @@ from trainprof.reports import kit, ranks as rk
 TITLE = "Stragglers and input starvation"
 
 
+def _ranks(ranks) -> str:
+    """'rank 0' / 'ranks 0, 3' / 'none': never a bare number that reads as a count."""
+    ranks = list(ranks or [])
+    if not ranks:
+        return "none"
+    return ("rank " if len(ranks) == 1 else "ranks ") + rk.rank_list(ranks)
+
+
 def _heat(by_rank: dict, steps: list, title: str, alt: str, summary: dict, named: list,
           analysed: list) -> str:
     rows = {int(r): v for r, v in (by_rank or {}).items() if isinstance(v, list)}
@@ -26,8 +34,8 @@ def render(metrics: dict, summary: dict) -> str:
     named = named[:rk.OUTLIERS] + rk.named(summary)
     analysed = set(metrics.get("steps_analysed") or [])
     parts.append(kit.kv({
-        "chronic stragglers": rk.rank_list(chronic) or "none",
-        "transient (single steps)": rk.rank_list(transient) or "none",
+        "chronic stragglers": _ranks(chronic),
+        "transient stragglers (in single steps)": _ranks(transient),
         "median step": kit.fmt_ms(metrics.get("median_step_ms")),
         "steps analysed": ", ".join(str(s) for s in metrics.get("steps_analysed") or []),
     }))
