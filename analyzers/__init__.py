@@ -13,7 +13,8 @@ import importlib
 # skipped silently.
 ANALYZER_MODULES = ("step_time", "comm_compute", "collectives", "stragglers", "trace_stragglers",
                     "pipeline",
-                    "nan_origin", "hang", "memory", "fragmentation", "roofline", "ops", "launch")
+                    "nan_origin", "hang", "memory", "fragmentation", "roofline", "ops", "launch",
+                    "uneven_steps")
 
 
 def load_all():
