@@ -29,6 +29,8 @@ NAME = "comm_compute"
 EXPOSED_COMM_FINDING = 0.40   # median rank's exposed communication ≥ this share of the step
 HOST_STALL_FINDING = 0.05     # host blocked in synchronizations ≥ this share of the step
 WARMUP_FACTOR = 1.5           # a profiled step this much slower than the others' median is warm-up
+UNTYPICAL_WINDOW = 2.0        # profiled steps this much slower than the job's other steps: the
+                              # window does not show the job's usual step (the profiler's cost)
 
 _WAIT_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", "nccl:",
                   "record_param_comms")
@@ -580,13 +582,56 @@ def analyze(run) -> AnalyzerResult:
                                                   "host_stall": HOST_STALL_FINDING,
                                                   "warmup_factor": WARMUP_FACTOR},
                "definitions": "docs/comm-compute.md"}
+    window = _window_vs_other_steps(run)
+    if window:
+        metrics["window_vs_other_steps"] = window
     late = _late_waits(run, per_rank)
     if late["wait_ms"]:
         metrics["exposed_comm_fraction_excl_late_ranks"] = late["exposed"]
         metrics["waiting_for_late_ranks"] = {"late": late["late"], "wait_ms_per_step": late["wait_ms"]}
     missing = _missing_ranks(run)
     return AnalyzerResult(metrics=metrics, findings=_findings(per_rank, job["exposed_comm_fraction"], late,
-                                                              missing))
+                                                              missing, window))
+
+
+def _window_vs_other_steps(run) -> dict | None:
+    """The profiled steps against the job's other steps (steps.jsonl, steps ≥ 1, medians over
+    every rank's steps): {profiled_step_ms, other_step_ms, other_steps, untypical, and
+    log_blocked_fraction: the collective log's time blocked in collectives over those other
+    steps' time (median over ranks)}. None without step records of both kinds (≥ 3 others)."""
+    try:
+        st = run.steps()
+    except Exception:  # noqa: BLE001 - bare traces have no step records
+        return None
+    if st is None or st.empty or not {"profiled", "dur_ms", "step", "rank"} <= set(st):
+        return None
+    st = st.loc[st["step"].ge(1), ["rank", "step", "dur_ms", "profiled"]]
+    prof = st["profiled"].eq(True).to_numpy()
+    if not prof.any() or (~prof).sum() < 3:
+        return None
+    p_ms = float(np.median(st["dur_ms"].to_numpy()[prof]))
+    other = st.loc[~prof]
+    o_ms = float(np.median(other["dur_ms"].to_numpy()))
+    out = {"profiled_step_ms": round(p_ms, 3), "other_step_ms": round(o_ms, 3),
+           "other_steps": int(other["step"].nunique()),
+           "untypical": bool(o_ms > 0 and p_ms >= UNTYPICAL_WINDOW * o_ms),
+           "threshold": UNTYPICAL_WINDOW}
+    try:
+        coll = run.collectives()
+    except Exception:  # noqa: BLE001 - the log is optional
+        coll = None
+    if coll is not None and not coll.empty and {"blocked_ms", "step", "rank"} <= set(coll):
+        blocked = coll.groupby(["rank", "step"])["blocked_ms"].sum()
+        dur = other.groupby("rank")["dur_ms"].sum()
+        shares = []
+        for r, total in dur.items():
+            steps = other.loc[other["rank"].eq(r), "step"]
+            b = blocked.reindex([(r, s) for s in steps]).fillna(0.0).sum()
+            if total > 0:
+                shares.append(float(b) / float(total))
+        if shares:
+            out["log_blocked_fraction"] = round(float(np.median(shares)), 4)
+    return out
 
 
 def _missing_ranks(run) -> list[int]:
@@ -647,7 +692,7 @@ def _coords(run, rank) -> dict:
 
 
 def _findings(per_rank: list[dict], exposed: float, late: dict | None = None,
-              missing: list[int] | None = None) -> list[Finding]:
+              missing: list[int] | None = None, window: dict | None = None) -> list[Finding]:
     out = []
     # waits for a late rank are that rank's finding (stragglers analyzer), not communication
     adjusted = (late or {}).get("adjusted") or {}
@@ -682,8 +727,23 @@ def _findings(per_rank: list[dict], exposed: float, late: dict | None = None,
                      f"{'have' if len(missing) > 1 else 'has'} no data here: part of this may be "
                      f"time spent waiting for {'them' if len(missing) > 1 else 'it'}, which cannot "
                      f"be told apart")
+        severity = "warning"
+        if window and window["untypical"] and not whole:
+            # the profiler's own cost (starting it, recording) on small steps: the share is of
+            # steps unlike the job's others, and the collective log covers those others
+            note += (f"; but the profiled steps took {window['profiled_step_ms']:.1f} ms (median) "
+                     f"against {window['other_step_ms']:.1f} ms for the job's other steps: the "
+                     "profiler's own cost weighs on this share")
+            lb = window.get("log_blocked_fraction")
+            if lb is not None:
+                note += (f"; over the other steps the collective log puts the time blocked in "
+                         f"collectives at {lb:.0%} of the step")
+                if lb < EXPOSED_COMM_FINDING:
+                    severity = "info"
+            else:
+                note += "; profile steps further into the run (--profile-steps) to check"
         out.append(Finding(
-            kind="exposed_comm", severity="warning",  # every rank above the threshold
+            kind="exposed_comm", severity=severity,  # every rank above the threshold
             ranks=[r["rank"] for r in worst if own[r["rank"]] >= EXPOSED_COMM_FINDING],
             message=(f"communication not hidden by compute takes {judged:.0%} of the {of}"
                      f"median rank, threshold {EXPOSED_COMM_FINDING:.0%}); largest: "
@@ -694,6 +754,7 @@ def _findings(per_rank: list[dict], exposed: float, late: dict | None = None,
                          if adjusted else {}),
                       "per_rank": {str(r["rank"]): own[r["rank"]] for r in per_rank},
                       **({"ranks_without_data": missing} if missing else {}),
+                      **({"window_vs_other_steps": window} if window and window["untypical"] else {}),
                       "comm_by_type_ms_per_step": {t: round(v, 2) for t, v in top},
                       "exposed_by_dim_ms_per_step": {d: round(v, 2) for d, v in top_dims}}))
     stalls = [r for r in per_rank if r["sync_fraction"] >= HOST_STALL_FINDING]

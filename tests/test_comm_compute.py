@@ -259,3 +259,39 @@ def test_exposed_comm_with_a_rank_without_data_says_its_waits_cannot_be_told_apa
     assert f["ranks"] == [0] and f["evidence"]["ranks_without_data"] == [1]
     assert "rank 1 of the job has no data here: part of this may be time spent waiting for it" \
         in f["message"], f["message"]
+
+
+def test_a_profiled_window_slower_than_the_other_steps_is_said_and_weighed(tmp_path):
+    """The profiled step takes 1 ms, the job's 8 other steps 0.3 ms each (the profiler's own
+    cost on a small step): the 80 % exposed share is of an untypical step. The collective log
+    puts the other steps' time blocked in collectives at 0.06 / 0.3 = 20 %, under the
+    threshold: the finding says both and is information, not a warning."""
+    ev = [X("ProfilerStep#9", "user_annotation", 0, 1000), X("aten::mm", "cpu_op", 0, 100),
+          X("c10d::allreduce_", "cpu_op", 100, 800), X("gloo:all_reduce", "user_annotation", 100, 800, tid=2)]
+    write_trace(tmp_path, 0, ev)
+    rd = rank_dir(tmp_path, 0)
+    t0 = 1_000_000_000
+    steps = [{"step": s, "start_ns": t0 + s * 1_000_000, "end_ns": t0 + s * 1_000_000 + 300_000,
+              "dur_ms": 0.3, "source": "optimizer"} for s in range(9)]
+    steps.append({"step": 9, "start_ns": t0 + 9_000_000, "end_ns": t0 + 10_000_000, "dur_ms": 1.0,
+                  "source": "optimizer", "profiled": True})
+    (rd / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    coll = [{"step": s, "pg": "0", "seq": s, "op": "all_reduce", "bytes": 4, "enqueue_ns": t0,
+             "end_ns": t0 + 1, "blocked_ms": 0.06 if s < 9 else 0.7} for s in range(10)]
+    (rd / "collectives.jsonl").write_text("".join(json.dumps(c) + "\n" for c in coll))
+    res = comm_compute.analyze(RunDir(tmp_path))
+    w = res.metrics["window_vs_other_steps"]
+    assert (w["profiled_step_ms"], w["other_step_ms"], w["other_steps"], w["untypical"]) == (1.0, 0.3, 8, True)
+    assert w["log_blocked_fraction"] == pytest.approx(0.2)
+    (f,) = res.findings
+    assert f.kind == "exposed_comm" and f.severity == "info"
+    assert "takes 80% of the profiled steps" in f.message
+    assert "the profiled steps took 1.0 ms (median) against 0.3 ms for the job's other steps" in f.message
+    assert "collective log puts the time blocked in collectives at 20% of the step" in f.message
+    # the same window in a job whose other steps are as long: nothing to add
+    steps = [dict(s, dur_ms=1.0) for s in steps]
+    (rd / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    res = comm_compute.analyze(RunDir(tmp_path))
+    assert res.metrics["window_vs_other_steps"]["untypical"] is False
+    (f,) = res.findings
+    assert f.severity == "warning" and "profiled steps took" not in f.message
