@@ -278,6 +278,15 @@ def analyze(run) -> AnalyzerResult:
         row = {"op_class": k, "count": a["count"], **position(a["flops"], a["bytes"], a["time_ns"], ref_peak),
                "time_share": a["time_ns"] / total_time if total_time else None}
         classes.append(row)
+        if (row.get("pct_of_bound") or 0) > 1.0:
+            # above the roof: the peak is a measurement (calibration) or a datasheet figure,
+            # and small operands run from the caches, faster than the memory the benchmark
+            # streams past them
+            notes.add(f"{k}: {row['pct_of_bound']:.0%} of its {row['bound']} bound, above the "
+                      "roof: "
+                      + ("its operands fit in the caches, faster than the memory bandwidth "
+                         "measured past them" if row["bound"] == "memory" else
+                         "the peak used is lower than what this device reaches"))
     if trace_flops and mfu.get("model_flops_per_step"):
         # what the trace counted (all ranks, per step) against the model formula
         mfu["trace_flops_per_step"] = float(sum(trace_flops))

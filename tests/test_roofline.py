@@ -78,6 +78,14 @@ def test_roofline_position_by_hand_on_cpu(tmp_path):
     assert ew["pct_of_bound"] == pytest.approx(ew["bytes"] / (ew["time_ms"] / 1e3) / 1e10)
     assert res.metrics["plot"]["ridge_ai"] == 10
     assert not res.findings                                       # CPU host timings: no verdicts
+    # a class above its roof is said to be (operands in cache): a peak of 1 byte/s
+    calib["copy"]["bytes_per_s"] = 1.0
+    run = _fake_run(tmp_path / "run2", tmp_path / "t.json", {"device": "cpu", "calibration": calib})
+    res = roofline.analyze(run)
+    ew = {c["op_class"]: c for c in res.metrics["classes"]}["elementwise"]
+    assert ew["pct_of_bound"] > 1
+    assert any(n.startswith(f"elementwise: {ew['pct_of_bound']:.0%} of its memory bound, above the roof")
+               and "caches" in n for n in res.metrics["notes"])
 
 
 def test_gpu_trace_uses_kernel_time(tmp_path):
