@@ -280,6 +280,7 @@ class NanWatch:
         _quiet_pipeline_inference()
         if self.modules_on:
             self.handles.append(nnm.register_module_forward_pre_hook(self._pre))
+            _quiet_compile_warning(True)
         elif self.replay_on:
             self._discover(True)
         self.handles.append(register_optimizer_step_pre_hook(self._pre_step))
@@ -290,8 +291,8 @@ class NanWatch:
         global _WATCH
         if _WATCH is self:
             _WATCH = None
-        for h in self.handles + self._root_handles + self._discover_handles:
-            h.remove()
+        _remove_global_hooks(self.handles + self._root_handles + self._discover_handles)
+        _quiet_compile_warning(False)
         self._root_handles, self._discover_handles = [], []
         for h in list(self._hooked.values()):
             h.remove()
@@ -446,10 +447,12 @@ class NanWatch:
             self._discover_handles = [
                 nnm.register_module_forward_pre_hook(self._g_pre),
                 nnm.register_module_forward_hook(self._g_post, always_call=True, with_kwargs=True)]
+            _quiet_compile_warning(True)
         elif not on:
-            for h in self._discover_handles:
-                h.remove()
+            _remove_global_hooks(self._discover_handles)
             self._discover_handles = []
+            if not self.modules_on:
+                _quiet_compile_warning(False)
 
     def _g_pre(self, mod, args):
         self._depth += 1
@@ -1068,6 +1071,49 @@ def _jsonable(x):
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]
     return x
+
+
+def _remove_global_hooks(handles) -> None:
+    """Remove hook handles; a global forward hook registered with_kwargs also leaves its id in
+    torch's _global_forward_hooks_with_kwargs (RemovableHandle does not clear it), which keeps
+    torch.nn's "any global hook?" true for the rest of the job: cleared here too."""
+    try:
+        from torch.nn.modules import module as nnm
+
+        leftover = getattr(nnm, "_global_forward_hooks_with_kwargs", None)
+    except Exception:  # noqa: BLE001
+        leftover = None
+    for h in handles:
+        h.remove()
+        if leftover is not None and getattr(h, "id", None) in leftover \
+                and h.id not in getattr(nnm, "_global_forward_hooks", {}):
+            leftover.pop(h.id, None)
+
+
+# torch.compile(module) warns on every OptimizedModule call while any global module hook is
+# registered ("... hooks fire an extra time ..."): while ours are, that warning is about trainprof,
+# not the job, and is filtered by its text; the filter goes when our global hooks go
+_COMPILE_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
+_compile_filter = None
+
+
+def _quiet_compile_warning(on: bool) -> None:
+    global _compile_filter
+    import warnings
+
+    try:
+        if on and _compile_filter is None:
+            warnings.filterwarnings("ignore", message=_COMPILE_HOOK_WARNING, category=UserWarning)
+            _compile_filter = warnings.filters[0]
+        elif not on and _compile_filter is not None:
+            f, _compile_filter = _compile_filter, None
+            if f in warnings.filters:
+                warnings.filters.remove(f)
+                mutated = getattr(warnings, "_filters_mutated", None)
+                if mutated is not None:
+                    mutated()
+    except Exception:  # noqa: BLE001 - a warning shown is no reason to disturb the job
+        pass
 
 
 def _quiet_pipeline_inference():

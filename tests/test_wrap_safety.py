@@ -599,3 +599,28 @@ def test_a_seeded_job_draws_the_same_numbers_under_wrap(tmp_path):
     meta = json.loads((tmp_path / "run/ranks/rank-00000/meta.json").read_text())
     assert "calibration" in meta  # the calibration ran in this job
     assert res.stdout == bare.stdout and "torch" in bare.stdout
+
+
+COMPILED_JOB = """
+import torch
+model = torch.compile(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()), backend="eager")
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    loss = model(torch.randn(4, 16)).sum()
+    opt.zero_grad(); loss.backward(); opt.step()
+print("done", flush=True)
+"""
+
+
+def test_a_compiled_module_gets_no_warning_about_trainprofs_hooks(tmp_path):
+    """torch.compile(module) warns when global module hooks exist; the NaN watch's are trainprof's,
+    so the job's stderr does not carry that warning under wrap."""
+    script = write_script(tmp_path / "job.py", COMPILED_JOB)
+    bare = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert bare.returncode == 0 and "global hooks" not in bare.stderr, bare.stderr
+    res = run_cli(["wrap", "--out", tmp_path / "run", "--no-analyze", "--profile-steps", "none", "--",
+                   sys.executable, script], timeout=300)
+    assert res.returncode == 0 and res.stdout == bare.stdout, res.stderr
+    assert "global hooks" not in res.stderr, res.stderr
+    steps = (tmp_path / "run/ranks/rank-00000/steps.jsonl").read_text().splitlines()
+    assert len(steps) == 4  # the probes ran
