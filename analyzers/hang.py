@@ -556,6 +556,158 @@ def _fmt_collective(c: dict | None) -> str | None:
     return f"{c.get('op')} #{c.get('seq')} of group {c.get('pg')}{step}"
 
 
+# --------------------------------------------------------------------------- ranks that left
+
+
+JOIN_HINT = ("uneven inputs (ranks given different numbers of batches)? If so, torch's Join "
+             "context manager (DDP: `with model.join():`) lets a rank that ran out of inputs "
+             "shadow its peers' collectives until they finish")
+EXIT_SLACK_NS = int(MIN_LEAD_S * 1e9)  # clocks of one host agree; of several, about this well
+
+
+def _add_step_spans(run, rows: list[dict]) -> list[dict]:
+    """``rows`` (of _clean_exits), each with {steps, first, last}: the steps its rank recorded
+    (steps.jsonl), when it recorded any."""
+    st = run.steps()
+    if st.empty or "step" not in st or "rank" not in st:
+        return rows
+    want = st["rank"].isin([x["rank"] for x in rows])
+    g = pd.to_numeric(st.loc[want, "step"], errors="coerce").groupby(st.loc[want, "rank"])
+    span = g.agg(["nunique", "min", "max"]).dropna()
+    for x in rows:
+        if x["rank"] in span.index and span.loc[x["rank"], "nunique"] > 0:
+            n, a, b = span.loc[x["rank"], ["nunique", "min", "max"]]
+            x.update(steps=int(n), first=int(a), last=int(b))
+    return rows
+
+
+def _clean_exits(run, views, exits) -> dict:
+    """The ranks whose process ended normally, {rank: {rank, exitcode, exit_ns, last_step_done,
+    steps, first, last, source}}: exit code 0 in the torchrun agent's record, or (without one) a
+    heartbeat closed without a failure record. ``exit_ns``: its heartbeat's close, else its
+    meta.json ``ended_ns`` (None when neither)."""
+    out = {}
+    for r, v in views.items():
+        if v.failure:
+            continue
+        ex = exits["workers"].get(r)
+        if ex is not None:
+            if ex.get("exitcode") != 0 or ex.get("signal") or ex.get("ended_by_launcher"):
+                continue
+            source = "torchrun agent (worker-exits.jsonl): exit code 0"
+        elif v.closed:
+            source = "heartbeat closed without a failure record"
+        else:
+            continue
+        t = v.last_hb.get("t_ns") if v.closed else None
+        if not isinstance(t, int) or isinstance(t, bool):
+            t = run.rank_meta(r).get("ended_ns")
+        out[r] = {"rank": r, "exitcode": 0 if ex is not None else None,
+                  "exit_ns": t if isinstance(t, int) and not isinstance(t, bool) else None,
+                  "last_step_done": v.last_step_done, "source": source}
+    return out
+
+
+def _failed_in(d: dict) -> dict | None:
+    """The collective a failed rank was in when it failed: the one it waited in, else its
+    latest (its log closes a collective that failed, with the time of the error)."""
+    c = d.get("waiting_in") or d.get("last_collective")
+    if not isinstance(c, dict) or c.get("pg") is None or not isinstance(c.get("seq"), int):
+        return None
+    return c
+
+
+def _early_exit(run, views, died, clean, ledger, members) -> dict | None:
+    """Ranks that ended normally (exit code 0) while their peers still ran collectives, when
+    the first failure is a peer failing in a collective they never issued: the failure is the
+    consequence of their leaving. None otherwise (a rank that failed first on its own, or
+    whose collective the ranks that left had issued, stays the culprit)."""
+    if not died or not clean:
+        return None
+    victims, gone = [], set()
+    for d in died:
+        c = _failed_in(d)
+        if c is None:
+            continue
+        pg, seq = str(c["pg"]), c["seq"]
+        t_fail = (d.get("failure") or {}).get("t_ns") or d.get("last_progress_ns")
+        last = ledger.max_seq(pg)
+        group = members.get(pg) or set(last)
+        left = [r for r in sorted(clean) if r in group and last.get(r, -1) < seq
+                and not (clean[r]["exit_ns"] and t_fail
+                         and clean[r]["exit_ns"] > t_fail + EXIT_SLACK_NS)]
+        if left:
+            victims.append((d, c, left))
+            gone |= set(left)
+    if not victims or victims[0][0] is not died[0]:
+        return None  # the first failure is not explained by a rank that left
+    gone = sorted(gone)
+    _add_step_spans(run, [clean[r] for r in gone])
+    stayed = sorted({d["rank"] for d, _, _ in victims} | {r for r in views if r not in clean})
+    out_v = []
+    for d, c, left in victims:
+        f = d.get("failure")
+        what = worker_exits.how(d) if d.get("exitcode") is not None else "died"
+        raised = describe_failure(_first_line(f))
+        if raised:
+            what = f"{raised} ({what})"
+        step = f" in step {c['step']}" if c.get("step") is not None else ""
+        out_v.append({"rank": d["rank"], "collective": {k: c.get(k) for k in
+                                                        ("pg", "seq", "op", "step")},
+                      "how": f"failed in {c.get('op') or 'a collective'} #{c['seq']} of group "
+                             f"{c['pg']}{step}, which {_rank_s(left)} never issued: {what}"})
+    also = [d["rank"] for d in died if d["rank"] not in {v["rank"] for v in out_v}]
+    return {"ranks": gone, "exits": [clean[r] for r in gone], "victims": out_v,
+            "also_failed": also, "how": _left_text(gone, clean, stayed, views),
+            "suggestion": JOIN_HINT}
+
+
+def _note_left(run, c: dict, clean: dict, views) -> None:
+    """A never_arrived culprit whose process had ended normally: said, with how it ended."""
+    gone = [r for r in c["ranks"] if r in clean]
+    if not gone:
+        return
+    _add_step_spans(run, [clean[r] for r in gone])
+    c["how"] += "; it had " + _left_text(gone, clean, [r for r in views if r not in clean], views)
+    c["early_exit"] = [clean[r] for r in gone]
+    c["suggestion"] = JOIN_HINT
+
+
+def _first_line(f: dict | None) -> dict | None:
+    """A failure record with its exception text cut to its first line (gloo's add a trace)."""
+    if not f or not isinstance(f.get("exc"), str):
+        return f
+    line = next((x for x in f["exc"].splitlines() if x.strip()), "")
+    if len(line) > 240:  # at the end of a sentence when one ends in reach, else cut
+        end = line.rfind(". ", 60, 240)
+        line = line[:end + 1] + " …" if end > 0 else line[:239] + "…"
+    return dict(f, exc=line)
+
+
+def _left_text(gone, clean, stayed, views=None) -> str:
+    """'exited normally (exit code 0) after step 29 while rank 1 was still training (rank 0
+    ran 30 steps, 0-29; rank 1 went on to step 30)'."""
+    rows = [clean[r] for r in gone]
+    code = " (exit code 0)" if all(x["exitcode"] == 0 for x in rows) else ""
+    lasts = sorted({x["last_step_done"] for x in rows if x["last_step_done"] is not None})
+    after = (f" after step {lasts[0]}" if len(lasts) == 1 else
+             f" after steps {lasts[0]}-{lasts[-1]}" if lasts else "")
+    text = f"exited normally{code}{after}"
+    if stayed:
+        text += f" while {_rank_s(stayed)} {'was' if len(stayed) == 1 else 'were'} still training"
+    ran = sorted({(x.get("steps"), x.get("first"), x.get("last")) for x in rows if x.get("steps")})
+    bits = []
+    if len(ran) == 1:
+        n, a, b = ran[0]
+        bits.append(f"{_rank_s(gone)} ran {n} step{'s' * (n != 1)}, {a}-{b}" if a != b else
+                    f"{_rank_s(gone)} ran {n} step{'s' * (n != 1)}")
+    on = sorted({views[r].step for r in stayed if views and views[r].step is not None})
+    if on and lasts and on[-1] > lasts[-1]:
+        bits.append(f"{_rank_s(stayed)} went on to step {on[-1]}" if len(on) == 1 else
+                    f"{_rank_s(stayed)} went on to steps {on[0]}-{on[-1]}")
+    return text + (f" ({'; '.join(bits)})" if bits else "")
+
+
 # --------------------------------------------------------------------------- assembly
 
 
@@ -591,7 +743,11 @@ def postmortem(run) -> dict | None:
             m["unknown_ranks"] = unknown
     hung = bool(det["reasons"])
     stacks = _stack_groups(views)
-    culprit = _culprit(views, desync, missing, stacks, hung, died)
+    clean = _clean_exits(run, views, exits)
+    early = _early_exit(run, views, died, clean, ledger, members)
+    culprit = _culprit(views, desync, missing, stacks, hung, died, early)
+    if culprit is not None and culprit["reason"] == "never_arrived":
+        _note_left(run, culprit, clean, views)
     rows = []
     for r, v in views.items():
         w = v.waiting_in()
@@ -647,13 +803,18 @@ def kind_of(pm) -> str:
     return "rank_failure" if pm["died"] else "desync"
 
 
-def _culprit(views, desync, missing, stacks, hung, died=()) -> dict | None:
+def _culprit(views, desync, missing, stacks, hung, died=(), early=None) -> dict | None:
     def describe(ranks, reason, how):
         v = views[ranks[0]]
         return {"ranks": ranks, "reason": reason, "how": how,
                 "frame": fmt_frame(v.user_frame or v.frame), "innermost_frame": fmt_frame(v.frame),
                 "code": (v.user_frame or v.frame or {}).get("code"), "step": v.step}
 
+    if early and not hung:  # a rank left the job: the first failure was its peers' collective
+        c = describe(early["ranks"], "exited_early", early["how"])
+        c.update({"early_exit": early["exits"], "victims": early["victims"],
+                  "also_failed": early["also_failed"], "suggestion": early["suggestion"]})
+        return c
     victims = _victims(died, desync, missing)
     if died and not victims:  # a process that died is the cause of whatever the others did next
         d = died[0]
@@ -792,15 +953,25 @@ def _message(pm) -> str:
         where = f"; it is at {c['frame']}" if c["frame"] else ""
         code = f" (`{c['code']}`)" if c["frame"] and c.get("code") else ""
         parts.append(f"{head}: rank {_ranks(c['ranks'])} {c['how']}{where}{code}")
+        if c["reason"] == "exited_early":
+            parts[-1] = f"{head}: {_rank_s(c['ranks'])} left the job early: {c['how']}"
+            for v in c["victims"]:
+                parts.append(f"rank {v['rank']} then {v['how']}: a consequence, not the cause")
+            if c.get("also_failed"):
+                parts.append(f"{_rank_s(c['also_failed'])} had also ended before the launcher "
+                             f"stopped the job")
+            parts.append(c["suggestion"])
+        elif c.get("suggestion"):
+            parts[-1] += f" ({c['suggestion']})"
         if c["reason"] == "died":
             parts[-1] = f"{head}: rank {c['ranks'][0]} was the first to fail: {c['how']}{where}{code}"
             if c.get("also_failed"):
                 parts.append(f"{_rank_s(c['also_failed'])} had also ended before the launcher "
                              f"stopped the job")
-        for v in c.get("victims") or []:
+        for v in c.get("victims") or [] if c["reason"] != "exited_early" else []:
             parts.append(f"rank {v['rank']} was the first to end ({v['how']}): a victim of "
                          f"the mismatch, not its cause")
-        if c.get("victims") and c.get("also_failed"):
+        if c.get("victims") and c.get("also_failed") and c["reason"] != "exited_early":
             parts.append(f"{_rank_s(c['also_failed'])} had also ended before the launcher "
                          f"stopped the job")
         if c["reason"] == "died" or c.get("victims"):
