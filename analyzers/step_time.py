@@ -6,6 +6,10 @@ to the first step boundary and so includes set-up, and the steps the profiler wi
 times include profiler overhead. The job's step time for a step is the slowest rank's; when
 some ranks of the job left no step records (a rank directory missing, a rank that never
 started), the job figures carry ``partial`` (the slowest rank may be among those not seen).
+
+Throughput: ``tokens_per_s`` at the median step (the typical step's rate) and
+``tokens_per_s_mean``, total tokens ÷ total time of the analysed steps (the job's rate, what a
+framework's own figure counts); they part when some steps are much slower (analyzers/slow_steps.py).
 """
 
 from __future__ import annotations
@@ -91,6 +95,10 @@ def analyze(run) -> AnalyzerResult:
         "mean_ms": float(job_ms.mean()) if len(job_ms) else None,
         "tokens_per_step": tokens,
         "tokens_per_s": (tokens / (median / 1e3)) if tokens and median else None,
+        # total tokens ÷ total time of the analysed steps (what a framework's own figure counts):
+        # below tokens_per_s by as much as slow steps (evaluation, checkpoints) weigh
+        "tokens_per_s_mean": (tokens / (float(job_ms.mean()) / 1e3))
+        if tokens and len(job_ms) and job_ms.mean() > 0 else None,
         "steps_recorded": int(steps["step"].max()) + 1,
         "ranks_reporting": int(steps["rank"].nunique()),
         **({"from_excluded_steps": True} if only_excluded else {}),

@@ -16,7 +16,8 @@ def _job(job: dict) -> str:
         "p90 step": kit.fmt_ms(job.get("p90_ms")),
         "mean step": kit.fmt_ms(job.get("mean_ms")),
         "tokens / step": job.get("tokens_per_step"),
-        "tokens / s": job.get("tokens_per_s"),
+        "tokens / s at the median step": job.get("tokens_per_s"),
+        "tokens / s over all analysed steps": job.get("tokens_per_s_mean"),
         "steps recorded": job.get("steps_recorded"),
         "ranks reporting": job.get("ranks_reporting"),
     }
