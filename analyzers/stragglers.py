@@ -26,16 +26,16 @@ Per signal and rank (analysed steps: warm-up and profiler window excluded, as st
     score  = E / scale: how many steps' worth of noise the rank is behind, every step
 
 A *chronic* straggler (a finding) has, for either signal, score ≥ SCORE and score·√n ≥
-SIGNIFICANCE (n analysed steps: the median of a short run is itself noisy), E ≥ MIN_EXCESS ×
-median step, and the signal over MIN_EXCESS × step in ≥ CHRONIC of the analysed steps and in
+SIGNIFICANCE (n analysed steps: the median of a short run is itself noisy), E ≥ max(MIN_EXCESS ×
+median step, MIN_EXCESS_MS), and the signal over that in ≥ CHRONIC of the analysed steps and in
 at least CHRONIC_MIN_STEPS of them. Nothing here divides by a spread over ranks that two ranks
 cannot have: on 2 ranks the excess is the difference of the two. Lateness alone is a straggler
 only where the host-side waits agree: when collectives block the host (the peers wait per step
 ≥ HOST_WAIT_SEEN × its lateness), its peers must wait ≥ WAITER_SHARE × its lateness longer than
 it does — a rank that arrives late while every rank waits the same is not holding anyone up
 (its completion of the previous collective came later: shared cores). A rank whose signal passes
-max(STEP_SCORE × noise, MIN_EXCESS × step) in some steps only is *transient* (metrics only). A
-whole stage slower than the others is stage imbalance (the pipeline analyzer), not a straggler.
+max(STEP_SCORE × noise, MIN_EXCESS × step, MIN_EXCESS_MS) in some steps only is *transient*
+(metrics only). A whole stage slower than the others is stage imbalance (the pipeline analyzer), not a straggler.
 
 The finding names the cause (analyzers/_straggler_cause.py: input wait, its own work on the CPU,
 CPU wait of the training thread, device throttling, time off the CPU, or its own work) and the
@@ -64,6 +64,8 @@ STEP_SCORE = 3.0     # one step's excess ≥ this × noise: a transient straggle
 FLOOR = 0.03         # scale floor: 3 % of the median step (synthetic runs with no noise)
 MIN_EXCESS = 0.10    # ... and at least 10 % of the median step (docs/stragglers-pipeline.md:
                      # clean CPU runs on 2 shared cores measured up to ~9 % apart)
+MIN_EXCESS_MS = 2.0  # ... and at least 2 ms per step: on steps of a few ms, what a shared host's
+                     # scheduling adds (time slices of 0.75-3 ms) is a large share of the step
 CHRONIC = 0.5        # share of analysed steps for a chronic straggler ...
 CHRONIC_MIN_STEPS = 3  # ... and seen in at least this many steps (2 noisy steps are not a habit)
 SPREAD_MIN_GROUP = 6   # the spread of E over the peer group joins the scale from this size on
@@ -210,7 +212,7 @@ def judge(k: pd.DataFrame, col: str, step_ms: float) -> tuple[dict[int, dict], f
     analysed-steps table ``k`` (columns rank, step, group, col). Returns (per rank, noise)."""
     noise = noise_ms(k, col)
     nz = 0.0 if math.isnan(noise) else noise
-    floor = MIN_EXCESS * step_ms
+    floor = max(MIN_EXCESS * step_ms, MIN_EXCESS_MS)
     v = k.dropna(subset=[col])
     if v.empty:
         return {}, noise
@@ -475,6 +477,7 @@ def _analyze(run) -> AnalyzerResult:
         "peer_groups": {str(r): g for r, g in groups.items()},
         "thresholds": {"score": SCORE, "significance": SIGNIFICANCE, "step_score": STEP_SCORE,
                        "floor": FLOOR, "min_excess": MIN_EXCESS,
+                       "min_excess_ms": MIN_EXCESS_MS,
                        "chronic": CHRONIC, "chronic_min_steps": CHRONIC_MIN_STEPS,
                        "spread_min_group": SPREAD_MIN_GROUP,
                        "data_share": DATA_SHARE, "data_min_ms": DATA_MIN_MS},
