@@ -31,6 +31,7 @@ from trainprof.findings import AnalyzerResult, Finding
 NAME = "collectives"
 P2P = ("send", "recv")
 EXPOSED_FRACTION = 0.5  # blocked in collectives for at least this share of the step
+NO_COMM_MIN_STEPS = 3   # a job of several ranks with no collective in this many steps each
 TOP_GROUPS = 10
 USED = ("rank", "step", "pg", "seq", "op", "bytes", "enqueue_ns", "end_ns", "blocked_ms",
         "device_ms", "peer")
@@ -352,7 +353,7 @@ def _kept_steps(run, df):
 def analyze(run) -> AnalyzerResult:
     df = _frame(run)
     if df.empty:
-        return AnalyzerResult()
+        return _no_communication(run)
     kept = _kept_steps(run, df)
     consistency = _consistency(df)
     inst = _instances(df)
@@ -438,3 +439,53 @@ def _late_waits(run, blocked) -> dict:
                     f"{', '.join(map(str, w['late']))}, up to {waited:.0f} ms/step per rank: "
                     "see that rank's finding)")
     return out
+
+
+def _no_communication(run) -> AnalyzerResult:
+    """A job of several ranks (run directory) whose ranks each recorded ≥ NO_COMM_MIN_STEPS
+    steps with the collective log on, and not one collective: nothing synchronizes the ranks,
+    so each trains its own model (data parallelism not set up: no DDP / FSDP wrapping, or a
+    launcher that never formed a group). A finding, with what the framework integration says of
+    its data-parallel size."""
+    try:
+        ranks = list(run.ranks)
+        world = int(run.world_size or 0)
+        steps = run.steps()
+    except Exception:  # noqa: BLE001 - bare traces, unreadable parts: nothing to say here
+        return AnalyzerResult()
+    if world < 2 or len(ranks) < 2 or steps is None or steps.empty or "step" not in steps:
+        return AnalyzerResult()
+    metas = {r: run.rank_meta(r) for r in ranks}
+    if not all(m.get("activated_by") for m in metas.values()):
+        return AnalyzerResult()  # not every rank's probes ran (or not written by them)
+    if any("collectives" in (m.get("probes_off") or ()) for m in metas.values()):
+        return AnalyzerResult()  # the log was off: its absence says nothing
+    counts = steps.groupby("rank")["step"].nunique()
+    if len(counts) < 2 or int(counts.min()) < NO_COMM_MIN_STEPS:
+        return AnalyzerResult()
+    dist = sorted(r for r, m in metas.items() if m.get("backend")
+                  or m.get("activated_by") in ("init_process_group", "device_mesh"))
+    dp = sorted({int(m["framework"]["data_parallel_size"]) for m in metas.values()
+                 if isinstance(m.get("framework"), dict)
+                 and isinstance(m["framework"].get("data_parallel_size"), int)})
+    fw = next((m["framework"].get("name") for m in metas.values()
+               if isinstance(m.get("framework"), dict) and m["framework"].get("name")), None)
+    n = len(counts)
+    lo, hi = int(counts.min()), int(counts.max())
+    msg = (f"the job's {n} ranks issued no collective in {lo if lo == hi else f'{lo}-{hi}'} steps "
+           f"each: nothing synchronizes them, so each rank trains its own model on its own data "
+           f"(data-parallel training all-reduces gradients every step: DDP, FSDP)")
+    if dist:
+        msg += (f"; {'every rank' if len(dist) == n else f'{len(dist)} of the ranks'} called "
+                "init_process_group, but no collective followed")
+    else:
+        msg += "; no rank called init_process_group: the processes never formed a group"
+    if dp == [1]:
+        msg += f"; {fw or 'the framework'} reports a data-parallel size of 1"
+    msg += (" (communication outside torch.distributed and DDP's reducer, e.g. Horovod or MPI, "
+            "is not seen)")
+    ev = {"ranks": n, "world_size": world, "steps_per_rank": {str(r): int(c) for r, c in counts.items()},
+          "init_process_group_ranks": dist, "framework_data_parallel_size": dp or None}
+    return AnalyzerResult(metrics={"records": 0, "no_communication": ev},
+                          findings=[Finding("no_communication", "warning", sorted(int(r) for r in counts.index),
+                                            msg, evidence=ev)])
