@@ -100,7 +100,7 @@ def _hook(tap, bucket):
     log = collectives._LOG
     if log is None or log.closed:
         fut, unwrap = _call_target(tap, bucket)
-        return fut.then(_first) if unwrap else fut
+        return _deliver(fut, unwrap, None)
     try:
         mark = next(reversed(log._ops), -1)
         t0 = time.time_ns()
@@ -110,7 +110,7 @@ def _hook(tap, bucket):
     # the job's hook or the built-in path: its errors are its own
     fut, unwrap = _call_target(tap, bucket)
     if mark is None:
-        return fut.then(_first) if unwrap else fut
+        return _deliver(fut, unwrap, None)
     try:
         ops = _new_ops(log, mark)
         if not ops and getattr(_cpp_allreduce, "n", 0):
@@ -130,8 +130,71 @@ def _hook(tap, bucket):
             _queue_charge(tap)
     except Exception as e:  # noqa: BLE001
         collectives._note_error(log, e)
-        return fut.then(_first) if unwrap else fut
-    return fut.then(functools.partial(_bucket_done, tap, log, ops, unwrap))
+        return _deliver(fut, unwrap, None)
+    return _deliver(fut, unwrap, functools.partial(_bucket_done, tap, log, ops, unwrap))
+
+
+def _deliver(fut, unwrap, done):
+    """The future DDP gets for a bucket; ``done`` (a ``then`` callback) records its completion.
+
+    A ``then`` callback that raises fails its future with torch's wrapper error ("Got the
+    following error when running the callback: ...  At: <our file>"), never the original; so
+    no future of ours may carry a failed all-reduce's error to the job:
+
+    * the job's hook: its future goes to DDP untouched (its value, its error). The record is
+      chained on a side future whose callback never raises, and that side future's wait is
+      queued as an autograd final callback: queued before DDP queues its finalize (when the
+      last bucket is ready), so finalize finds every bucket recorded, as when DDP waited our
+      future;
+    * the built-in path: DDP's Python hook wrapper wants a future whose value is the tensor,
+      which in Python only ``then`` makes, so the chained future goes to DDP. Ahead of DDP's
+      finalize, a final callback waits on the all-reduce's own future with the builtin
+      ``torch._C.Future.wait``: a failed all-reduce raises its own error there, type and
+      message as bare and no frame of ours, before finalize could see the wrapped one. (What
+      differs: finalize has not run, where bare it stopped at that same wait; and in a
+      static graph's first backward, whose buckets DDP launches from finalize itself, the
+      wrapped error remains.) Outside backward (Join's shadow pass for a joined rank, which
+      only waits on the future) the all-reduce's own future is returned.
+    """
+    if not unwrap:
+        if done is not None:
+            try:
+                _queue_wait(fut.then(done))
+            except Exception:  # noqa: BLE001 - not a Future: DDP says so, as without us
+                pass
+        return fut
+    out = fut.then(done if done is not None else _first)
+    try:
+        _queue_wait(fut)
+    except Exception:  # noqa: BLE001 - no final callback: outside backward, or out (as before)
+        try:
+            if not _in_backward():
+                return fut
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+_WAIT = None  # torch._C.Future.wait: a builtin, so what it raises carries no frame of ours
+
+
+def _queue_wait(fut):
+    """Queue ``fut``'s wait as an autograd final callback (inside backward only)."""
+    global _WAIT
+    from torch.autograd import Variable
+
+    if _WAIT is None:
+        import torch
+
+        _WAIT = torch._C.Future.wait
+    Variable._execution_engine.queue_callback(functools.partial(_WAIT, fut))
+
+
+def _in_backward() -> bool:
+    import torch
+
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is None or current() != -1
 
 
 def _call_target(tap, bucket):
@@ -188,8 +251,8 @@ def _bucket_done(tap, log, ops, unwrap, fut):
             tap.done.append((ops, t))
     except Exception as e:  # noqa: BLE001
         collectives._note_error(log, e)
-    # the bucket's new value, or the job's hook's error, unchanged
-    return fut.value()[0] if unwrap else fut.value()
+    # the bucket's new value (built-in path); the job's future is DDP's, not this one's
+    return fut.value()[0] if unwrap else None
 
 
 def _queue_charge(tap):
