@@ -63,3 +63,15 @@ def union_length(intervals) -> float:
         else:
             cur_e = max(cur_e, e)
     return busy + ((cur_e - cur_s) if cur_e is not None else 0)
+
+
+def write_worker_exits(root: Path, t_s: float, at_close: dict, final: dict) -> None:
+    """RUN/worker-exits.jsonl as the torchrun agent writes it (probes/elastic_agent.py): one
+    workers_closed record at t_s, each rank's exit code when the agent closed and at the end."""
+    import json
+
+    rec = {"t_ns": int(t_s * 1e9), "event": "workers_closed", "host": "h", "agent_pid": 1,
+           "restart": 0, "workers": [{"rank": r, "local_rank": r, "pid": 100 + r,
+                                      "exitcode_at_close": at_close.get(r), "exitcode": final[r]}
+                                     for r in sorted(final)]}
+    (Path(root) / "worker-exits.jsonl").write_text(json.dumps(rec) + "\n")

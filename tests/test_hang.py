@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_cli, wait_for, write_script
+from helpers import run_cli, wait_for, write_script, write_worker_exits
 from trainprof.analyzers import hang as hang_analyzer
 from trainprof.launcher import HANG_EXIT_CODE
 from trainprof.probes.ticker import Ticker
@@ -435,15 +435,6 @@ def test_dumps_found_in_every_run_directory_analyzed_together(tmp_path):
 # --------------------------------------------------------------------------- failures vs hangs
 
 
-def _exits(root: Path, t_s: float, at_close: dict, final: dict) -> None:
-    """RUN/worker-exits.jsonl as the torchrun agent writes it (probes/elastic_agent.py)."""
-    rec = {"t_ns": int(t_s * 1e9), "event": "workers_closed", "host": "h", "agent_pid": 1,
-           "restart": 0, "workers": [{"rank": r, "local_rank": r, "pid": 100 + r,
-                                      "exitcode_at_close": at_close.get(r), "exitcode": final[r]}
-                                     for r in sorted(final)]}
-    (root / "worker-exits.jsonl").write_text(json.dumps(rec) + "\n")
-
-
 BOOM = {"kind": "exception", "exc_type": "RuntimeError", "exc": "boom: corrupt batch at step 5",
         "t_ns": int(105.0e9), "thread": "MainThread"}
 _COLL = {"pg": "0", "op": "all_reduce", "bytes": 4}
@@ -464,7 +455,7 @@ def test_crash_is_a_rank_failure_with_its_exception_never_a_hang(tmp_path, failu
           dict(_hb(105, 5, "failure"), failure=failure),
           dict(_hb(110.5, 5, "close"), failure=failure)]
     run = _write_run(tmp_path / "r", {0: r0, 1: r1}, status="failed", end_ns=int(111.5e9))
-    _exits(run, 111, {1: code}, {0: -15, 1: code})
+    write_worker_exits(run, 111, {1: code}, {0: -15, 1: code})
     res = hang_analyzer.analyze(RunDir(run))
     (f,) = res.findings
     assert f.kind == "rank_failure" and f.severity == "error" and f.ranks == [1]
@@ -483,7 +474,7 @@ def test_a_real_hang_that_ends_in_a_crash_stays_a_hang(tmp_path):
           dict(_hb(164, 5, "failure"), failure=late), dict(_hb(164.1, 5, "close"), failure=late)]
     r1 = [_hb(100, 0, "start"), dict(_hb(104, 5), last_collective=dict(_COLL, seq=5, step=4))]
     run = _write_run(tmp_path / "r", {0: r0, 1: r1}, status="failed", end_ns=int(165e9))
-    _exits(run, 164.5, {0: 1}, {0: 1, 1: -15})
+    write_worker_exits(run, 164.5, {0: 1}, {0: 1, 1: -15})
     (f,) = hang_analyzer.analyze(RunDir(run)).findings
     assert f.kind == "hang" and f.severity == "critical"
     assert "no rank progressed during the last 60.0 s" in f.evidence["detected_by"][0]
@@ -497,7 +488,7 @@ def test_rank_aborted_for_a_peers_missed_collective_is_the_victim(tmp_path):
                last_collective=dict(_COLL, seq=13, step=6))]
     r1 = [_hb(100, 0, "start"), dict(_hb(103, 7), last_collective=dict(_COLL, seq=13, step=6))]
     run = _write_run(tmp_path / "r", {0: r0, 1: r1}, status="failed", end_ns=int(104e9))
-    _exits(run, 103.5, {0: -6}, {0: -6, 1: -15})
+    write_worker_exits(run, 103.5, {0: -6}, {0: -6, 1: -15})
     res = hang_analyzer.analyze(RunDir(run))
     (f,) = res.findings
     c = f.evidence["culprit"]
@@ -515,7 +506,7 @@ def test_rank_that_died_and_never_arrived_is_the_culprit_not_a_victim(tmp_path):
     r0 = [_hb(100, 0, "start"), dict(_hb(103, 7, inflight=[dict(_COLL, seq=14, step=7)]))]
     r1 = [_hb(100, 0, "start"), dict(_hb(103, 7), last_collective=dict(_COLL, seq=13, step=6))]
     run = _write_run(tmp_path / "r", {0: r0, 1: r1}, status="failed", end_ns=int(104e9))
-    _exits(run, 103.5, {1: -9}, {0: -15, 1: -9})
+    write_worker_exits(run, 103.5, {1: -9}, {0: -15, 1: -9})
     (f,) = hang_analyzer.analyze(RunDir(run)).findings
     assert f.kind == "rank_failure" and f.ranks == [1]
     assert f.evidence["culprit"]["reason"] == "died" and "victims" not in f.evidence["culprit"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_cli, write_script
+from helpers import run_cli, write_script, write_worker_exits
 from trainprof.analyzers import hang as hang_analyzer
 from trainprof.analyzers import uneven_steps
 from trainprof.rundir import RunDir, write_json_atomic
@@ -59,14 +59,6 @@ def _manifest(root: Path, status: str, end_s: float):
                                                "end_time": {"ns": int(end_s * 1e9)}})
 
 
-def _exits(root: Path, t_s: float, at_close: dict, final: dict) -> None:
-    rec = {"t_ns": int(t_s * 1e9), "event": "workers_closed", "host": "h", "agent_pid": 1,
-           "restart": 0, "workers": [{"rank": r, "local_rank": r, "pid": 100 + r,
-                                      "exitcode_at_close": at_close.get(r), "exitcode": final[r]}
-                                     for r in sorted(final)]}
-    (root / "worker-exits.jsonl").write_text(json.dumps(rec) + "\n")
-
-
 def _nojoin_run(root: Path, agent=True, exit0_s=108.0, fail_s=108.5, rank1_exc=GLOO_CLOSED,
                 rank1_coll=None) -> Path:
     """run4c in small: rank 0 runs steps 0-29 and exits 0 (its heartbeat closes at exit0_s);
@@ -88,7 +80,7 @@ def _nojoin_run(root: Path, agent=True, exit0_s=108.0, fail_s=108.5, rank1_exc=G
           ended_s=fail_s + 0.002)
     _manifest(root, "failed", fail_s + 0.4)
     if agent:
-        _exits(root, fail_s + 0.3, {0: 0, 1: 1}, {0: 0, 1: 1})
+        write_worker_exits(root, fail_s + 0.3, {0: 0, 1: 1}, {0: 0, 1: 1})
     return root
 
 
@@ -155,7 +147,7 @@ def test_crash_of_a_rank_is_still_named_when_another_exited_normally(tmp_path):
     _rank(root, 0, 3, range(12), _step_colls(range(12), after=[_coll(12, 13, 101.25, 101.5)]),
           [_hb(100, 0, "start"), _hb(101.5, 12, "failure", failure=boom)])
     _manifest(root, "failed", 102)
-    _exits(root, 101.8, {0: 1, 1: -9}, {0: 1, 1: -9, 2: 0})
+    write_worker_exits(root, 101.8, {0: 1, 1: -9}, {0: 1, 1: -9, 2: 0})
     (f,) = hang_analyzer.analyze(RunDir(root)).findings
     assert f.ranks == [1] and f.evidence["culprit"]["reason"] == "died"
     assert "killed by SIGKILL" in f.message and "left the job early" not in f.message
@@ -174,7 +166,7 @@ def test_a_peer_left_waiting_forever_names_the_rank_that_exited(tmp_path):
           [_hb(100, 0, "start"), _hb(103.1, 30, last_collective=pending, inflight=[pending],
                                      inflight_count=1)])
     _manifest(root, "hung", 200)
-    _exits(root, 199, {0: 0}, {0: 0, 1: -15})
+    write_worker_exits(root, 199, {0: 0}, {0: 0, 1: -15})
     (f,) = hang_analyzer.analyze(RunDir(root)).findings
     assert f.kind == "hang" and f.ranks == [0]
     assert f.evidence["culprit"]["reason"] == "never_arrived"
@@ -198,7 +190,7 @@ def _join_run(root: Path, counts: dict[int, int], exitcodes: dict[int, int] | No
               ended_s=100 + 0.1 * top + 0.1)
     codes = exitcodes or {r: 0 for r in counts}
     _manifest(root, "ok" if not any(codes.values()) else "failed", 100 + 0.1 * top + 0.5)
-    _exits(root, 100 + 0.1 * top + 0.3, codes, codes)
+    write_worker_exits(root, 100 + 0.1 * top + 0.3, codes, codes)
     return root
 
 
