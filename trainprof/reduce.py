@@ -67,11 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         {"built": [], "reused": [], "failed": {}, "seconds": 0.0}
     for r, why in sorted(report["failed"].items()):
         print(f"trainprof.reduce: rank {r}: {why}", file=sys.stderr)
-    if not args.quiet:
-        print(f"trainprof.reduce: process {me}/{world}: {len(mine)} trace(s): "
-              f"{len(report['built'])} digested, {len(report['reused'])} already current, "
-              f"{len(report['failed'])} failed ({report['seconds']:.1f} s, {workers} worker(s)); "
-              f"ranks {ranges(mine, sep=', ') or 'none'}")
+    if not args.quiet:  # one write per line: the processes of one node share the stream
+        sys.stdout.write(f"trainprof.reduce: process {me}/{world}: {len(mine)} trace(s): "
+                         f"{len(report['built'])} digested, {len(report['reused'])} already "
+                         f"current, {len(report['failed'])} failed ({report['seconds']:.1f} s, "
+                         f"{workers} worker(s)); ranks {ranges(mine, sep=', ') or 'none'}\n")
+        sys.stdout.flush()
     return 1 if report["failed"] else 0
 
 
