@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainprof.analyzers._memo import once
 from trainprof.findings import AnalyzerResult
 
 NAME = "step_time"
@@ -46,6 +47,10 @@ def partial_note(run, ranks_reporting: int) -> dict | None:
 
 
 def analyze(run) -> AnalyzerResult:
+    return once(run, "analyzers.step_time", _analyze)
+
+
+def _analyze(run) -> AnalyzerResult:
     steps = run.steps()
     if steps.empty:
         return AnalyzerResult()

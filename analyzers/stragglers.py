@@ -53,6 +53,7 @@ import numpy as np
 
 from trainprof._lazy import pd
 from trainprof.analyzers import _lateness
+from trainprof.analyzers._memo import once
 from trainprof.analyzers import _straggler_cause as cause
 from trainprof.findings import AnalyzerResult, Finding
 
@@ -325,13 +326,7 @@ def _caused(fr, r: int, kept, excess: float) -> dict:
 
 
 def analyze(run) -> AnalyzerResult:
-    cache = getattr(run, "_cache", None)
-    if cache is not None and "analyzers.stragglers" in cache:
-        return cache["analyzers.stragglers"]
-    res = _analyze(run)
-    if cache is not None:
-        cache["analyzers.stragglers"] = res
-    return res
+    return once(run, "analyzers.stragglers", _analyze)
 
 
 def capped_waits(by_rank: dict) -> dict:
