@@ -24,6 +24,8 @@ from trainprof.analyzers._comm_groups import (coll_types, gloo_event_groups, gpu
                                               group_dims, trace_groups, trace_pg_names)
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.trace._table import Table, objects
+from trainprof.trace.threads import main_thread
+from trainprof.wording import ranks_phrase
 
 NAME = "comm_compute"
 EXPOSED_COMM_FINDING = 0.40   # median rank's exposed communication ≥ this share of the step
@@ -258,24 +260,11 @@ def hta_view(ev, base_ns: int = 0) -> dict | None:
 
 
 # --------------------------------------------------------------------------- CPU
-def _main_tid(ev, whole: bool = False) -> int | None:
-    """The training thread: the one running ProfilerStep (the most such events; the lowest
-    tid among equals); in a whole-trace window (no ProfilerStep) the thread with the most CPU
-    ops."""
-    m = ev["name"].startswith("ProfilerStep#")
-    if not m.any() and whole:
-        m = ev["cat"].eq("cpu_op")
-    if not m.any():
-        return None
-    tids, counts = np.unique(ev["tid"][m], return_counts=True)
-    return int(tids[np.argmax(counts)])
-
-
 def _cpu_rows(trace, dims: dict, log=None, split: list | None = None,
               used: dict | None = None) -> list[dict]:
     """``log``: this rank's collective log (_rank_log) or None."""
     ev = trace.tables.events
-    main = _main_tid(ev, bool(trace.meta.get("whole_trace_window")))
+    main = main_thread(ev)
     if main is None:
         return []
     on_main = ev["tid"] == main
@@ -718,12 +707,10 @@ def _findings(per_rank: list[dict], exposed: float, late: dict | None = None,
         note = ""
         if adjusted:
             lr = late["late"]
-            note = (f" (not counting the time spent waiting for late rank{'s' if len(lr) > 1 else ''} "
-                    f"{', '.join(map(str, lr))}: {exposed:.0%} with it; see that rank's finding)")
+            note = (f" (not counting the time spent waiting for late {ranks_phrase(sorted(lr))}: "
+                    f"{exposed:.0%} with it; see that rank's finding)")
         if missing:  # a rank without data may be the one the others wait for
-            from trainprof.rankranges import ranges
-
-            note += (f"; rank{'s' if len(missing) > 1 else ''} {ranges(missing)} of the job "
+            note += (f"; {ranks_phrase(sorted(missing))} of the job "
                      f"{'have' if len(missing) > 1 else 'has'} no data here: part of this may be "
                      f"time spent waiting for {'them' if len(missing) > 1 else 'it'}, which cannot "
                      f"be told apart")

@@ -40,8 +40,10 @@ from trainprof.analyzers import _fatal_stacks as fatal
 from trainprof.analyzers import _flight_recorder as fr
 from trainprof.analyzers import _hang_ledger as led
 from trainprof.findings import AnalyzerResult, Finding
-from trainprof import worker_exits
-from trainprof.rundir import RunDirError, rank_dir, read_json
+from trainprof.rankranges import rank_list
+from trainprof.rundir import worker_exits
+from trainprof.rundir.files import RunDirError, rank_dir, read_json
+from trainprof.wording import ranks_phrase
 
 NAME = "hang"
 DUMP = "hang-dump.json"       # written by probes/hang_watchdog.py
@@ -932,14 +934,11 @@ def _culprit_alive(views, desync, missing, stacks, hung) -> dict | None:
 
 
 def _ranks(rs) -> str:
-    rs = sorted(rs)
-    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
-        return f"{rs[0]}-{rs[-1]}"
-    return ",".join(str(r) for r in rs)
+    return rank_list(sorted(rs))
 
 
 def _rank_s(rs) -> str:
-    return f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}"
+    return ranks_phrase(sorted(rs))
 
 
 def _message(pm) -> str:

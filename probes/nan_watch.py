@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import time
 import weakref
 import zlib
 
+from trainprof import settings
 from trainprof.probes import runtime
 
 STREAM = "nan"
@@ -212,16 +212,16 @@ class NanWatch:
         self._pnames: dict[int, tuple] = {}          # id(param) -> (weakref, path)
         self._off = 0                                 # >0 during a replay
         self._cache: dict = {}                        # id(tensor) -> (weakref, version, stat)
-        self.modules_mode = os.environ.get(ENV_MODULES, "replay")
+        self.modules_mode = settings.value(ENV_MODULES)
         self.modules_on = self.modules_mode in ("all", "leaf")
         self.replay_on = self.modules_mode == "replay"
-        self.sync = os.environ.get(ENV_SYNC) == "1"
+        self.sync = settings.value(ENV_SYNC)
         try:
-            self.peer_wait_s = float(os.environ.get(ENV_PEER_WAIT, "10"))
+            self.peer_wait_s = settings.value(ENV_PEER_WAIT)
         except ValueError:
             self.peer_wait_s = 10.0
         try:
-            self.keep_bytes = float(os.environ.get(ENV_KEEP_MB, "1024")) * 2**20
+            self.keep_bytes = settings.value(ENV_KEEP_MB) * 2**20
         except ValueError:
             self.keep_bytes = 2**30
         self.roots_known: weakref.WeakSet = weakref.WeakSet()   # modules seen as roots

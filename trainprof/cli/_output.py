@@ -65,7 +65,7 @@ def analyze_and_print(run_dir, out_dir=None, as_json=False, report=True, quiet=F
     ``err``: print on stderr (wrap: its stdout is the job's)."""
     import json
 
-    from trainprof.analysis import analyze_and_write
+    from trainprof.analysis.runner import analyze_and_write
 
     with progress_status(enabled=not as_json and not quiet) as progress:
         summary, summary_path, report_path = analyze_and_write(

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from trainprof.cli._output import InputError, apply_input_limit, max_input_option
-from trainprof.rundir import RunDirError
+from trainprof.rundir.files import RunDirError
 
 NOTHING_ANALYZED_EXIT = 3  # no rank's data, no trace read, or no event in the traces read
 

@@ -52,7 +52,7 @@ def _write_injected(faults, layout, world, cfg, coords_of) -> None:
     run_dir = os.environ.get("TRAINPROF_RUN_DIR")
     if not run_dir:
         return
-    from trainprof.rundir import INJECTED, write_json_atomic
+    from trainprof.rundir.files import INJECTED, write_json_atomic
 
     entries = []
     for f in faults:
