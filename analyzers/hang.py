@@ -42,11 +42,11 @@ from trainprof.analyzers import _hang_ledger as led
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.rankranges import rank_list
 from trainprof.rundir import worker_exits
-from trainprof.rundir.files import RunDirError, rank_dir, read_json
+from trainprof.rundir.files import HANG_DUMP, RunDirError, rank_dir, read_json
 from trainprof.wording import ranks_phrase
 
 NAME = "hang"
-DUMP = "hang-dump.json"       # written by probes/hang_watchdog.py
+DUMP = HANG_DUMP  # written by probes/hang_watchdog.py
 HEARTBEAT, HEARTBEAT_PREV = "heartbeat", "heartbeat.prev"
 MIN_STALL_S = 5.0
 MIN_LEAD_S = 2.0   # a heartbeat must stop this long before the others' to single its rank out

@@ -437,7 +437,7 @@ import json, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from trainprof.probes import nan_locate
-from trainprof.probes.nan_watch import _Root
+from trainprof.probes.nan_values import _Root
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

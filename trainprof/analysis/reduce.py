@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 
+from trainprof import settings
 from trainprof.rankranges import ranges
 
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunDirError as e:
         print(f"trainprof.analysis.reduce: {e}", file=sys.stderr)
         return 2
-    workers = args.workers or max(1, digest._cpus() // local)
+    workers = args.workers or max(1, settings.available_cpus() // local)
     report = digest.build(args.run_dir, ranks=mine, workers=workers) if mine else \
         {"built": [], "reused": [], "failed": {}, "seconds": 0.0}
     for r, why in sorted(report["failed"].items()):
