@@ -131,9 +131,9 @@ def run_checks(ctx: Ctx, selected: list, jobs: int) -> dict[str, Result]:
 
 def table(results: list[Result]) -> str:
     w = max([len(r.name) for r in results] + [5])
-    rows = [f"{'check':{w}}  {'number':38}  {'result':6}  {'s':>5}  detail"]
+    rows = [f"{'check':{w}}  {'number':52}  {'result':6}  {'s':>5}  detail"]
     for r in results:
-        rows.append(f"{r.name:{w}}  {r.number[:38]:38}  {r.verdict:6}  {r.seconds:5.0f}  {r.detail}")
+        rows.append(f"{r.name:{w}}  {r.number[:52]:52}  {r.verdict:6}  {r.seconds:5.0f}  {r.detail}")
     return "\n".join(rows)
 
 
@@ -177,7 +177,9 @@ def main(argv=None) -> int:
                f"skipped in {total:.0f} s" + (f" (budget {a.budget_s:.0f} s exceeded)" if total > a.budget_s
                                                 else ""))
     print("\n" + txt + "\n" + summary)
-    (out / "table.txt").write_text(f"{ver}\n{txt}\n{summary}\n")
+    head = (f"{ver['date']}: {ver['device']} (driver {ver.get('driver')}), torch {ver['torch']}, CUDA "
+            f"{ver['cuda']}, NCCL {ver['nccl']}, Python {ver['python']}, trainprof {ver['trainprof']}")
+    (out / "table.txt").write_text(f"{head}\n\n{txt}\n{summary}\n")
     (out / "results.json").write_text(json.dumps(
         {"versions": ver, "dry_run": a.dry_run, "seconds": total, "budget_s": a.budget_s,
          "fixtures": str(fixtures), "failed": failed, "skipped": sorted(skip),
