@@ -16,6 +16,9 @@ pytestmark = pytest.mark.multiproc
 
 ROOT = Path(__file__).resolve().parents[2]
 VALIDATE = ROOT / "benchmarks" / "gpu" / "validate.py"
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+
+import vchecks  # noqa: E402
 
 
 def test_dry_run_runs_every_check_and_writes_fixtures_outside_the_repo(tmp_path):
@@ -26,8 +29,6 @@ def test_dry_run_runs_every_check_and_writes_fixtures_outside_the_repo(tmp_path)
     res = json.loads((out / "results.json").read_text())
     checks = {c["check"]: c for c in res["checks"]}
     assert r.returncode == 0, (r.stdout[-4000:], r.stderr[-3000:])
-    import vchecks  # noqa: F401 - on sys.path by the import below
-
     assert set(checks) == {c.name for c in vchecks.CHECKS} | {"fixtures"}
     assert all(c["verdict"] == "PASS" and c["criteria"] for c in checks.values()), checks
     # the table: one row per check with its number and verdict
@@ -44,5 +45,3 @@ def test_dry_run_runs_every_check_and_writes_fixtures_outside_the_repo(tmp_path)
         assert "fixtures/fixtures.json" in t.getnames()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("trainprof-validate-")]  # no --keep
 
-
-sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
