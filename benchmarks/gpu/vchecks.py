@@ -80,8 +80,10 @@ def check_ddp(ctx: Ctx, v: Verdict, results: dict) -> None:
         h_bare, h_wrap = ctx.work / f"ddp-{hook}.bare.hash", ctx.work / f"ddp-{hook}.hash"
         args = [job_py, "--device", dev, "--hook", hook, "--steps", steps]
         det = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # cuBLAS alike in both runs whatever the streams
-        bare = ctx.run(f"ddp_{hook}_bare", [*ctx.torchrun(1), *args, "--hash-out", h_bare], env=det)
-        job, run, _ = ctx.wrap(f"ddp_{hook}", [*ctx.torchrun(1), *args, "--hash-out", h_wrap],
+        if not ctx.cuda:  # the dry run saves torchrun's process: env:// of a world of one
+            det.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        bare = ctx.run(f"ddp_{hook}_bare", [*ctx.launch1(), *args, "--hash-out", h_bare], env=det)
+        job, run, _ = ctx.wrap(f"ddp_{hook}", [*ctx.launch1(), *args, "--hash-out", h_wrap],
                                env=det, analyze=False)
         if not (v.need(f"{hook}: bare run exit 0 (got {bare.rc})", bare.rc == 0)
                 and v.need(f"{hook}: wrapped run exit 0 (got {job.rc})", job.rc == 0)):

@@ -90,7 +90,9 @@ def write(ctx, results: dict, dest: Path, versions: dict) -> Result:
         total, big, name = sizes(dest)
         v.need(f"largest trace/snapshot <= {MAX_FILE_MB} MB (got {big:.2f} MB: {name})", big <= MAX_FILE_MB)
         v.need(f"all fixtures <= {MAX_TOTAL_MB} MB (got {total:.1f} MB)", total <= MAX_TOTAL_MB)
-        v.need("fixtures from at least one check", entries)
+        want = sum(1 for r in results.values() if r.ok and r.data.get("fixture"))
+        v.need(f"a fixture from every passing check that makes one ({len(entries)} of {want})",
+               len(entries) == want)
         for e, ver in verify(dest, ctx.work):
             v.need(f"{e['check']} ({e['path']}) re-analysed on CPU: "
                    + ("holds" if ver.ok else "; ".join(ver.failed())), ver.ok)
