@@ -152,3 +152,41 @@ def test_validate_refuses_before_running_anything(tmp_path):
     r = _validate("--dry-run", "--out", "o", "--only", "nan,bogus", tmp_path=tmp_path)
     assert r.returncode == 2 and "unknown check(s) bogus" in r.stderr
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+def test_two_rank_criterion_wants_data_starvation_of_that_rank_alone(tmp_path):
+    run = tmp_path / "run"
+    for r in (0, 1):
+        (run / "ranks" / f"rank-{r:05d}").mkdir(parents=True)
+        (run / "ranks" / f"rank-{r:05d}" / "meta.json").write_text(json.dumps({"device": "cuda:0",
+                                                                               "device_name": "NVIDIA H200"}))
+    inj = {"kind": "slow_data", "performed": True, "ranks": [1], "params": {"rank": 1, "delay_ms": 100}}
+    (run / "injected.json").write_text(json.dumps({"injections": [inj]}))
+
+    def summary(*found):
+        s = _summary([{"kind": k, "ranks": rs, "severity": "warning", "evidence": {}} for k, rs in found])
+        s["run"].update(world_size=2, backend="gloo")
+        return s
+
+    for found, ok in [([("data_starvation", [1])], True), ([("data_starvation", [0, 1])], False),
+                      ([("data_starvation", [1]), ("straggler", [1])], False), ([("straggler", [1])], False)]:
+        v = Verdict()
+        veval.eval_two_ranks(v, run, summary(*found), cuda=True, rank=1)
+        assert v.ok is ok, (found, v.failed())
+
+
+def test_reference_criterion_fails_on_a_fault_finding_or_a_cpu_trace(tmp_path):
+    run = _run(tmp_path, [], {"device": "cuda:0", "device_name": "NVIDIA H200"})
+    metrics = {"comm_compute": {"job": {"trace_kind": "gpu"}}, "step_time": {"job": {"steps_recorded": 12,
+                                                                                      "median_ms": 40.0}},
+               "ops": {"job": {"kernels_per_step": 900.0}}}
+    v = Verdict()
+    veval.eval_reference(v, run, _summary([], **metrics), cuda=True, steps=12)
+    assert v.ok, v.failed()
+    v = Verdict()
+    veval.eval_reference(v, run, _summary([{"kind": "hang", "ranks": [0]}], **metrics), cuda=True, steps=12)
+    assert [c.split(" (")[0] for c in v.failed()] == ["clean run: no fault finding"]
+    metrics["comm_compute"]["job"]["trace_kind"] = "cpu"
+    v = Verdict()
+    veval.eval_reference(v, run, _summary([], **metrics), cuda=True, steps=12)
+    assert [c.split(" (")[0] for c in v.failed()] == ["profiler trace of kind gpu"]
