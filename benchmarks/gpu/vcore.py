@@ -137,6 +137,8 @@ class Ctx:
     def env(self, extra: dict | None = None) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROF_")}
         env.update(PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        # checks run side by side: a share of the cores each, not all of them (as torchrun does)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 4) // 4)))
         if not self.cuda:
             # no CUDA; the one-off peak calibration only where a check reads it (mfu)
             env.update(CUDA_VISIBLE_DEVICES="", TRAINPROF_CALIBRATION="0")
