@@ -229,7 +229,7 @@ def check_hta(ctx: Ctx, v: Verdict, results: dict) -> None:
 
 
 CHECKS = [
-    Check("ref_1rank", check_ref_1rank, 150, "reference job, 1 rank: clean, CUDA trace, every step"),
+    Check("ref_1rank", check_ref_1rank, 150, "reference job, 1 rank: clean, device trace, every step"),
     Check("ref_2rank_gloo", check_ref_2rank_gloo, 150, "2 ranks share the GPU over gloo: slow input found"),
     Check("ddp_nccl", check_ddp, 200, "DDP on NCCL: bucket hook recorded, parameters identical"),
     Check("job_profiler", check_job_profiler, 120, "job's own profiler: kept, its trace analysed"),
