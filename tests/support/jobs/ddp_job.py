@@ -21,9 +21,16 @@ ap.add_argument("--hook", default="none", choices=["none", "fp16", "builtin"])
 ap.add_argument("--hash-out", default=None)
 ap.add_argument("--slow-rank", type=int, default=-1)
 ap.add_argument("--slow-ms", type=float, default=60.0)
+ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, one GPU per rank")
 a = ap.parse_args()
 
-dist.init_process_group("gloo")
+dev = torch.device(a.device)
+if a.device == "cuda":
+    import os
+
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(dev)
+dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
 
@@ -40,7 +47,7 @@ class Net(nn.Module):
         return y if a.unused else self.spare(y)
 
 
-model = Net()
+model = Net().to(dev)
 ddp = DDP(model, bucket_cap_mb=0.1, gradient_as_bucket_view=a.bucket_view,
           static_graph=a.static, find_unused_parameters=a.unused)
 if a.hook == "fp16":
@@ -55,7 +62,7 @@ for step in range(a.steps):
     if rank == a.slow_rank:
         time.sleep(a.slow_ms / 1e3)  # extra "compute" on one rank: the others wait for it
     for micro in range(a.accum):
-        x, y = torch.randn(32, 64, generator=g), torch.randn(32, 8, generator=g)
+        x, y = torch.randn(32, 64, generator=g).to(dev), torch.randn(32, 8, generator=g).to(dev)
         if micro < a.accum - 1:
             with ddp.no_sync():
                 ((ddp(x) - y) ** 2).mean().backward()
@@ -63,7 +70,7 @@ for step in range(a.steps):
             ((ddp(x) - y) ** 2).mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=not a.bucket_view)
-digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))
 if a.hash_out and rank == 0:
     with open(a.hash_out, "w") as f:
         f.write(digest.hexdigest())
