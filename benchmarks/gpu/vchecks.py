@@ -30,7 +30,7 @@ AB_GPU = ["--rounds", "10", "--block", "8", "--warmup", "3", "--", "--device", "
 AB_CPU = ["--rounds", "2", "--block", "2", "--warmup", "1", "--", "--device", "cpu", *REF_CPU]
 OVERHEAD_LIMIT_PCT = 1.0   # docs/overhead.md: the always-on probes, the NaN watch aside
 NAN_WATCH_LIMIT_PCT = OVERHEAD_LIMIT_PCT + 5.0  # the whole set: + the NaN watch's own 5 % (docs/overhead.md)
-HTA_TOLERANCE_PP = 0.5          # as benchmarks/hta_crosscheck.py and tests/test_hta_numbers.py
+HTA_TOLERANCE_PP = 0.5          # as benchmarks/hta_crosscheck.py and tests/unit/analyzers/test_hta_numbers.py
 SYNCS_PER_STEP, D2H_PER_STEP = 4, 3  # make_trace.py: 3 x loss.item() + 1 x synchronize() a step
 
 
@@ -113,7 +113,7 @@ def check_job_profiler(ctx: Ctx, v: Verdict, results: dict) -> None:
     """tests/fixtures/gpu/make_trace.py runs its own torch.profiler (CUDA activity, NCCL):
     trainprof's window steps aside, the analysis uses the job's trace, whose host syncs are the
     script's (3 x .item() + 1 x synchronize() a step)."""
-    from trainprof.rundir import RunDir
+    from trainprof.analysis.run import RunDir
 
     tdir = ctx.work / "job_profiler_traces"
     tdir.mkdir(exist_ok=True)

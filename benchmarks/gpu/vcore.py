@@ -201,13 +201,11 @@ class Ctx:
         return ["-m", "trainprof.reference", *dev, *map(str, args)]
 
     def job_file(self, rel: str) -> Path:
-        """A test job of the repo (tests/jobs/X or, after the test layout's move,
-        tests/support/jobs/X)."""
-        for base in ("tests/support/jobs", "tests/jobs"):
-            p = self.root / base / rel
-            if p.is_file():
-                return p
-        raise FileNotFoundError(f"{rel} not in tests/support/jobs or tests/jobs")
+        """A test job of the repo (tests/support/jobs/X)."""
+        p = self.root / "tests" / "support" / "jobs" / rel
+        if not p.is_file():
+            raise FileNotFoundError(f"{rel} not in tests/support/jobs")
+        return p
 
 
 def _kill_group(p: subprocess.Popen) -> None:

@@ -159,7 +159,7 @@ def snapshot_split_share(path: Path) -> float:
     """Inactive blocks inside segments that also hold live blocks, over all reserved bytes:
     computed from torch.cuda.memory._snapshot()'s segments directly (not trainprof's reader).
     Unpickled by trainprof's restricted unpickler (plain containers only), read raw."""
-    from trainprof.snapshot import safe_load
+    from trainprof.formats.snapshot import safe_load
 
     snap = safe_load(path.read_bytes(), str(path))
     reserved = split = 0
@@ -206,7 +206,7 @@ def eval_mfu(v: Verdict, run: Path, summary: dict, cuda: bool) -> None:
     """MFU = (6·N + 12·L·H·Q·T) · tokens / (median step · peak), recomputed here from the job's
     declared run_info, with the peak of the device's datasheet (CUDA; bf16) or the calibration
     (CPU)."""
-    import trainprof.analyzers._devices as devices
+    import trainprof.devices as devices
 
     roof = summary.get("metrics", {}).get("roofline", {}).get("job", {})
     info = summary.get("run", {}).get("run_info") or {}

@@ -11,10 +11,11 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from paths import REPO
 
 pytestmark = pytest.mark.multiproc
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 VALIDATE = ROOT / "benchmarks" / "gpu" / "validate.py"
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from paths import REPO
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = REPO
 GPU = ROOT / "tests" / "fixtures" / "gpu"
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from paths import REPO
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = REPO
 VALIDATED = ROOT / "tests" / "fixtures" / "gpu" / "validated"
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 
