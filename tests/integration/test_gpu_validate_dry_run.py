@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 import tarfile
-from pathlib import Path
 
 import pytest
 from paths import REPO
