@@ -788,7 +788,11 @@ def postmortem(run) -> dict | None:
                             "inflight": cmp.get("inflight", {})} if fr_dumps else None,
     }
     pm["kind"] = kind_of(pm)
-    pm["message"] = _message(pm)
+    if pm["recovered"]:  # which rank stalled, where, for how long (analyzers/_stall.py)
+        from trainprof.analyzers import _stall
+
+        pm["stall"] = _stall.describe(run, views)
+    pm["message"] = pm["stall"]["text"] if pm.get("stall") else _message(pm)
     return pm
 
 
@@ -1001,9 +1005,13 @@ def _message(pm) -> str:
 def finding(pm) -> Finding:
     c = pm["culprit"]
     ranks = c["ranks"] if c else [r["rank"] for r in pm["ranks"] if r["state"] != "exited"]
+    if pm.get("stall"):
+        ranks = pm["stall"]["ranks"]
     severity = "warning" if pm["recovered"] else ("critical" if pm["hung"] else "error")
     evidence = {k: pm[k]
                 for k in ("culprit", "desync", "never_arrived", "detected_by", "stalled_s", "died")}
+    if pm.get("stall"):
+        evidence["stall"] = pm["stall"]
     evidence["failures"] = {str(r["rank"]): r["failure"] for r in pm["ranks"] if r.get("failure")}
     keys = ("ranks", "majority", "frame", "user_frame", "code", "in_collective")
     evidence["stack_groups"] = [{k: g[k] for k in keys} for g in pm["stack_groups"]]

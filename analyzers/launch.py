@@ -25,6 +25,8 @@ cross-checks. Definitions and the differences from HTA: docs/launch.md.
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from trainprof.analyzers import _intervals as iv
@@ -124,13 +126,14 @@ def _host_steps(trace) -> list[dict]:
         sync_m |= rt & name.eq("cudaMemcpyAsync") & np.isin(ev["correlation"], pageable)
     sync = iv.union(s_all[sync_m], e_all[sync_m])
     steps = trace.tables.steps
+    calls = collections.Counter(np.asarray(step)[np.asarray(sync_m)].tolist())  # one pass, not one per step
     out = []
     for st, lo, hi in zip(steps["step"].tolist(), steps["start_ns"].tolist(),
                           steps["end_ns"].tolist()):
         out.append({"step": st, "host_ns": hi - lo,
                     "data_ns": iv.length(iv.clip(data, lo, hi)),
                     "sync_ns": iv.length(iv.clip(sync, lo, hi)),
-                    "sync_calls": int((sync_m & (step == st)).sum())})
+                    "sync_calls": calls.get(st, 0)})
     return out
 
 

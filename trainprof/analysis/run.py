@@ -546,6 +546,18 @@ class RunDir(RunDirInputs, RunDirTraces):
     def stream_path(self, rank: int, name: str) -> Path:
         return self.rank_path(rank) / f"{name}.jsonl"
 
+    def stream_file_ok(self, rank: int, p: Path) -> bool:
+        """Whether a rank's stream file exists and may be read: a symbolic link that leads out
+        of the run directory is refused (a problem naming it and its target), never read."""
+        if not _exists(p, self._problems_of(rank)):
+            return False
+        from trainprof.rundir.health import outside_link
+
+        why = outside_link(p, self._rank_roots.get(rank, self.path))
+        if why and why not in self.problems:
+            self.problems.append(why)
+        return why is None
+
     def stream(self, rank: int, name: str) -> list[dict]:
         """A rank's records of a stream, checked against the documented field types (bad
         records skipped, each a problem with file and line)."""
@@ -556,7 +568,7 @@ class RunDir(RunDirInputs, RunDirTraces):
             p = self.stream_path(rank, name)
             self._cache[key] = (read_records(p, self.problems, name,
                                              self._cache.setdefault("shared_lists", {}))
-                                if _exists(p, self._problems_of(rank)) else [])
+                                if self.stream_file_ok(rank, p) else [])
         return self._cache[key]
 
     def frame(self, name: str):
@@ -587,7 +599,7 @@ class RunDir(RunDirInputs, RunDirTraces):
 
         p = self.stream_path(rank, name)
         return read_records(p, self.problems, name, self._cache.setdefault("shared_lists", {})) \
-            if _exists(p, self._problems_of(rank)) else []
+            if self.stream_file_ok(rank, p) else []
 
     def stream_tail(self, rank: int, name: str) -> dict | None:
         """A rank's last record of a stream (None when it has none), without caching the

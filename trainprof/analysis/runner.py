@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 from typing import Callable
 
 from trainprof import __version__
+from trainprof.rundir import health as stream_health
 from trainprof.findings import SUMMARY_SCHEMA_VERSION
 from trainprof.meshinfo import group_sizes, mesh_sizes
 from trainprof.analysis.run import RunDir
@@ -119,10 +120,13 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
     lost = lost_traces(run) if info.get("profiled") else None
     if lost:
         run.problems.append(lost)
-    nothing = nothing_captured(run)
+    health = None if run.trace_inputs or run.snapshot_only else stream_health.check(run)
+    if health:  # empty or torn stream files: said by name, never "nothing looks wrong"
+        run.problems.extend(stream_health.problems(run, health))
+    nothing = nothing_captured(run) or (health and stream_health.nothing_readable(run, health))
     if nothing:
         run.problems.insert(0, nothing)
-    cover = None if nothing else coverage(run, metrics)
+    cover = None if nothing else coverage(run, metrics, health)
     if cover:
         run.problems.insert(0, cover["text"])
     return {
@@ -169,7 +173,7 @@ def withhold_window(metrics: dict, findings: list[dict]) -> list[dict]:
     return [f for f in findings if f.get("analyzer") not in WINDOW_ANALYZERS]
 
 
-def coverage(run: RunDir, metrics: dict) -> dict | None:
+def coverage(run: RunDir, metrics: dict, health=None) -> dict | None:
     """What was analyzed and what could not be, with why: bare profiler traces carry none of a
     run directory's streams; a profiled window without training steps gives no trace figures.
     None when everything that applies was analyzed."""
@@ -188,6 +192,8 @@ def coverage(run: RunDir, metrics: dict) -> dict | None:
     if unreached:
         missing += [{"analysis": _LABELS.get(n, n), "needs": "a profiled window of training steps"}
                     for n in WINDOW_ANALYZERS if n not in metrics or n == "trace_stragglers"]
+    lost = stream_health.not_analyzed(health) if health else []
+    missing += [m for m in lost if m["analysis"] not in {x["analysis"] for x in missing}]
     if not missing:
         return None
     needs = list(dict.fromkeys(m["needs"] for m in missing))
@@ -198,6 +204,10 @@ def coverage(run: RunDir, metrics: dict) -> dict | None:
                 + " (record one with `trainprof wrap -- CMD`)")
     elif unreached:
         text = "not analyzed: " + ", ".join(m["analysis"] for m in missing) + f" ({unreached})"
+    elif lost and not why:
+        text = ("not analyzed: " + ", ".join(m["analysis"] for m in missing) + " (their streams, "
+                + ", ".join(f"{s}.jsonl" for s in health.lost_streams())
+                + ", hold no complete record on any rank: see problems)")
     else:
         text = ("not analyzed: " + ", ".join(m["analysis"] for m in missing)
                 + " (the profiler window did not cover training steps: see problems)")
@@ -305,8 +315,12 @@ def analyze_and_write(run_dir, out_dir=None, report: bool = True, progress=None)
     (summary, summary_path, report_path_or_None)."""
     from pathlib import Path
 
-    from trainprof.rundir.files import REPORT, SUMMARY, write_json_atomic
+    from trainprof.rundir.files import REPORT, SUMMARY, RunDirError, write_json_atomic
 
+    from trainprof.analysis import outputs
+
+    if out_dir and (why := outputs.refusal(Path(out_dir))):  # wrap --out's rule: never the user's files
+        raise RunDirError(why)
     run = RunDir(run_dir)
     if not run.snapshot_only and run.profiler_traces():
         # the traces' digests first, built in a pool one trace at a time; cached in the run
@@ -316,9 +330,8 @@ def analyze_and_write(run_dir, out_dir=None, report: bool = True, progress=None)
                             == run.path.resolve())
         except Exception:  # noqa: BLE001 - the analyzers that need them report it
             pass
-    summary = analyze(run, progress=progress)
+    summary = outputs.cap_strings(analyze(run, progress=progress))
     out = Path(out_dir) if out_dir else run.path
-    out.mkdir(parents=True, exist_ok=True)
     names = (SUMMARY, REPORT)
     single = run_dir if not isinstance(run_dir, (list, tuple)) else (
         run_dir[0] if len(run_dir) == 1 else None)
@@ -335,13 +348,19 @@ def analyze_and_write(run_dir, out_dir=None, report: bool = True, progress=None)
             _refuse_foreign(out / names[1], b"trainprof report")
     # indented for reading; compact when its per-rank tables run to thousands of lines
     many = len(summary.get("run", {}).get("ranks") or []) > 64
-    write_json_atomic(summary_path, summary, indent=None if many else 2)
-    report_path = None
-    if report:
-        from trainprof.reports.html import write_html
+    report_path = out / names[1] if report else None
+    writing = summary_path
+    try:  # a full disk: the findings are still printed (OutputsNotWritten carries them)
+        out.mkdir(parents=True, exist_ok=True)
+        outputs.clean_stale_tmp(out, names)  # a killed analyze's temporaries
+        write_json_atomic(summary_path, summary, indent=None if many else 2)
+        if report:
+            from trainprof.reports.html import write_html
 
-        report_path = out / names[1]
-        write_html(summary, report_path)
+            writing = report_path
+            write_html(summary, report_path)
+    except OSError as e:
+        raise outputs.OutputsNotWritten(summary, writing, e) from None
     return summary, summary_path, report_path
 
 

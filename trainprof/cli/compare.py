@@ -465,11 +465,20 @@ def compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min
     run-to-run noise —, an empty baseline history). A gated metric that moved beyond its
     threshold without significance is reported as "PASS (inconclusive)", exit 0.
     """
-    try:
-        _compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min_effect,
-                 config, allow_mismatch, markdown_path, junit_path, as_json, allow_different)
+    import warnings
+
+    import numpy as np
+
+    try:  # values near the float range (denormals, 1e308) must not print numpy's warnings
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            _compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min_effect,
+                     config, allow_mismatch, markdown_path, junit_path, as_json, allow_different)
     except (click.ClickException, click.exceptions.Exit, click.Abort, SystemExit, KeyboardInterrupt):
         raise
+    except (OverflowError, FloatingPointError, ZeroDivisionError) as e:
+        raise InputError(f"values out of the range compare can judge ({type(e).__name__}: "
+                         f"{_one_line(e)}): a damaged or foreign summary.json?") from None
     except Exception as e:  # exit 1 means "regression" to CI: a crash must never look like one
         import traceback
 

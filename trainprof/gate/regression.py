@@ -211,6 +211,11 @@ def bootstrap_ratio_ci(base, cand, n_boot: int = N_BOOT, level: float = CI_LEVEL
 
 # --- decisions ----------------------------------------------------------------------------------
 
+def _exp(x: float) -> float:
+    """math.exp, inf past the largest float (a CI bound of runs near 1e308) instead of raising."""
+    return math.exp(x) if x < 709.7 else math.inf
+
+
 def _ratio(b, c):
     if b is None or c is None:
         return None, None
@@ -219,15 +224,29 @@ def _ratio(b, c):
     return c / b, c / b - 1.0
 
 
+class UntrustedValue(ThresholdError):
+    """A value a relative threshold cannot judge (negative, or not a finite number): input the
+    gate cannot trust (exit 2), never a pass."""
+
+
 def _exceeds(th: Threshold, base: float, cand: float, direction: int) -> bool:
-    """Did the metric move by more than the threshold in `direction`?"""
+    """Did the metric move by more than the threshold in `direction`? From a baseline of 0 a
+    relative threshold is exceeded by any move: the relative change is infinite."""
     delta = (cand - base) * direction
     if th.relative:
-        return base != 0 and delta / abs(base) > th.value
+        return delta > 0 if base == 0 else delta / abs(base) > th.value
     return delta > th.value
 
 
-def _decide(th: Threshold, base: float, cand: float) -> str:
+def _decide(th: Threshold, base: float, cand: float, metric: str = "") -> str:
+    if th.relative:  # the built-in metrics are times, sizes, rates, fractions: never below 0
+        floor = 0 if metric in BUILTIN else -math.inf
+        bad = [f"{side} {v!r}" for side, v in (("baseline", base), ("candidate", cand))
+               if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= floor)]
+        if bad:
+            raise UntrustedValue(f"{metric or 'a metric'}: {' and '.join(bad)} cannot be judged by a "
+                                 f"relative threshold ({th.describe()}): a damaged or foreign "
+                                 f"summary.json? refused")
     if _exceeds(th, base, cand, th.direction):
         return REGRESSION
     if _exceeds(th, base, cand, -th.direction):
@@ -357,7 +376,7 @@ def compare_samples(metric: str, base, cand, threshold: Threshold, alpha: float 
             out.detail = f"need ≥{min_samples} samples per run: " + ", ".join(short)
             return out
         _runs_test(out, [float(np.median(r)) for r in rb], [float(np.median(r)) for r in rc], threshold)
-    out.moved = _decide(threshold, out.baseline, out.candidate)
+    out.moved = _decide(threshold, out.baseline, out.candidate, metric)
     return settle(out, alpha)
 
 
@@ -371,7 +390,7 @@ def _runs_test(out: Comparison, vb: list[float], vc: list[float], threshold: Thr
     out.log_scale = bool(log)
     if log:
         out.baseline, out.candidate = float(np.exp(xb.mean())), float(np.exp(xc.mean()))
-        out.ci = [math.exp(lo), math.exp(hi)]
+        out.ci = [_exp(lo), _exp(hi)]
     else:
         out.baseline, out.candidate = float(xb.mean()), float(xc.mean())
         if out.baseline:
@@ -406,7 +425,7 @@ def compare_values(metric: str, base, cand, threshold: Threshold | None, label: 
     else:
         _runs_test(out, vb, vc, threshold or Threshold(+1, 0.0))
     if threshold is not None:
-        out.moved = _decide(threshold, out.baseline, out.candidate)
+        out.moved = _decide(threshold, out.baseline, out.candidate, metric)
         settle(out, alpha)
     return out
 
@@ -425,11 +444,11 @@ def compare_run_values(metric: str, base: Sequence[float], cand: Sequence[float]
         out.baseline, out.candidate = float(np.mean(vb)), float(np.mean(vc))
         out.ratio, out.change = _ratio(out.baseline, out.candidate)
         out.test, out.gate = TEST_THRESHOLD, False
-        out.verdict = _decide(threshold, out.baseline, out.candidate)
+        out.verdict = _decide(threshold, out.baseline, out.candidate, metric)
         out.detail = "one number per run: gated with ≥3 runs in all (a t-test over the runs)"
         return out
     _runs_test(out, vb, vc, threshold)
-    out.moved = _decide(threshold, out.baseline, out.candidate)
+    out.moved = _decide(threshold, out.baseline, out.candidate, metric)
     return settle(out, alpha)
 
 
@@ -558,7 +577,8 @@ def throughput_samples(summary: Mapping) -> list[float]:
     tokens = first_path(summary, "metrics.step_time.job.tokens_per_step", "run.run_info.tokens_per_step")
     if not _finite(tokens) or float(tokens) <= 0:
         return []
-    return [float(tokens) / (ms / 1e3) for ms in step_samples(summary) if ms > 0]
+    return [float(tokens) / s for ms in step_samples(summary) if (s := ms / 1e3) > 0
+            and math.isfinite(float(tokens) / s)]
 
 
 def mfu_samples(summary: Mapping) -> list[float]:

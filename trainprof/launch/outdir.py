@@ -35,15 +35,15 @@ from pathlib import Path
 from trainprof.rundir.worker_exits import STREAM as WORKER_EXITS
 from trainprof.rundir.files import HANG_TRIGGER
 from trainprof.rundir import nodes
+from trainprof.rundir.owned import (ANALYSIS_OUTPUTS, RUN_KIND, is_analysis_output as _is_analysis_output,
+                                    read_run_manifest)
 from trainprof.rundir.nodes import CLAIM, NODE_FILE_RE, NODE_KIND, NODES_DIR
 from trainprof.rundir.files import (INJECTED, JOB_TRACES_DIR, MANIFEST, PROFILER_DIR, RANKS_DIR,
                                     REPORT, SUMMARY, is_job_trace_name)
 
-RUN_KIND = "trainprof-run"
 LOCK = ".trainprof.lock"  # held while a launcher decides about --out (prepare_locked)
 LOCK_WAIT_S, LOCK_STALE_S = 120.0, 60.0
 TOP_FILES = (MANIFEST, SUMMARY, REPORT, INJECTED, HANG_TRIGGER, WORKER_EXITS, LOCK)
-ANALYSIS_OUTPUTS = (SUMMARY, REPORT)  # written by `trainprof analyze`, after the inventory
 RANK_DIR_RE = re.compile(r"rank-\d{5,}")
 RANK_FILE_RE = re.compile(r"[a-z0-9_]+(\.prev)?\.jsonl|meta\.json|hang-dump\.json"
                           r"|flight-recorder\.(pkl|json)|(memory|oom)_snapshot\.pickle")
@@ -58,6 +58,33 @@ MAX_INVENTORY = 200_000  # files; a larger run keeps no inventory (the layout al
 
 class OutDirError(Exception):
     """--out cannot be used (exit 2); the message says why and what to do."""
+
+
+@dataclass
+class Plan:
+    """What --force does to a previous run: remove `remove` (relative paths), keep `keep`."""
+    out: Path
+    remove: list[str] = field(default_factory=list)
+    keep: list[str] = field(default_factory=list)
+
+    def describe(self, limit: int = 6) -> str:
+        def names(items):
+            tops: dict[str, int] = {}
+            for rel in items:
+                head = rel.split("/", 1)[0] + ("/" if "/" in rel else "")
+                tops[head] = tops.get(head, 0) + 1
+            parts = [f"{k} ({n} file{'s' if n > 1 else ''})" if k.endswith("/") else k
+                     for k, n in tops.items()]
+            return ", ".join(parts[:limit]) + (f", … {len(parts) - limit} more"
+                                               if len(parts) > limit else "")
+
+        text = f"{len(self.remove)} file(s) it wrote ({names(self.remove)})"
+        if self.keep:
+            shown = ", ".join(self.keep[:limit]) + (f", … {len(self.keep) - limit} more"
+                                                      if len(self.keep) > limit else "")
+            text += f"; {len(self.keep)} other entr{'y' if len(self.keep) == 1 else 'ies'} " \
+                    f"would stay ({shown})"
+        return text
 
 
 def _is_layout_name(name: str, pattern) -> bool:
@@ -145,56 +172,7 @@ def _regular(e) -> bool:
         return False
 
 
-def read_run_manifest(out: Path) -> dict | None:
-    """The manifest.json of a trainprof run in out, or None when out holds none."""
-    p = out / MANIFEST
-    try:
-        if not p.is_file() or p.is_symlink() or p.stat().st_size > 64 << 20:
-            return None
-        man = json.loads(p.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return man if isinstance(man, dict) and man.get("kind") == RUN_KIND else None
 
-
-def _is_analysis_output(path: Path) -> bool:
-    """summary.json / report.html whose first bytes are trainprof's."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8192)
-    except OSError:
-        return False
-    if path.name == SUMMARY:
-        return head.lstrip().startswith(b"{") and b'"trainprof_version"' in head \
-            and b'"schema_version"' in head
-    return head.startswith(b"<!DOCTYPE html>") and b"<title>trainprof" in head
-
-
-@dataclass
-class Plan:
-    """What --force does to a previous run: remove `remove` (relative paths), keep `keep`."""
-    out: Path
-    remove: list[str] = field(default_factory=list)
-    keep: list[str] = field(default_factory=list)
-
-    def describe(self, limit: int = 6) -> str:
-        def names(items):
-            tops: dict[str, int] = {}
-            for rel in items:
-                head = rel.split("/", 1)[0] + ("/" if "/" in rel else "")
-                tops[head] = tops.get(head, 0) + 1
-            parts = [f"{k} ({n} file{'s' if n > 1 else ''})" if k.endswith("/") else k
-                     for k, n in tops.items()]
-            return ", ".join(parts[:limit]) + (f", … {len(parts) - limit} more"
-                                               if len(parts) > limit else "")
-
-        text = f"{len(self.remove)} file(s) it wrote ({names(self.remove)})"
-        if self.keep:
-            shown = ", ".join(self.keep[:limit]) + (f", … {len(self.keep) - limit} more"
-                                                      if len(self.keep) > limit else "")
-            text += f"; {len(self.keep)} other entr{'y' if len(self.keep) == 1 else 'ies'} " \
-                    f"would stay ({shown})"
-        return text
 
 
 def plan_force(out: Path, manifest: dict) -> Plan:

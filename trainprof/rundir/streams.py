@@ -496,8 +496,6 @@ def build_frame(run, name: str):
     """All ranks' records of stream ``name`` as one DataFrame with a ``rank`` column, as
     ``pd.DataFrame([{"rank": r, **rec} for r in run.ranks for rec in run.stream(r, name)])``
     would give, without caching every rank's records (ranks already read are reused)."""
-    from trainprof.rundir.files import _exists
-
     release_memory()  # (the first call sets the allocator up)
     b = FrameBuilder()
     cache = run._cache
@@ -508,7 +506,7 @@ def build_frame(run, name: str):
             cols = _columns(recs)
         else:
             p = run.stream_path(r, name)
-            recs, cols = _read(p, run.problems, name) if _exists(p, run._problems_of(r)) else ([], None)
+            recs, cols = _read(p, run.problems, name) if run.stream_file_ok(r, p) else ([], None)
         tails.put(r, recs[-1] if recs else None)
         if recs:
             b.add(r, len(recs), cols)
