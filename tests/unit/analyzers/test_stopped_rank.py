@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import tarfile
-from pathlib import Path
+from paths import FIXTURES
 
 from helpers import run_cli
 
