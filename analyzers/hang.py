@@ -60,7 +60,7 @@ def analyze(run) -> AnalyzerResult:
     if pm is None:
         return AnalyzerResult()
     if not pm["hung"] and not pm["desync"] and not pm["died"]:
-        keys = ("hung", "ranks_with_heartbeat", "stalled_s", "stall_threshold_s")
+        keys = ("hung", "ranks_with_heartbeat", "stalled_s", "stall_threshold_s", "quiet_end")
         return AnalyzerResult(metrics={k: pm[k] for k in keys})
     return AnalyzerResult(metrics=pm, findings=[finding(pm)])
 
@@ -389,13 +389,32 @@ def _detect(run, views, exits=None) -> dict:
     last = max((v.last_progress_ns for v in views.values() if v.last_progress_ns), default=None)
     stalled = (end_ns - last) / 1e9 if end_ns and last else None
     live = [v for v in views.values() if v.heartbeats and not v.closed]
+    quiet_end = None
     if stalled is not None and stalled > threshold and live and not reasons:
+        quiet_end = _work_ended(man, views, live)
+    if stalled is not None and stalled > threshold and live and not reasons and not quiet_end:
         reasons.append(f"no rank progressed during the last {stalled:.1f} s before the job ended "
                        f"(threshold {threshold:.1f} s) and {len(live)} rank(s) never closed")
     recovered = bool(reasons) and man.get("status") == "ok" and not live
     return {"reasons": reasons, "end_ns": end_ns, "last_progress_ns": last, "p90_gap_s": p90_gap,
             "stalled_s": None if stalled is None else round(stalled, 3),
-            "threshold_s": round(threshold, 3), "recovered": recovered}
+            "threshold_s": round(threshold, 3), "recovered": recovered,
+            **({"quiet_end": quiet_end} if quiet_end else {})}
+
+
+def _work_ended(man: dict, views: dict, live: list) -> str | None:
+    """Why a stall before the end is the job's own shutdown, not a hang (None when it may be
+    one): the job exited 0, every rank reached the same step and none had a collective in
+    flight. Ray Train ends its workers without letting them close their heartbeat and takes
+    seconds to shut down after the work."""
+    if man.get("status") != "ok" or man.get("exit_code") not in (0, None) or man.get("signal"):
+        return None
+    steps = {v.step for v in views.values() if v.heartbeats}
+    if len(steps) != 1 or None in steps or any(v.blocked for v in live):
+        return None
+    return (f"the job exited 0 after every rank reached step {steps.pop()} with no collective in "
+            f"flight; {len(live)} rank(s) ended without closing their heartbeat (their launcher "
+            "ended them, e.g. Ray Train's workers)")
 
 
 # --------------------------------------------------------------------------- process exits
@@ -779,7 +798,7 @@ def postmortem(run) -> dict | None:
                                                                   "hangs", "signals_forwarded")}
         | {"exit_not_recorded": unrecorded["text"] if unrecorded else None},
         "last_progress_ns": det["last_progress_ns"], "stalled_s": det["stalled_s"],
-        "stall_threshold_s": det["threshold_s"],
+        "stall_threshold_s": det["threshold_s"], "quiet_end": det.get("quiet_end"),
         "ranks_with_heartbeat": sum(1 for v in views.values() if v.heartbeats),
         "ranks_without_data": [r for r, v in views.items() if not v.present],
         "flight_recorder": {"ranks": sorted(fr_dumps), "groups": cmp.get("groups", {}),
