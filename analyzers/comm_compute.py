@@ -17,7 +17,7 @@ import re
 import numpy as np
 
 from trainprof._lazy import pd
-from trainprof.analyzers import _async_p2p
+from trainprof.analyzers import _async_p2p, _log_labels
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._stats import median
 from trainprof.analyzers._profiled_window import off_training
@@ -289,7 +289,12 @@ def _cpu_rows(trace, dims: dict, log=None, split: list | None = None,
     s_all, e_all = ev["ts_ns"], ev["end_ns"]
     gl = ev[["name", "tid", "ts_ns", "end_ns"]][is_gloo]
     gs, ge = gl["ts_ns"], gl["end_ns"]
-    gtype = coll_types(gl["name"])
+    gtype = _log_labels.types(gl["name"], gs, ge, log)  # reduce_scatter run as gloo:all_reduce
+    relabelled = gtype != coll_types(gl["name"])
+    if relabelled.any():  # matched to the log by the job's op
+        names = np.asarray(gl["name"].tolist(), dtype=object)
+        names[relabelled] = ["gloo:" + t for t in gtype[relabelled]]
+        gl["name"] = names
     pgs = gloo_event_groups(gl, log, trace_pg_names(trace))
     gdim = np.array([dims.get(p, f"pg {p}") if p is not None else "unknown" for p in pgs], dtype=object)
     gpg = _note_groups(pgs, dims, used)
