@@ -994,9 +994,8 @@ def _message(pm) -> str:
             parts.append(f"{_rank_s(c['also_failed'])} had also ended before the launcher "
                          f"stopped the job")
         if c["reason"] == "died" or c.get("victims"):
-            ended = [row["rank"] for row in pm["ranks"] if row["state"] == "ended_by_launcher"]
-            if ended:
-                parts.append(f"the launcher then ended {_rank_s(ended)}")
+            ended = [row for row in pm["ranks"] if row["state"] == "ended_by_launcher"]
+            parts += _after_first(ended, (pm["died"] or [{}])[0].get("failure"))
     else:
         parts.append(f"{head}: no culprit could be singled out")
     if pm["desync"] and not (c and c["reason"] == "desync"):
@@ -1016,6 +1015,33 @@ def _message(pm) -> str:
     if pm["ranks_without_data"]:
         parts.append(f"no data from ranks {_ranks(pm['ranks_without_data'])}")
     return "; ".join(parts)
+
+
+def _after_first(ended: list[dict], first: dict | None) -> list[str]:
+    """What became of the ranks the launcher ended after the first failure: those that had
+    already failed on their own (their failure record) are said so, with the time after the
+    first; the launcher ended the others."""
+    same, other, stopped = [], [], []
+    t0 = (first or {}).get("t_ns")
+    for row in ended:
+        f = row.get("failure") or {}
+        if not f.get("t_ns"):
+            stopped.append(row["rank"])
+            continue
+        later = f" {(f['t_ns'] - t0) / 1e9:.2f} s later" if t0 and f["t_ns"] >= t0 else ""
+        if first and (f.get("exc_type"), _first_line(f).get("exc")) == \
+                (first.get("exc_type"), _first_line(first).get("exc")):
+            same.append((row["rank"], later))
+        else:
+            other.append((row["rank"], later, describe_failure(_first_line(f)) or "failed"))
+    out = []
+    for r, later in same:
+        out.append(f"rank {r} raised the same error{later}, before the launcher stopped it")
+    for r, later, what in other:
+        out.append(f"rank {r} failed too{later}: {what}")
+    if stopped:
+        out.append(f"the launcher then ended {_rank_s(stopped)}")
+    return out
 
 
 def finding(pm) -> Finding:
