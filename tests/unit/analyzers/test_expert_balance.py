@@ -8,7 +8,8 @@ import json
 import pytest
 
 from trainprof.analyzers import expert_balance
-from trainprof.rundir import RunDir, rank_dir, write_json_atomic
+from trainprof.rundir.files import rank_dir, write_json_atomic
+from trainprof.analysis.run import RunDir
 
 H = 64
 

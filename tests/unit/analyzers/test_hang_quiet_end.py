@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 from trainprof.analyzers import hang as hang_analyzer
-from trainprof.rundir import RunDir, write_json_atomic
+from trainprof.rundir.files import write_json_atomic
+from trainprof.analysis.run import RunDir
 
 
 def _hb(t_s, step, event="progress", inflight=()):

@@ -8,7 +8,8 @@ import json
 
 from helpers import write_worker_exits
 from trainprof.analyzers import hang as hang_analyzer
-from trainprof.rundir import RunDir, write_json_atomic
+from trainprof.rundir.files import write_json_atomic
+from trainprof.analysis.run import RunDir
 
 BOOM = {"kind": "exception", "exc_type": "ValueError", "exc": "bad shape (4, 3)", "t_ns": int(105.0e9)}
 

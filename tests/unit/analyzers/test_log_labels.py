@@ -10,7 +10,8 @@ import json
 import pytest
 
 from trainprof.analyzers import comm_compute
-from trainprof.rundir import RunDir, profiler_trace_path, rank_dir, write_json_atomic
+from trainprof.rundir.files import profiler_trace_path, rank_dir, write_json_atomic
+from trainprof.analysis.run import RunDir
 from trainprof.trace import load_trace
 
 

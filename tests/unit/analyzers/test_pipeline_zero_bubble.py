@@ -8,7 +8,8 @@ import pytest
 
 from trainprof.analyzers import pipeline
 from trainprof.reports.sections import pipeline as section
-from trainprof.rundir import JsonlWriter, RunDir, rank_dir, write_json_atomic
+from trainprof.rundir.files import JsonlWriter, rank_dir, write_json_atomic
+from trainprof.analysis.run import RunDir
 
 MS = 1_000_000
 T0 = 1_700_000_000 * 10**9

@@ -31,7 +31,8 @@ def test_trace_written_off_the_jobs_thread_and_complete_at_close(tmp_path):
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "threads ['trainprof-trace-export']" in res.stdout, res.stdout + res.stderr
-    from trainprof.rundir import RunDir, profiler_trace_path
+    from trainprof.rundir.files import profiler_trace_path
+    from trainprof.analysis.run import RunDir
     from trainprof.trace import load_trace
 
     trace = load_trace(profiler_trace_path(tmp_path / "run", 0))

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-from trainprof.analysis import window_unreached
+from trainprof.analysis.runner import window_unreached
 from trainprof.analyzers._profiled_window import _window_before
 from trainprof.probes.profiler_window import parse_steps
-from trainprof.rundir import RunDir, rank_dir, write_json_atomic
+from trainprof.rundir.files import rank_dir, write_json_atomic
+from trainprof.analysis.run import RunDir
 
 
 def _run(root, recorded: int) -> RunDir:
