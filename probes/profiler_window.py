@@ -8,10 +8,10 @@ The export runs on a thread of ours, off the job's step (docs/overhead.md).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
+from trainprof import settings
 from trainprof.probes import job_profiler, runtime
 from trainprof.probes.profiler_quiet import Primer, quiet
 
@@ -83,7 +83,7 @@ class ProfilerWindow:
         if self._discard:
             return  # stepping aside for the job's profiler: no partial trace
         self.exported = True  # the window is over; the file follows
-        if os.environ.get(ENV_EXPORT) == "inline":  # on the job's thread, as torch does
+        if settings.value(ENV_EXPORT) == "inline":  # on the job's thread, as torch does
             self._write(prof)
             return
         try:
