@@ -39,7 +39,8 @@ COMMANDS = {}  # sub-command -> its main()
 
 SAMPLES_DOC = """Probe share of each rank's CPU, measured by sampling the running job (py-spy).
 
-    python benchmarks/bench_probe_attribution.py samples [--nproc 8] [--steps 80] [--calib 10] [--rate 200] [-- reference args]
+    python benchmarks/bench_probe_attribution.py samples [--nproc 8] [--steps 80] [--calib 10]
+        [--rate 200] [-- reference args]
 
 The A/B (bench_probes_ab.py) cannot resolve 1 % here: with 8 ranks on 2 cores its paired rounds
 vary by ±10-20 %. cProfile (bench_probe_attribution.py self-time) resolves it but inflates every Python call
@@ -575,8 +576,8 @@ def collective_main() -> int:
 
 NAN_WATCH_DOC = """Healthy-run overhead of the NaN watch (probes/nan_watch.py) on the reference model.
 
-    python benchmarks/bench_probe_attribution.py nan-watch [--steps 20] [--rounds 5] [--layers 4] [--hidden 64]
-        [--seq-len 32] [--batch 16] [--micro-batches 4] [--device cpu|cuda]
+    python benchmarks/bench_probe_attribution.py nan-watch [--steps 20] [--rounds 5] [--layers 4]
+        [--hidden 64] [--seq-len 32] [--batch 16] [--micro-batches 4] [--device cpu|cuda]
 
 One process, one trainprof session (the other probes stay attached in every variant). The
 training step of the reference transformer (micro-batched forward/backward, AdamW) runs in
@@ -699,7 +700,7 @@ ENTRY_POINTS = ("on_backward", "_pre_step", "_on_step", "_pre", "_post", "_grad_
 
 def job_worker(out_dir: str, script: str, args: list) -> None:
     """Inside each rank: the watch's own CPU time (thread time in its entry points), sampled at
-    every optimizer step, then bench_probe_overhead's worker (step and CPU time per step)."""
+    every optimizer step, then bench_probes_ab's whole-run worker (step and CPU time per step)."""
     import functools
     import json
     from pathlib import Path

@@ -431,7 +431,8 @@ def run_once(variant: str, nproc: int, module: str, args: list[str], tmp: Path, 
 
 
 def whole_runs_main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog=f"{sys.argv[0]} --whole-runs", description=WHOLE_RUNS_DOC.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=f"{sys.argv[0]} --whole-runs",
+                                description=WHOLE_RUNS_DOC.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
