@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from trainprof.launch import outdir
+
 from helpers import TRAINPROF, run_cli, wait_for
 from paths import JOBS
 from multinode_shared import HOST
@@ -258,12 +260,16 @@ def test_force_never_removes_the_run_of_a_launcher_still_running(tmp_path):
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert wait_for(lambda: any((out / "nodes").glob("*.json")), timeout=60)
-        before = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+        def files():  # the live launcher's own temporaries (an atomic write) come and go
+            return sorted(p.relative_to(out) for p in out.rglob("*")
+                          if p.is_file() and not outdir.TMP_RE.fullmatch(p.name))
+
+        before = files()
         res = run_cli(["wrap", "--force", "--no-analyze", "--out", out, "--", sys.executable,
                        "-c", "pass"])
         assert res.returncode == 2, res.stderr
         assert f"pid {first.pid} on this host" in res.stderr
-        after = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+        after = files()
         assert set(before) <= set(after)
     finally:
         first.terminate()

@@ -195,7 +195,7 @@ def test_default_pool_is_bounded_by_the_available_memory(tmp_path, monkeypatch):
     size = profiler_trace_path(run_dir, 0).stat().st_size
     need = digest.PARSE_FACTOR * size * digest.GZIP_RATIO_EST + digest.WORKER_BASE
     monkeypatch.delenv(digest.WORKERS_ENV, raising=False)
-    monkeypatch.setattr(digest, "_cpus", lambda: 128)
+    monkeypatch.setattr(digest.settings, "available_cpus", lambda: 128)
     monkeypatch.setattr(digest, "_mem_available", lambda: int(2.5 * need / digest.MEMORY_SHARE))
     assert digest.memory_bound(jobs) == 2
     seen = []
