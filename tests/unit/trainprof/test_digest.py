@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from trainprof.analysis import digest
+from trainprof.analysis import digest, pool
 from trainprof.analysis.runner import analyze, analyze_and_write
 from trainprof.analyzers import comm_compute, roofline
 from trainprof.rundir.files import profiler_trace_path
@@ -193,19 +193,19 @@ def test_default_pool_is_bounded_by_the_available_memory(tmp_path, monkeypatch):
     jobs = [("run", str(run_dir), r, str(profiler_trace_path(run_dir, r)), None, None, [], 1)
             for r in range(3)]
     size = profiler_trace_path(run_dir, 0).stat().st_size
-    need = digest.PARSE_FACTOR * size * digest.GZIP_RATIO_EST + digest.WORKER_BASE
-    monkeypatch.delenv(digest.WORKERS_ENV, raising=False)
-    monkeypatch.setattr(digest.settings, "available_cpus", lambda: 128)
-    monkeypatch.setattr(digest, "_mem_available", lambda: int(2.5 * need / digest.MEMORY_SHARE))
-    assert digest.memory_bound(jobs) == 2
+    need = pool.PARSE_FACTOR * size * pool.GZIP_RATIO_EST + pool.WORKER_BASE
+    monkeypatch.delenv(pool.WORKERS_ENV, raising=False)
+    monkeypatch.setattr(pool.settings, "available_cpus", lambda: 128)
+    monkeypatch.setattr(pool, "_mem_available", lambda: int(2.5 * need / pool.MEMORY_SHARE))
+    assert pool.memory_bound(jobs) == 2
     seen = []
-    monkeypatch.setattr(digest, "ProcessPoolExecutor",
+    monkeypatch.setattr(pool, "ProcessPoolExecutor",
                         lambda max_workers, **kw: seen.append(max_workers) or (_ for _ in ()).throw(
                             RuntimeError("stop")))
     with pytest.raises(RuntimeError):
         digest.run_jobs(jobs)
     assert seen == [2]
-    monkeypatch.setattr(digest, "_mem_available", lambda: need // 10)
+    monkeypatch.setattr(pool, "_mem_available", lambda: need // 10)
     out = digest.run_jobs(jobs[:2], run=None)  # one worker: in-process, no pool
     assert seen == [2] and all(doc is not None for _, doc, _ in out)
     with pytest.raises(RuntimeError):
