@@ -58,3 +58,22 @@ def stamp(finding, run, first: int, last: int | None, over_after: int = 1):
     if last is not None and end_of_run is not None and end_of_run - last >= max(1, over_after):
         finding.end = at(run, last + 1)
     return finding
+
+
+def stamp_findings(run, findings) -> None:
+    """onset / end for findings whose evidence names their steps but whose analyzer does not set
+    them: slow steps (``slow_steps``) and loss spikes (``steps``). A periodic or recurring
+    pattern that lasts to the run's end has no end."""
+    for f in findings:
+        if f.onset is not None:
+            continue
+        ev = f.evidence or {}
+        steps = ev.get("slow_steps") if f.kind == "slow_steps" else \
+            ev.get("steps") if f.kind == "loss_spike" else None
+        steps = sorted(int(s) for s in steps or [] if isinstance(s, (int, float)))
+        if not steps:
+            continue
+        gaps = np.diff(steps)
+        typical = int(np.median(gaps)) if gaps.size else 1
+        # over once the run went on without one for several of its usual gaps
+        stamp(f, run, steps[0], steps[-1], over_after=max(10, 3 * typical))

@@ -106,6 +106,7 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
             timings[mod.NAME] = round(time.perf_counter() - t0, 4)
         if result.metrics:
             metrics[mod.NAME] = result.metrics
+        _stamp_onsets(run, result.findings)
         for f in result.findings:
             f.analyzer = f.analyzer or mod.NAME
             findings.append(f.to_dict())
@@ -139,6 +140,16 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
         # what could not be analyzed (and why): never "nothing looks wrong" about it
         **({"coverage": cover} if cover else {}),
     }
+
+
+def _stamp_onsets(run: RunDir, found) -> None:
+    """onset / end on findings whose analyzer names their steps (analyzers/_onset.py)."""
+    try:
+        from trainprof.analyzers._onset import stamp_findings
+
+        stamp_findings(run, found)
+    except Exception as e:  # noqa: BLE001 - a finding without its onset is still a finding
+        run.problems.append(f"onsets: {type(e).__name__}: {e}")
 
 
 # analyzers whose figures come from the profiled window alone (withheld with comm_compute's
