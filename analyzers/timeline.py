@@ -14,10 +14,11 @@ length, at most MAX_ROWS rows whatever the number of ranks, so summary.json stay
 Findings with onset / end (analyzers/_changepoint.py segments):
 
 - ``throughput_drop``: the job's step time x(s) (slowest rank, analysed steps), segmented;
-  the baseline b is the median of x over the segments at most (1 + DROP) × the run's fastest
-  segment level; consecutive segments whose mean is ≥ (1 + DROP) × b and ≥ b + MIN_DROP_MS,
-  lasting ≥ max(MIN_LEN, 1 % of the steps) steps, are a drop, with the stragglers that start in
-  it named (analyzers/stragglers.py episodes).
+  walking the segments in order, the baseline b is the median of x over the last steps before
+  that were not in a drop (the run's first level is the first baseline); consecutive segments
+  whose median is ≥ max((1 + DROP) × b, b + MIN_DROP_MS), lasting ≥ max(MIN_LEN, MIN_FRAC of
+  the steps, at most MAX_MIN_LEN) steps with a median over the threshold, are a drop, with the
+  stragglers that start in it named (analyzers/stragglers.py episodes).
 - ``memory_growth``: per rank, allocated device memory (else RSS) per step from memory.jsonl;
   growth when the last tenth's median exceeds the first tenth's (after warm-up) by
   ≥ max(GROWTH_SHARE × first, GROWTH_MIN_BYTES) and the series rises in ≥ GROWTH_MONOTONE of
@@ -41,8 +42,9 @@ MAX_BINS = 200          # columns of every series
 MAX_ROWS = 64           # heatmap rows (blocks of ranks beyond)
 DROP = 0.20             # a throughput drop: step time ≥ 1.2 × the baseline ...
 MIN_DROP_MS = 2.0       # ... and ≥ 2 ms more (scheduler noise of small steps on shared cores)
-MIN_LEN = 10            # ... for at least 10 analysed steps and 1 % of them
-MIN_FRAC = 0.01
+MIN_LEN = 10            # ... for at least 10 analysed steps and 10 % of them (at most 2,000):
+MIN_FRAC = 0.10         # shorter slow stretches are bursts (slow_steps), or a shared host's load
+MAX_MIN_LEN = 2000      # (measured: 2-core CI hosts under load slow one rank for 4-5 % of a run)
 BASE_WINDOW = 10        # the baseline: the last 10 × MIN_LEN-or-1 % steps before a drop
 GROWTH_SHARE = 0.10     # memory growth: last tenth ≥ first tenth × 1.10 ...
 GROWTH_MIN_BYTES = 64 << 20  # ... and ≥ 64 MiB more
@@ -143,8 +145,8 @@ def _drops(run, steps, x, sm: dict, metrics: dict) -> list[Finding]:
     ok = np.isfinite(x)
     if ok.sum() < 2 * MIN_LEN:
         return []
-    need = max(MIN_LEN, int(math.ceil(MIN_FRAC * steps.size)))
-    segs, _ = cp.segments(x, min_size=max(2, need // 2))
+    need = max(MIN_LEN, min(MAX_MIN_LEN, int(math.ceil(MIN_FRAC * steps.size))))
+    segs, _ = cp.segments(x, min_size=max(2, need // 4))
     eps, base, thr = _drop_episodes(x, segs, need)
     metrics["baseline_step_ms"] = _r(base)
     out = []
@@ -161,7 +163,10 @@ def _drops(run, steps, x, sm: dict, metrics: dict) -> list[Finding]:
         if who:
             msg += (f"; rank{'s' if len(who) > 1 else ''} {', '.join(map(str, who[:8]))} "
                     f"turned slow then (see the straggler finding)")
-        f = Finding("throughput_drop", "warning", who, msg,
+        else:  # no rank behind the others: the whole job slowed
+            msg += ("; every rank slowed alike (no straggler): the hosts' load (other "
+                    "processes), the input pipeline, storage or the network shared by all ranks")
+        f = Finding("throughput_drop", "warning" if who else "info", who, msg,
                     evidence={"first": first, "last": last, "steps": e["end"] - e["start"],
                               "step_ms": med, "baseline_ms": base, "threshold_ms": thr,
                               "ratio": med / base if base else None, "stragglers": who})
@@ -180,7 +185,8 @@ def _drop_episodes(x, segs, need: int) -> tuple[list[dict], float, float]:
     eps: list[dict] = []
     cur = None
     first_base = None
-    for a, e, m in segs:
+    for a, e, _ in segs:
+        m = float(np.nanmedian(x[a:e]))  # a segment's level: its median (spikes skew a mean)
         idx = np.flatnonzero(normal[:a])[-BASE_WINDOW * need:]
         if idx.size < need:  # the run's first level is its baseline
             normal[a:e] = True
@@ -200,8 +206,8 @@ def _drop_episodes(x, segs, need: int) -> tuple[list[dict], float, float]:
             cur = None
     out = []
     for ep in eps:
-        if ep["end"] - ep["start"] >= need:
-            v = x[ep["start"]:ep["end"]]
+        v = x[ep["start"]:ep["end"]]
+        if ep["end"] - ep["start"] >= need and float(np.nanmedian(v)) >= ep["threshold"]:
             out.append({**ep, "median": float(np.nanmedian(v))})
     base0 = float(np.nanmedian(x[normal])) if normal.any() else float(np.nanmedian(x))
     return out, (first_base if first_base is not None else base0), 0.0

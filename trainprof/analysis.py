@@ -65,6 +65,22 @@ def run_info(run: RunDir) -> dict:
     }
 
 
+def live_state(run: RunDir) -> dict:
+    """run.state ("running", "ended", "stopped": trainprof/runstate.py) and the last step seen,
+    for a run directory (a run in progress is analyzed as a snapshot)."""
+    if run.trace_inputs or run.snapshot_only:
+        return {}
+    try:
+        from trainprof.runstate import state
+
+        st = state(run.path, run.launcher)
+    except Exception as e:  # noqa: BLE001 - the state is a note, never a reason to fail
+        run.problems.append(f"run state unknown: {type(e).__name__}: {e}")
+        return {}
+    return {"state": st["state"], "last_step": st["last_step"],
+            "live": {k: st[k] for k in ("why", "last_progress", "heartbeat_age_s")}}
+
+
 def _group_sizes(run: RunDir) -> dict:
     """Without a DeviceMesh: the layout the probes' process-group labels give (plain DDP)."""
     try:
@@ -113,6 +129,7 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
     findings = withhold_window(metrics, findings)
     findings.sort(key=lambda f: (SEVERITY_ORDER.get(f["severity"], 9), f["kind"], f["ranks"]))
     info = run_info(run)
+    info.update(live_state(run))
     for name, rs in info.get("probes_off", {}).items():  # absent data must not read as "nothing found"
         run.problems.append(f"probe {name} was left out (TRAINPROF_PROBES_OFF) on {len(rs)} of "
                             f"{len(run.ranks)} rank{'s' * (len(run.ranks) != 1)}: analyses that need "
