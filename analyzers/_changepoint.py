@@ -7,8 +7,10 @@ of a shared machine.
              preserves monotone edges)
     blocks = y averaged over blocks of B steps, B = ceil(n / MAX_POINTS): 100,000 steps cost
              the same as 4,096
-    σ      = 1.4826 · median |b(i) − b(i−1)| / √2 over the blocks: one block's noise from its
-             step-to-step variation, so a level shift (one large difference) does not inflate it
+    σ      = 1.4826 · median |b(i) − b(i−1)| / √2 over the blocks of the raw x: one block's
+             noise from its step-to-step variation, so a level shift (one large difference)
+             does not inflate it (the smoothed y's neighbours are correlated: its own
+             differences would understate the noise)
     split  = the cut maximizing the CUSUM gain n₁n₂/n · (m₁ − m₂)² / σ², kept when the gain is
              over PENALTY · log(n) and both sides hold ≥ min_size blocks; each side is split again
 
@@ -97,7 +99,10 @@ def segments(x, min_size: int = 5, penalty: float = PENALTY,
     bsize = max(1, math.ceil(n / MAX_POINTS))
     nb = n // bsize
     b = y[:nb * bsize].reshape(nb, bsize).mean(axis=1) if nb else y[:0]
-    s = noise(b) if sigma is None else sigma / math.sqrt(bsize)
+    # the noise of the raw series' blocks (the running median's neighbours are correlated:
+    # its own differences would understate it and cut pure noise)
+    bx = x[:nb * bsize].reshape(nb, bsize).mean(axis=1) if nb else x[:0]
+    s = noise(bx) if sigma is None else sigma / math.sqrt(bsize)
     if not np.isfinite(s) or s <= 0:
         s = max(1e-9, 1e-6 * float(np.abs(b).max() if b.size else 1.0))
     cuts = _binseg(b, s, max(1, math.ceil(min_size / bsize)), penalty) if nb >= 2 else []

@@ -21,9 +21,9 @@ Findings with onset / end (analyzers/_changepoint.py segments):
   stragglers that start in it named (analyzers/stragglers.py episodes).
 - ``memory_growth``: per rank, allocated device memory (else RSS) per step from memory.jsonl;
   growth when the last tenth's median exceeds the first tenth's (after warm-up) by
-  ≥ max(GROWTH_SHARE × first, GROWTH_MIN_BYTES) and the series rises in ≥ GROWTH_MONOTONE of
-  its tenths: a leak keeps climbing, a cache that fills once levels off. Onset: the first
-  change point after which the level keeps rising.
+  ≥ max(GROWTH_SHARE × first, GROWTH_MIN_BYTES) and, from its onset (the first change point,
+  when the level rises there) on, the series rises in
+  ≥ GROWTH_MONOTONE of its tenths: a leak keeps climbing, a cache that fills once levels off.
 """
 
 from __future__ import annotations
@@ -227,19 +227,29 @@ def _memory_growth(run, metrics: dict) -> list[Finding]:
         v = np.array([p[1] for p in pts], dtype=float)
         tenths = [float(np.median(c)) for c in np.array_split(v, 10)]
         grow = tenths[-1] - tenths[0]
-        rising = np.mean(np.diff(tenths) > 0)
-        seen[str(rank)] = {"metric": key, "first_bytes": int(tenths[0]), "last_bytes": int(tenths[-1]),
-                           "rising_share": float(rising)}
-        if grow < max(GROWTH_SHARE * tenths[0], GROWTH_MIN_BYTES) or rising < GROWTH_MONOTONE:
+        if grow < max(GROWTH_SHARE * tenths[0], GROWTH_MIN_BYTES):
+            seen[str(rank)] = {"metric": key, "first_bytes": int(tenths[0]),
+                               "last_bytes": int(tenths[-1])}
             continue
+        # onset: the first change point (the end of the first level); from there on the level
+        # keeps rising (a cache that fills once levels off)
         segs, _ = cp.segments(v, min_size=max(2, len(v) // 50))
-        onset = int(s[segs[1][0]]) if len(segs) > 1 and segs[0][2] <= tenths[0] * 1.001 else int(s[0])
-        per_step = grow / max(1, (len(v) * 0.9))
+        start = segs[1][0] if len(segs) > 1 and segs[1][2] > segs[0][2] else 0
+        post = v[start:]
+        parts = [float(np.median(c)) for c in np.array_split(post, min(10, max(2, post.size // 5)))]
+        rising = float(np.mean(np.diff(parts) > 0))
+        seen[str(rank)] = {"metric": key, "first_bytes": int(tenths[0]), "last_bytes": int(tenths[-1]),
+                           "rising_share": rising}
+        if rising < GROWTH_MONOTONE:
+            continue
+        onset = int(s[start])
+        per_step = (float(np.median(post[-max(1, post.size // 10):])) - float(v[max(0, start - 1)])) \
+            / max(1, int(s[-1]) - onset)
         f = Finding("memory_growth", "warning", [rank],
                     f"rank {rank}: memory ({key.replace('_bytes', '')}) grows across the run, "
                     f"{tenths[0] / 2**20:.0f} MiB → {tenths[-1] / 2**20:.0f} MiB "
-                    f"(+{grow / 2**20:.0f} MiB, ~{per_step / 2**10:.0f} KiB per step), rising "
-                    f"in {rising:.0%} of the run's tenths: a leak (tensors kept across steps: "
+                    f"(+{grow / 2**20:.0f} MiB, ~{per_step / 2**10:.0f} KiB per step from step "
+                    f"{onset}), rising in {rising:.0%} of the stretches since: a leak (tensors kept across steps: "
                     f"losses or outputs appended to a list, a growing cache)",
                     evidence={"metric": key, "first_bytes": tenths[0], "last_bytes": tenths[-1],
                               "growth_bytes": grow, "bytes_per_step": per_step,
