@@ -23,9 +23,9 @@ import numpy as np
 from trainprof.analyzers import _changepoint as cp
 
 MIN_LEN = 10        # an episode lasts at least 10 analysed steps ...
-MIN_FRAC = 0.10     # ... and 10 % of them, at most MAX_MIN_LEN: shorter stretches are bursts
+MIN_FRAC = 0.20     # ... and 20 % of them, at most MAX_MIN_LEN: shorter stretches are bursts
 MAX_MIN_LEN = 2000  # (slow_steps), or a shared host's load — measured on 2-core CI hosts under
-                    # load: one rank slowed for 4-5 % of a clean run's steps
+                    # load (load average 15-30): one rank slowed for 4-11 % of a clean run
 
 
 def min_len(n: int) -> int:
