@@ -45,9 +45,11 @@ def find(k, step_ms: float, noise: float, th) -> dict[int, list[dict]]:
     n = steps.size
     need = min_len(n)
     out: dict[int, list[dict]] = {}
-    for r, row in zip(w.index, w.to_numpy(dtype=float)):
-        if np.isnan(row).all() or np.nanmax(row) < floor:
-            continue
+    m = w.to_numpy(dtype=float)
+    # an episode needs ≥ CHRONIC of ≥ need steps over the floor: most ranks are ruled out here
+    candidates = np.flatnonzero((np.nan_to_num(m, nan=-np.inf) >= floor).sum(axis=1)
+                                >= th.CHRONIC * need)
+    for r, row in zip(w.index[candidates], m[candidates]):
         eps = []
         for e in _merged(cp.episodes(row, floor, need // 2 or 1), need):
             v = row[e["start"]:e["end"]]

@@ -64,7 +64,7 @@ def _kill_tree(pid: int) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=20)
+    psutil.wait_procs(procs[1:], timeout=20)  # (not the Popen's own child: its status is ours)
 
 
 def _steps(out: Path) -> int:
@@ -76,12 +76,14 @@ def _steps(out: Path) -> int:
 
 def test_live_snapshot_watch_and_sigkill(tmp_path):
     out = tmp_path / "run"
+    log = open(tmp_path / "wrap.err", "w")
     wrap = subprocess.Popen(
         TRAINPROF + ["wrap", "--out", str(out), "--analyze-every", "0.05", "--profile-steps", "none",
                      "--", *_torchrun("--steps", 10_000_000, "--step-sleep-ms", 5)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    err = lambda: (tmp_path / "wrap.err").read_text()[-3000:]  # noqa: E731
     try:
-        assert wait_for(lambda: _steps(out) >= 200, timeout=120), wrap.stderr and "no steps"
+        assert wait_for(lambda: _steps(out) >= 200, timeout=120), err()
         # a snapshot while the job runs: outputs elsewhere, run.state running, the last step
         p = run_cli(["analyze", out, "--out", tmp_path / "snap", "--json", "--no-report"], timeout=120)
         assert p.returncode == 0, p.stderr[-3000:]
@@ -108,7 +110,7 @@ def test_live_snapshot_watch_and_sigkill(tmp_path):
         step_at_kill = _steps(out)
     finally:
         _kill_tree(wrap.pid)
-    assert wrap.wait(30) == -signal.SIGKILL
+    assert wrap.wait(30) == -signal.SIGKILL, err()
     left = json.loads((out / "summary.json").read_text())  # a recent analysis survives SIGKILL
     assert left["run"]["state"] in ("running", "stopped") and left["run"]["last_step"] >= 100
     assert (out / "report.html").exists()
