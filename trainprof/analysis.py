@@ -182,7 +182,7 @@ RUN_DIR_ANALYSES = (("step time", "step timings (steps.jsonl)"),
 INTER_RANK_ANALYSES = ("stragglers over every step", "collective desync / mismatch")
 _LABELS = {"comm_compute": "communication vs compute", "trace_stragglers": "stragglers in the "
            "profiled steps", "launch": "kernel launch", "step_time": "step time",
-           "nan_origin": "NaN origin"}
+           "nan_origin": "NaN origin", "whole_run": "whole run over time"}
 
 
 def withhold_window(metrics: dict, findings: list[dict]) -> list[dict]:

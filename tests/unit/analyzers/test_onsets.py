@@ -11,7 +11,7 @@ import pytest
 
 from trainprof.analysis import analyze
 from trainprof.analyzers import _changepoint as cp
-from trainprof.analyzers import stragglers, timeline
+from trainprof.analyzers import stragglers, whole_run
 from trainprof.rundir import RunDir, rank_dir
 
 T0 = 1_700_000_000_000_000_000
@@ -118,13 +118,13 @@ def test_clean_long_run_silent(tmp_path, seed):
 
 def test_throughput_drop_with_onset_and_end(tmp_path):
     run = make_run(tmp_path, steps=2000, group_ms=lambda s: 8.0 if 1200 <= s < 1700 else 0.0)
-    res = timeline.analyze(run)
+    res = whole_run.analyze(run)
     (f,) = _kinds(res.findings, "throughput_drop")
     assert abs(f.onset["step"] - 1200) <= 20 and abs(f.end["step"] - 1700) <= 20
     assert f.ranks == [] and f.severity == "info"  # every rank alike: no straggler to name
     assert f.evidence["step_ms"] == pytest.approx(f.evidence["baseline_ms"] + 8.0, abs=1.0)
     m = res.metrics
-    assert len(m["bins"]) <= timeline.MAX_BINS and m["bins"][0]["first"] == 1
+    assert len(m["bins"]) <= whole_run.MAX_BINS and m["bins"][0]["first"] == 1
     rates = [b["steps_per_s"] for b in m["bins"]]
     assert min(rates) < 0.7 * max(rates)
 
@@ -133,7 +133,7 @@ def test_memory_growth_with_onset(tmp_path):
     base = 500 << 20
     run = make_run(tmp_path, steps=1000, memory={
         0: lambda s: base, 1: lambda s: base + max(0, s - 400) * (512 << 10)})
-    res = timeline.analyze(run)
+    res = whole_run.analyze(run)
     (f,) = _kinds(res.findings, "memory_growth")
     assert f.ranks == [1] and abs(f.onset["step"] - 400) <= 20
     assert f.evidence["bytes_per_step"] == pytest.approx(512 << 10, rel=0.35)
@@ -142,9 +142,9 @@ def test_memory_growth_with_onset(tmp_path):
 def test_heatmap_bounded_at_many_ranks(tmp_path):
     run = make_run(tmp_path, steps=300, nranks=130, slow={77: lambda s: 5.0})
     s = analyze(run)
-    h = s["metrics"]["timeline"]["heatmap"]
-    assert len(h["rows"]) <= timeline.MAX_ROWS and h["ranks_per_row"] == 3
-    assert len(h["bins"]) <= timeline.MAX_BINS
+    h = s["metrics"]["whole_run"]["heatmap"]
+    assert len(h["rows"]) <= whole_run.MAX_ROWS and h["ranks_per_row"] == 3
+    assert len(h["bins"]) <= whole_run.MAX_BINS
     row = next(i for i, lab in enumerate(h["rows"]) if "–" in lab and
                int(lab.split("–")[0]) <= 77 <= int(lab.split("–")[1]))
     assert np.nanmedian(h["ms"][row]) > np.nanmedian(h["ms"][0]) + 3  # the block's worst rank

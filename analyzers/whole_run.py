@@ -37,7 +37,7 @@ from trainprof.analyzers import _onset
 from trainprof.analyzers._memo import once
 from trainprof.findings import AnalyzerResult, Finding
 
-NAME = "timeline"
+NAME = "whole_run"
 MAX_BINS = 200          # columns of every series
 MAX_ROWS = 64           # heatmap rows (blocks of ranks beyond)
 DROP = 0.20             # a throughput drop: step time ≥ 1.2 × the baseline ...
@@ -53,7 +53,7 @@ MEMORY_MIN_STEPS = 50   # memory growth needs this many steps with samples
 
 
 def analyze(run) -> AnalyzerResult:
-    return once(run, "analyzers.timeline", _analyze)
+    return once(run, "analyzers.whole_run", _analyze)
 
 
 def _analyze(run) -> AnalyzerResult:

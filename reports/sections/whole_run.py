@@ -1,5 +1,5 @@
 """The whole run over time: throughput and step time, the per-rank heatmap of own time per step,
-and when each finding started (and ended). Renders the timeline analyzer's downsampled series;
+and when each finding started (and ended). Renders the whole_run analyzer's downsampled series;
 computes nothing."""
 
 from __future__ import annotations
