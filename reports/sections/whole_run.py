@@ -8,6 +8,7 @@ from trainprof.reports import kit, svg
 
 TITLE = "Whole run over time"
 ONSET_COLOUR = "#d9480f"
+MAX_MARKED = 12  # onsets drawn on the chart (all are in the table below it)
 
 
 def _onsets(summary: dict) -> list[dict]:
@@ -42,9 +43,15 @@ def _throughput(bins: list[dict], onsets: list[dict]) -> str:
 
 
 def _mark(p, onsets: list[dict], top: float) -> None:
-    for o in onsets:
-        p.vline(o["onset"]["step"], ONSET_COLOUR, 1.2, "4 3")
-        p.text(o["onset"]["step"], top, str(o["kind"]), size=9, dx=3, dy=10, color=ONSET_COLOUR)
+    span = max(1.0, float(p.x1 - p.x0))
+    placed: list[tuple[float, int]] = []
+    for o in onsets[:MAX_MARKED]:
+        x = o["onset"]["step"]
+        # labels of onsets close together stack downwards instead of overprinting
+        row = sum(1 for px, _ in placed if abs(px - x) < 0.12 * span)
+        placed.append((x, row))
+        p.vline(x, ONSET_COLOUR, 1.2, "4 3")
+        p.text(x, top, str(o["kind"]), size=9, dx=3, dy=10 + 11 * row, color=ONSET_COLOUR)
         if o["end"] and isinstance(o["end"].get("step"), int):
             p.vline(o["end"]["step"], ONSET_COLOUR, 1, "1 3")
 
@@ -52,11 +59,32 @@ def _mark(p, onsets: list[dict], top: float) -> None:
 def _heat(h: dict) -> str:
     if not isinstance(h, dict) or not h.get("ms") or not h.get("bins"):
         return ""
-    cols = [f"{a}–{b}" if a != b else str(a) for a, b in h["bins"]]
     rows = [f"rank {r}" if "–" not in str(r) else f"ranks {r}" for r in h.get("rows") or []]
-    return svg.heatmap(h["ms"], rows, cols, "Own time per step by rank over the run (ms)", "ms",
-                       alt="Heatmap of each rank's own time per step over the run",
-                       col_name="steps", row_name="rank")
+    bins, ms = _fit(h["bins"], h["ms"], len(rows))
+    cols = [f"{a}–{b}" if a != b else str(a) for a, b in bins]
+    title = "Own time per step by rank over the run (ms)" + (
+        "; each row the worst of its ranks" if (h.get("ranks_per_row") or 1) > 1 else "")
+    return svg.heatmap(ms, rows, cols, title, "ms", col_name="steps", row_name="rank",
+                       alt="Heatmap of each rank's own time per step over the run (columns: "
+                           "bins of steps, each cell the bin's median; merged bins their largest)")
+
+
+def _fit(bins: list, ms: list, nrows: int) -> tuple[list, list]:
+    """Bins merged k at a time (a cell: the largest of its bins, a spike stays visible) so that
+    the heatmap draws them as they are (svg.MAX_COLS columns, about svg.MAX_CELLS cells)."""
+    cap = min(svg.MAX_COLS, max(12, svg.MAX_CELLS // max(nrows, 1)))
+    k = -(-len(bins) // cap)
+    if k <= 1:
+        return bins, ms
+    out_b = [[bins[i][0], bins[min(i + k, len(bins)) - 1][1]] for i in range(0, len(bins), k)]
+    out_m = []
+    for row in ms:
+        cells = []
+        for i in range(0, len(bins), k):
+            v = [x for x in row[i:i + k] if isinstance(x, (int, float))]
+            cells.append(max(v) if v else None)
+        out_m.append(cells)
+    return out_b, out_m
 
 
 def _when_table(onsets: list[dict]) -> str:
