@@ -195,7 +195,7 @@ def grouped_loo_median(keys, v: np.ndarray) -> np.ndarray:
     out = np.full(v.size, np.nan)
     if v.size == 0:
         return out
-    order = np.lexsort((v,) + tuple(np.asarray(k)[::1] for k in reversed(keys)))
+    order = np.lexsort((v,) + tuple(np.asarray(k) for k in reversed(keys)))
     sk = [np.asarray(k)[order] for k in keys]
     new = np.ones(v.size, bool)
     new[1:] = np.any([k[1:] != k[:-1] for k in sk], axis=0)
