@@ -11,7 +11,9 @@ whose mean is over the straggler floor, max(MIN_EXCESS × median step, MIN_EXCES
 own steps, it passes the chronic tests of the whole run: median excess / scale ≥ SCORE,
 score·√n ≥ SIGNIFICANCE, the excess over the floor in ≥ CHRONIC of its steps, and it lasts
 ≥ ``min_len`` = max(MIN_LEN, min(MIN_FRAC × analysed steps, MAX_MIN_LEN)) steps. Its onset is the episode's first
-step, its end the step after its last one (when that is not the end of the run).
+step, its end the step after its last one (when that is not the end of the run). A stretch
+explained by another process competing for the rank's CPUs (host contention: runnable but
+waiting for a CPU, from /proc schedstat) is `info`: shared hosts do this to clean runs.
 """
 
 from __future__ import annotations
@@ -125,3 +127,14 @@ def started_late(eps: list[dict], kept) -> bool:
     slow during the run (reported with its onset, its waits counted over its episodes)."""
     kept = list(kept)
     return bool(eps) and len(kept) > 0 and eps[0]["first"] > kept[min(len(kept) - 1, min_len(len(kept)))]
+
+
+def judge_cause(finding, p: dict, ep: dict, cause: str) -> None:
+    """A stretch of another process competing for the rank's CPUs (host contention: the
+    training thread runnable but waiting for a CPU) is the host's, not the job's: `info`. The
+    rank's episode records its cause (the whole-run view names it)."""
+    for e in p.get("episodes") or []:
+        if e["first"] == ep["first"]:
+            e["cause"] = cause
+    if cause == "host_contention":
+        finding.severity = "info"

@@ -18,7 +18,9 @@ Findings with onset / end (analyzers/_changepoint.py segments):
   that were not in a drop (the run's first level is the first baseline); consecutive segments
   whose median is ≥ max((1 + DROP) × b, b + MIN_DROP_MS), lasting ≥ max(MIN_LEN, MIN_FRAC of
   the steps, at most MAX_MIN_LEN) steps with a median over the threshold, are a drop, with the
-  stragglers that start in it named (analyzers/stragglers.py episodes).
+  stragglers that start in it named (analyzers/stragglers.py episodes): a warning when one of
+  them is slow of its own making, `info` when every rank slowed alike or their cause is host
+  contention.
 - ``memory_growth``: per rank, allocated device memory (else RSS) per step from memory.jsonl;
   growth when the last tenth's median exceeds the first tenth's (after warm-up) by
   ≥ max(GROWTH_SHARE × first, GROWTH_MIN_BYTES) and, from its onset (the first change point,
@@ -151,6 +153,8 @@ def _drops(run, steps, x, sm: dict, metrics: dict) -> list[Finding]:
     metrics["baseline_step_ms"] = _r(base)
     out = []
     episodic = {p["rank"]: p.get("episodes") or [] for p in sm.get("per_rank") or []}
+    contention = {r for r, es in episodic.items()
+                  if es and all(q.get("cause") == "host_contention" for q in es)}
     for e in eps[:8]:
         first, last = int(steps[e["start"]]), int(steps[e["end"] - 1])
         med, base, thr = e["median"], e["base"], e["threshold"]
@@ -166,7 +170,10 @@ def _drops(run, steps, x, sm: dict, metrics: dict) -> list[Finding]:
         else:  # no rank behind the others: the whole job slowed
             msg += ("; every rank slowed alike (no straggler): the hosts' load (other "
                     "processes), the input pipeline, storage or the network shared by all ranks")
-        f = Finding("throughput_drop", "warning" if who else "info", who, msg,
+        own = [r for r in who if r not in contention]  # a straggler of the job's own making
+        if who and not own:
+            msg += "; its slowdown was another process competing for its CPUs (host contention)"
+        f = Finding("throughput_drop", "warning" if own else "info", who, msg,
                     evidence={"first": first, "last": last, "steps": e["end"] - e["start"],
                               "step_ms": med, "baseline_ms": base, "threshold_ms": thr,
                               "ratio": med / base if base else None, "stragglers": who})
