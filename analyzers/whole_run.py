@@ -13,7 +13,8 @@ length, at most MAX_ROWS rows whatever the number of ranks, so summary.json stay
 
 Findings with onset / end (analyzers/_changepoint.py segments):
 
-- ``throughput_drop``: the job's step time x(s) (slowest rank, analysed steps), segmented;
+- ``throughput_drop``: the job's step time x(s) (slowest rank, analysed steps, every step from
+  the step records), segmented;
   walking the segments in order, the baseline b is the median of x over the last steps before
   that were not in a drop (the run's first level is the first baseline); consecutive segments
   whose median is ≥ max((1 + DROP) × b, b + MIN_DROP_MS), lasting ≥ max(MIN_LEN, MIN_FRAC of
@@ -61,14 +62,10 @@ def analyze(run) -> AnalyzerResult:
 def _analyze(run) -> AnalyzerResult:
     from trainprof.analyzers import step_time, stragglers
 
-    st = step_time.analyze(run).metrics
-    per = [p for p in (st.get("per_step") or []) if isinstance(p, dict)]
-    if len(per) < 2:
+    steps, x = _job_steps(run, step_time)
+    if steps.size < 2:
         return AnalyzerResult()
     sm = stragglers.analyze(run).metrics or {}
-    per.sort(key=lambda p: p["step"])
-    steps = np.array([int(p["step"]) for p in per])
-    x = np.array([float(p.get("max_ms") or p.get("median_ms") or np.nan) for p in per])
     starts = _onset.step_starts(run)
     metrics = {"steps": int(steps.size), "first_step": int(steps[0]), "last_step": int(steps[-1]),
                "bins": _bins(steps, x, starts), "heatmap": _heatmap(sm, steps),
@@ -79,6 +76,20 @@ def _analyze(run) -> AnalyzerResult:
     findings = _drops(run, steps, x, sm, metrics)
     findings += _memory_growth(run, metrics)
     return AnalyzerResult(metrics=metrics, findings=findings)
+
+
+def _job_steps(run, step_time) -> tuple[np.ndarray, np.ndarray]:
+    """(analysed steps, the job's step time per step: the slowest rank's), every step at full
+    resolution from the run's step records (summary.json's own per-step series may be thinned)."""
+    st = run.steps()
+    if st.empty or not {"step", "dur_ms"} <= set(st.columns):
+        return np.array([], int), np.array([])
+    st = st.drop_duplicates(["rank", "step"], keep="last")
+    ex = step_time.excluded_steps(st)
+    drop = set(ex["warmup"]) | set(ex["profiler"])
+    st = st[~st["step"].isin(drop)]
+    g = st.groupby("step")["dur_ms"].max().sort_index()
+    return g.index.to_numpy(dtype=int), g.to_numpy(dtype=float)
 
 
 def _edges(n: int) -> np.ndarray:
