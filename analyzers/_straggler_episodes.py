@@ -13,7 +13,8 @@ score·√n ≥ SIGNIFICANCE, the excess over the floor in ≥ CHRONIC of its st
 ≥ ``min_len`` = max(MIN_LEN, min(MIN_FRAC × analysed steps, MAX_MIN_LEN)) steps. Its onset is the episode's first
 step, its end the step after its last one (when that is not the end of the run). A stretch
 explained by another process competing for the rank's CPUs (host contention: runnable but
-waiting for a CPU, from /proc schedstat) is `info`: shared hosts do this to clean runs.
+waiting for a CPU, from /proc schedstat) while its own on-CPU time did not grow is `info`:
+shared hosts do this to clean runs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from trainprof.analyzers import _changepoint as cp
 
 MIN_LEN = 10        # an episode lasts at least 10 analysed steps ...
 MIN_FRAC = 0.20     # ... and 20 % of them, at most MAX_MIN_LEN: shorter stretches are bursts
+OWN_CPU_MS = 1.0     # host contention with the rank's own on-CPU time grown by less than this
+OWN_CPU_SHARE = 0.1  # ... and this share of its excess: another process's doing (info)
 MAX_MIN_LEN = 2000  # (slow_steps), or a shared host's load — measured on 2-core CI hosts under
                     # load (load average 15-30): one rank slowed for 4-11 % of a clean run
 
@@ -129,12 +132,16 @@ def started_late(eps: list[dict], kept) -> bool:
     return bool(eps) and len(kept) > 0 and eps[0]["first"] > kept[min(len(kept) - 1, min_len(len(kept)))]
 
 
-def judge_cause(finding, p: dict, ep: dict, cause: str) -> None:
-    """A stretch of another process competing for the rank's CPUs (host contention: the
-    training thread runnable but waiting for a CPU) is the host's, not the job's: `info`. The
-    rank's episode records its cause (the whole-run view names it)."""
+def judge_cause(finding, p: dict, ep: dict, why: dict) -> None:
+    """A stretch of another process taking the rank's CPUs (host contention, and the rank's own
+    on-CPU time grew by less than max(OWN_CPU_MS, OWN_CPU_SHARE × its excess): nothing of its
+    own work changed) is the host's, not the job's: `info`. The rank's episode records its
+    cause and whether it was external (the whole-run view names it)."""
+    on_cpu = (why.get("parts") or {}).get("cpu_ms")
+    external = why["cause"] == "host_contention" and (
+        on_cpu is None or on_cpu < max(OWN_CPU_MS, OWN_CPU_SHARE * ep["excess_ms"]))
     for e in p.get("episodes") or []:
         if e["first"] == ep["first"]:
-            e["cause"] = cause
-    if cause == "host_contention":
+            e.update(cause=why["cause"], external=external)
+    if external:
         finding.severity = "info"

@@ -543,7 +543,7 @@ def _analyze(run) -> AnalyzerResult:
             f = _straggler_finding(q, peers, size, why, waits, steps)
             _episodes.stamp(f, run, p, ep, kept)
             if ep:
-                _episodes.judge_cause(f, p, ep, why["cause"])
+                _episodes.judge_cause(f, p, ep, why)
             findings.append(f)
             _full_waits(run)[("straggler", (p["rank"],), ep["first"] if ep else None)] = \
                 dict(waits["by_rank"])

@@ -164,8 +164,7 @@ def _drops(run, steps, x, sm: dict, metrics: dict) -> list[Finding]:
     metrics["baseline_step_ms"] = _r(base)
     out = []
     episodic = {p["rank"]: p.get("episodes") or [] for p in sm.get("per_rank") or []}
-    contention = {r for r, es in episodic.items()
-                  if es and all(q.get("cause") == "host_contention" for q in es)}
+    contention = {r for r, es in episodic.items() if es and all(q.get("external") for q in es)}
     for e in eps[:8]:
         first, last = int(steps[e["start"]]), int(steps[e["end"] - 1])
         med, base, thr = e["median"], e["base"], e["threshold"]

@@ -161,3 +161,19 @@ def test_slow_step_and_loss_spike_onsets_from_their_steps(tmp_path):
     assert burst.onset["step"] == 100 and burst.end["step"] == 109
     assert spike.onset["step"] == 390 and spike.end is None  # the run ends right after it
     assert burst.to_dict()["onset"] == burst.onset and "end" not in spike.to_dict()
+
+
+@pytest.mark.parametrize("cpu_ms,severity", [(-0.1, "info"), (0.5, "info"), (2.5, "warning"),
+                                             (None, "info")])
+def test_host_contention_stretch_is_info_unless_its_own_work_grew(cpu_ms, severity):
+    from trainprof.analyzers import _straggler_episodes as ep
+    from trainprof.findings import Finding
+
+    f = Finding("straggler", "warning", [0], "x")
+    p = {"episodes": [{"first": 10, "last": 90}]}
+    ep.judge_cause(f, p, {"first": 10, "excess_ms": 8.0},
+                   {"cause": "host_contention", "parts": {"cpu_ms": cpu_ms}})
+    assert f.severity == severity and p["episodes"][0]["external"] is (severity == "info")
+    f2 = Finding("straggler", "warning", [0], "x")
+    ep.judge_cause(f2, p, {"first": 10, "excess_ms": 8.0}, {"cause": "compute", "parts": {}})
+    assert f2.severity == "warning"
