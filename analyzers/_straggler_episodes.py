@@ -37,15 +37,38 @@ def min_len(n: int) -> int:
     return max(MIN_LEN, min(MAX_MIN_LEN, int(math.ceil(MIN_FRAC * n))))
 
 
-def find(k, step_ms: float, noise: float, th) -> dict[int, list[dict]]:
-    """rank -> its straggler episodes, each {"first", "last" (steps), "steps" (analysed steps in
-    it), "excess_ms" (median), "score", "over_frac"}. ``k``: the analysed-steps table (rank,
-    step, excess_ms); ``th``: the stragglers module (its thresholds)."""
-    if k.empty or "excess_ms" not in k.columns:
+def find_both(k, step_ms: float, noise: float, late_noise: float, th) -> dict[int, list[dict]]:
+    """Episodes of the own-time excess, else (ranks without one) of arrival lateness: the signal
+    when collectives do not block the host (NCCL), where every rank's own time is its step.
+    A lateness episode needs its peers' host-side waits not to contradict it, as the chronic
+    test does: where collectives block the host, the own-time excess shows the same stretch."""
+    own = find(k, step_ms, noise, th, "excess_ms")
+    late = {} if _host_blocks(k) else find(k, step_ms, late_noise, th, "late_ms")
+    out = {r: [dict(e, signal="own_time") for e in eps] for r, eps in own.items()}
+    for r, eps in late.items():
+        if r not in out:
+            out[r] = [dict(e, signal="lateness") for e in eps]
+    return out
+
+
+def _host_blocks(k) -> bool:
+    """Collectives block the host: the median rank waits ≥ 25 % of its median arrival lateness
+    per step in them (then lateness without own-time excess is a shared host's jitter)."""
+    if "blocked_ms" not in k.columns or "late_ms" not in k.columns:
+        return True
+    late = k["late_ms"].abs().median()
+    return not np.isfinite(late) or float(k["blocked_ms"].median()) >= 0.25 * float(late)
+
+
+def find(k, step_ms: float, noise: float, th, col: str = "excess_ms") -> dict[int, list[dict]]:
+    """rank -> its straggler episodes of signal ``col``, each {"first", "last" (steps), "steps"
+    (analysed steps in it), "excess_ms" (median of the signal), "score", "over_frac"}. ``k``:
+    the analysed-steps table (rank, step, col); ``th``: the stragglers module (thresholds)."""
+    if k.empty or col not in k.columns or k[col].isna().all():
         return {}
     floor = max(th.MIN_EXCESS * step_ms, th.MIN_EXCESS_MS)
     scale = max(0.0 if not np.isfinite(noise) else noise, th.FLOOR * step_ms, 1e-9)
-    w = k.pivot_table(index="rank", columns="step", values="excess_ms", aggfunc="last")
+    w = k.pivot_table(index="rank", columns="step", values=col, aggfunc="last")
     steps = np.asarray(w.columns, dtype=int)
     n = steps.size
     need = min_len(n)

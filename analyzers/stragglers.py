@@ -381,7 +381,9 @@ def _over_steps(p: dict, per_rank: list[dict], k, ep: dict, cols) -> tuple[dict,
                 out[c] = _f(m[c])
         return out
 
-    me = {**over(p), "excess_ms": ep["excess_ms"], "score": ep["score"],
+    size = {"excess_ms": ep["excess_ms"], "score": ep["score"]} if ep["signal"] == "own_time" \
+        else {"late_ms": ep["excess_ms"], "late_score": ep["score"]}
+    me = {**over(p), **size, "signal": ep["signal"],
           "straggling_steps": ep["steps"], "steps": len(ep["steps"]), "episode": ep}
     peers = [over(q) for q in per_rank if q["group"] == p["group"] and q["rank"] != p["rank"]]
     return me, peers
@@ -516,13 +518,14 @@ def _analyze(run) -> AnalyzerResult:
             starving.append(rec)
 
     findings, input_late, ops_ms = [], {}, None
-    episodes = _episodes.find(k, step_ms, noise, sys.modules[__name__])
+    episodes = _episodes.find_both(k, step_ms, noise, late_noise, sys.modules[__name__])
     for p in per_rank:
         eps = episodes.get(p["rank"], [])
-        p["episodes"] = [{x: e[x] for x in ("first", "last", "excess_ms", "score")} for e in eps]
+        p["episodes"] = [{x: e[x] for x in ("first", "last", "excess_ms", "score", "signal")}
+                         for e in eps]
         if not eps or (p["status"] == "chronic" and not _episodes.started_late(eps, kept)):
             continue  # (a chronic straggler slow from the start: the whole run is its stretch)
-        p.update(status="episodic", signal="own_time",  # slow for part of the run (onset)
+        p.update(status="episodic", signal=eps[0]["signal"],  # slow for part of the run (onset)
                  straggling_steps=[s for e in eps for s in e["steps"]])
         p["straggling_frac"] = len(p["straggling_steps"]) / p["steps"] if p["steps"] else 0.0
     for p in per_rank:

@@ -177,3 +177,36 @@ def test_host_contention_stretch_is_info_unless_its_own_work_grew(cpu_ms, severi
     f2 = Finding("straggler", "warning", [0], "x")
     ep.judge_cause(f2, p, {"first": 10, "excess_ms": 8.0}, {"cause": "compute", "parts": {}})
     assert f2.severity == "warning"
+
+
+def make_async_run(root, steps=1200, onset=700, late_ms=6.0, seed=0):
+    """NCCL-like: collectives never block the host (0.1 ms), every step lasts 20 ms on every
+    rank; from ``onset`` rank 1 issues its all_reduce ``late_ms`` after rank 0."""
+    rng = np.random.default_rng(seed)
+    for r in range(2):
+        d = rank_dir(root, r)
+        d.mkdir(parents=True)
+        (d / "meta.json").write_text(json.dumps({"rank": r, "world_size": 2, "host": f"h{r}"}))
+        st, co = [], []
+        for s in range(steps):
+            t = T0 + s * 20 * MS
+            st.append({"step": s, "start_ns": t, "end_ns": t + 20 * MS, "dur_ms": 20.0,
+                       "source": "optimizer"})
+            enq = t + int((8.0 + rng.normal(0, 0.3) + (late_ms if r == 1 and s >= onset else 0)) * MS)
+            co.append({"step": s, "pg": "0", "seq": s, "op": "all_reduce", "bytes": 8,
+                       "enqueue_ns": enq, "end_ns": enq + MS, "blocked_ms": 0.1, "async": True})
+        for name, recs in (("steps", st), ("collectives", co),
+                           ("groups", [{"pg": "0", "ranks": [0, 1], "mesh_dim": None,
+                                        "backend": "nccl", "size": 2}])):
+            (d / f"{name}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+    return RunDir(root)
+
+
+def test_midrun_late_arrivals_found_with_onset(tmp_path):
+    res = stragglers.analyze(make_async_run(tmp_path / "late"))
+    (f,) = _kinds(res.findings, "straggler")
+    assert f.ranks == [1] and f.evidence["signal"] == "lateness"
+    assert abs(f.onset["step"] - 700) <= 12 and f.end is None
+    assert f.evidence["late_ms"] == pytest.approx(6.0, abs=1.0)
+    clean = stragglers.analyze(make_async_run(tmp_path / "clean", late_ms=0.0))
+    assert not clean.findings, [x.message for x in clean.findings]
