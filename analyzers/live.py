@@ -1,13 +1,15 @@
 """What `trainprof watch` shows: a run's recent progress, computed from the ends of its files.
 
 Not one of the analysis passes (it is not in ANALYZER_MODULES): a cheap snapshot that reads only
-the last TAIL_BYTES of each rank's steps.jsonl and heartbeat.jsonl (trainprof/runstate.py),
+the end of each rank's steps.jsonl (RANK_TAIL_BYTES; STEP_TAIL_BYTES of the most advanced
+rank's) and heartbeat.jsonl (its last line: trainprof/runstate.py),
 so a refresh every few seconds costs the same at step 100 and at step 10,000,000, and opens
 nothing for writing.
 
     steps/s      over the last ``window_s`` seconds: steps the most advanced rank finished in
-                 it ÷ the time between the first and last of them
-    step time    median and max of those steps' durations (``dur_ms``), all ranks
+                 it (of its last ~1,000) ÷ the time between the first and last of them
+    step time    median and max of those steps' durations (``dur_ms``); per rank, the median
+                 of its last ~30 steps in the window
     lag          per rank: the most advanced rank's last step − its last step
     heartbeat    per rank: seconds since its last heartbeat (written on progress only)
     hang         suspected when the run is running and no rank progressed for
@@ -26,7 +28,8 @@ import numpy as np
 
 from trainprof import runstate
 
-STEP_TAIL_BYTES = 1 << 17   # ~1,000 step records per rank
+STEP_TAIL_BYTES = 1 << 17   # the most advanced rank: ~1,000 step records for the window
+RANK_TAIL_BYTES = 4 << 10   # every rank: its last ~30 steps (last step, recent step time)
 HANG_MIN_S = 60.0
 HANG_STEPS = 20.0
 MAX_FINDINGS = 12
@@ -37,37 +40,38 @@ def snapshot(root, window_s: float = 300.0, now_ns: int | None = None) -> dict:
     now_ns = now_ns or time.time_ns()
     st = runstate.state(root)
     ranks = {r["rank"]: dict(r) for r in st.pop("ranks")}
-    recent: list[float] = []
-    ends: dict[int, list[int]] = {}
-    tails = {}
+    dirs = {}
     for d in sorted((root / "ranks").glob("rank-*")) if (root / "ranks").is_dir() else []:
         try:
-            r = int(d.name.split("-", 1)[1])
+            dirs[int(d.name.split("-", 1)[1])] = d
         except ValueError:
             continue
-        tails[r] = [x for x in runstate.tail_records(d / "steps.jsonl", STEP_TAIL_BYTES)
-                    if isinstance(x.get("step"), int)]
-    # the window ends now while the run goes on, else at its last step
+    # every rank: its last few steps (a small read); the most advanced rank: the window
+    tails = {r: [x for x in runstate.tail_records(d / "steps.jsonl", RANK_TAIL_BYTES)
+                 if isinstance(x.get("step"), int)] for r, d in dirs.items()}
     last_end = max((x[-1]["end_ns"] for x in tails.values()
                     if x and isinstance(x[-1].get("end_ns"), int)), default=now_ns)
+    # the window ends now while the run goes on, else at its last step
     ref = now_ns if st["state"] == "running" else last_end
+    lo = ref - window_s * 1e9
     for r, recs in tails.items():
         row = ranks.setdefault(r, {"rank": r, "step": None, "age_s": None, "closed": False})
         if recs:
             row["last_step"] = recs[-1]["step"]
             row["last_end_ns"] = recs[-1].get("end_ns")
-            win = [x for x in recs if isinstance(x.get("end_ns"), int)
-                   and x["end_ns"] >= ref - window_s * 1e9 and x["step"] >= 1]
-            durs = [float(x["dur_ms"]) for x in win if isinstance(x.get("dur_ms"), (int, float))]
-            recent += durs
+            durs = [float(x["dur_ms"]) for x in recs if isinstance(x.get("dur_ms"), (int, float))
+                    and isinstance(x.get("end_ns"), int) and x["end_ns"] >= lo and x["step"] >= 1]
             row["step_ms"] = float(np.median(durs)) if durs else None
-            ends[r] = [x["end_ns"] for x in win]
     lead = max((v.get("last_step") for v in ranks.values() if v.get("last_step") is not None),
                default=None)
-    rate = None
-    if ends:
-        top = max(ends, key=lambda r: (ranks[r].get("last_step") or -1, len(ends[r])))
-        e = sorted(ends[top])
+    rate, recent = None, []
+    top = max((r for r in tails if tails[r]), key=lambda r: tails[r][-1]["step"], default=None)
+    if top is not None:
+        win = [x for x in runstate.tail_records(dirs[top] / "steps.jsonl", STEP_TAIL_BYTES)
+               if isinstance(x.get("step"), int) and isinstance(x.get("end_ns"), int)
+               and x["end_ns"] >= lo and x["step"] >= 1]
+        recent = [float(x["dur_ms"]) for x in win if isinstance(x.get("dur_ms"), (int, float))]
+        e = sorted(x["end_ns"] for x in win)
         if len(e) >= 2 and e[-1] > e[0]:
             rate = (len(e) - 1) / ((e[-1] - e[0]) / 1e9)
     med = float(np.median(recent)) if recent else None

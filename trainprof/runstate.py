@@ -59,8 +59,9 @@ def tail_records(path: Path, max_bytes: int = TAIL_BYTES, limit: int | None = No
 
 
 def last_record(path: Path) -> dict | None:
-    """The last complete JSON line of a file (a torn last line is skipped), or None."""
-    recs = tail_records(path, limit=1)
+    """The last complete JSON line of a file (a torn last line is skipped), or None: the last
+    4 KiB read first, TAIL_BYTES when no whole line is in them."""
+    recs = tail_records(path, 4096, limit=1) or tail_records(path, limit=1)
     return recs[-1] if recs else None
 
 
