@@ -53,10 +53,11 @@ class PeriodicAnalysis:
         with self._lock:
             if self._stop.is_set():
                 return
+            # (the child lowers its own priority: no preexec_fn in a process with threads)
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "trainprof", "analyze", str(self.out), "--quiet"],
+                [sys.executable, "-m", "trainprof.live_analysis", str(self.out)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                env=env, preexec_fn=lambda: os.nice(NICE), process_group=0)
+                env=env, process_group=0)
         _, err = self._proc.communicate()
         self.runs += 1
         if self._proc.returncode not in (0, 3) and not self._stop.is_set():  # 3: nothing yet
@@ -86,3 +87,22 @@ class PeriodicAnalysis:
                 except OSError:
                     pass
         self._thread.join(timeout)
+
+
+def _main(argv: list[str]) -> int:
+    """The child: `trainprof analyze RUN --quiet` at the lowest CPU priority."""
+    try:
+        os.nice(NICE)
+    except OSError:
+        pass
+    from trainprof.cli import main
+
+    try:
+        main(["analyze", argv[0], "--quiet"], prog_name="trainprof")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
