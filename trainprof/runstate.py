@@ -7,6 +7,7 @@ the probes that may still be writing it (read-only opens, the tail of each heart
              no launcher) a rank wrote a heartbeat less than LIVE_S seconds ago
     stopped  no end recorded and nothing alive: the launcher is gone (killed with its job, e.g.
              SIGKILL at a scheduler's wall-time limit) or no heartbeat for LIVE_S seconds
+    unknown  neither a launcher record (manifest.json) nor any heartbeat
 
 ``state()`` returns {"state", "last_step", "last_progress" (ISO-8601), "heartbeat_age_s",
 "why", "ranks": [{rank, step, age_s, closed}] (ranks by rank)}.
@@ -138,5 +139,7 @@ def state(root, manifest: dict | None = None, live_s: float = LIVE_S) -> dict:
                 "gone without recording the job's end (killed with its job?)", **out}
     if age is not None and age <= live_s:
         return {"state": "running", "why": f"a rank made progress {age:.0f} s ago", **out}
+    if age is None and not manifest:
+        return {"state": "unknown", "why": "no launcher record and no heartbeat", **out}
     return {"state": "stopped", "why": ("no heartbeat for " + (f"{age:.0f} s" if age is not None
                                         else "any rank") + " and no end recorded"), **out}

@@ -101,3 +101,10 @@ def test_snapshot_worst_first_and_hang(tmp_path):
     assert "hang suspected" in out and "35 more ranks" in out and "no analysis yet" in out
     lines = [ln for ln in out.splitlines() if ln.strip().startswith(("17 ", "3 "))]
     assert len(lines) == 2
+
+
+def test_unknown_without_launcher_record_or_heartbeat(tmp_path):
+    d = rank_dir(tmp_path / "r", 0)
+    d.mkdir(parents=True)
+    (d / "steps.jsonl").write_text(json.dumps({"step": 0, "dur_ms": 1.0}) + "\n")
+    assert runstate.state(tmp_path / "r")["state"] == "unknown"
