@@ -19,7 +19,7 @@ MS = 1_000_000
 
 
 def make_run(root, steps=2000, nranks=2, step_ms=10.0, sd=0.6, slow=None, seed=0,
-             memory=None, group_ms=None):
+             memory=None, group_ms=None, profiled=()):
     """Synchronous job: each rank works busy(r, s) = 6 ms ± sd (+ slow[r](s) ms), then waits in
     one all_reduce for the last rank to arrive; the step lasts the slowest rank's work plus
     2 ms of communication (plus group_ms(s) for every rank: the whole job slowed).
@@ -41,7 +41,8 @@ def make_run(root, steps=2000, nranks=2, step_ms=10.0, sd=0.6, slow=None, seed=0
         for s in range(steps):
             t = int(start[s])
             st.append({"step": s, "start_ns": t, "end_ns": t + int(dur[s] * MS),
-                       "dur_ms": float(dur[s]), "source": "optimizer"})
+                       "dur_ms": float(dur[s]), "source": "optimizer",
+                       **({"profiled": True} if s in profiled else {})})
             enq = t + int((busy[r, s] + extra[s]) * MS)
             co.append({"step": s, "pg": "0", "seq": s, "op": "all_reduce", "bytes": 8,
                        "enqueue_ns": enq, "end_ns": t + int(dur[s] * MS),
@@ -101,6 +102,19 @@ def test_midrun_straggler_waits_not_subtracted_outside_the_window(tmp_path):
     w = stragglers.waits_for_stragglers(run)  # no profiler window: spread over the run
     assert w["late"] == [1]
     assert w["wait_ms"][0] == pytest.approx(6.0 * 1000 / 1999, abs=0.6)
+
+
+@pytest.mark.parametrize("window,counted", [((1500, 1501), True), ((3, 4), False)])
+def test_midrun_straggler_waits_counted_where_the_profiled_window_is(tmp_path, window, counted):
+    # exposed_comm judges the profiled window: the straggler's waits count there only when the
+    # window falls inside its stretch, at the stretch's rate per step
+    run = make_run(tmp_path, steps=2000, slow={1: lambda s: 6.0 if s >= 1000 else 0.0},
+                   profiled=window)
+    w = stragglers.waits_for_stragglers(run)
+    if counted:
+        assert w["late"] == [1] and w["wait_ms"][0] == pytest.approx(6.0, abs=1.0)
+    else:
+        assert w == {"late": [], "wait_ms": {}}
 
 
 @pytest.mark.parametrize("seed", range(4))
