@@ -517,39 +517,10 @@ def _analyze(run) -> AnalyzerResult:
         if data_med >= DATA_MIN_MS and step_ms and rec["data_share"] >= DATA_SHARE:
             starving.append(rec)
 
-    findings, input_late, ops_ms = [], {}, None
     episodes = _episodes.find_both(k, step_ms, noise, late_noise, sys.modules[__name__])
-    for p in per_rank:
-        eps = episodes.get(p["rank"], [])
-        p["episodes"] = [{x: e[x] for x in ("first", "last", "excess_ms", "score", "signal")}
-                         for e in eps]
-        if not eps or (p["status"] == "chronic" and not _episodes.started_late(eps, kept)):
-            continue  # (a chronic straggler slow from the start: the whole run is its stretch)
-        p.update(status="episodic", signal=eps[0]["signal"],  # slow for part of the run (onset)
-                 straggling_steps=[s for e in eps for s in e["steps"]])
-        p["straggling_frac"] = len(p["straggling_steps"]) / p["steps"] if p["steps"] else 0.0
-    for p in per_rank:
-        if p["status"] not in ("chronic", "episodic"):
-            continue
-        for ep in ([None] if p["status"] == "chronic" else episodes[p["rank"]][:MAX_EPISODES]):
-            q, peers = _over_steps(p, per_rank, k, ep, cols) if ep else (
-                p, [q for q in per_rank if q["group"] == p["group"] and q["rank"] != p["rank"]])
-            size = q["excess_ms"] if q["signal"] == "own_time" else q["late_ms"]
-            if ops_ms is None and has_sched:
-                ops_ms = _trace_ops_ms(run)
-            why = cause.explain(q, peers, size, ops_ms)
-            steps = ep["steps"] if ep else kept
-            waits = _caused(fr, p["rank"], steps, size)
-            if why["cause"] == "input" and p["rank"] in {x["rank"] for x in starving}:
-                input_late[p["rank"]] = waits  # reported with the data starvation it is
-                continue
-            f = _straggler_finding(q, peers, size, why, waits, steps)
-            _episodes.stamp(f, run, p, ep, kept)
-            if ep:
-                _episodes.judge_cause(f, p, ep, why)
-            findings.append(f)
-            _full_waits(run)[("straggler", (p["rank"],), ep["first"] if ep else None)] = \
-                dict(waits["by_rank"])
+    _mark_episodic(per_rank, episodes, kept)
+    findings, input_late = _straggler_findings(run, per_rank, episodes, k, kept, cols, fr,
+                                               starving, has_sched)
 
     if starving:
         findings.append(_starvation_finding(starving, per_rank, input_late))
@@ -584,6 +555,49 @@ def _analyze(run) -> AnalyzerResult:
     if has_sched:
         metrics["cpu_wait_ms_by_rank"] = _matrix(t, "cpu_wait_ms", shown)
     return AnalyzerResult(metrics=metrics, findings=findings)
+
+
+def _mark_episodic(per_rank: list[dict], episodes: dict, kept) -> None:
+    """Each rank's episodes in its record; a rank slow for part of the run (and a chronic one
+    that turned slow after the run's first steps) becomes ``episodic``."""
+    for p in per_rank:
+        eps = episodes.get(p["rank"], [])
+        p["episodes"] = [{x: e[x] for x in ("first", "last", "excess_ms", "score", "signal")}
+                         for e in eps]
+        if not eps or (p["status"] == "chronic" and not _episodes.started_late(eps, kept)):
+            continue  # (a chronic straggler slow from the start: the whole run is its stretch)
+        p.update(status="episodic", signal=eps[0]["signal"],  # slow for part of the run (onset)
+                 straggling_steps=[s for e in eps for s in e["steps"]])
+        p["straggling_frac"] = len(p["straggling_steps"]) / p["steps"] if p["steps"] else 0.0
+
+
+def _straggler_findings(run, per_rank, episodes, k, kept, cols, fr, starving, has_sched):
+    """(straggler findings with onset / end, {rank: waits} of stragglers late for input): one
+    per chronic straggler, one per episode of the others (the cause and waits over its steps)."""
+    findings, input_late, ops_ms = [], {}, None
+    for p in per_rank:
+        if p["status"] not in ("chronic", "episodic"):
+            continue
+        for ep in ([None] if p["status"] == "chronic" else episodes[p["rank"]][:MAX_EPISODES]):
+            q, peers = _over_steps(p, per_rank, k, ep, cols) if ep else (
+                p, [q for q in per_rank if q["group"] == p["group"] and q["rank"] != p["rank"]])
+            size = q["excess_ms"] if q["signal"] == "own_time" else q["late_ms"]
+            if ops_ms is None and has_sched:
+                ops_ms = _trace_ops_ms(run)
+            why = cause.explain(q, peers, size, ops_ms)
+            steps = ep["steps"] if ep else kept
+            waits = _caused(fr, p["rank"], steps, size)
+            if why["cause"] == "input" and p["rank"] in {x["rank"] for x in starving}:
+                input_late[p["rank"]] = waits  # reported with the data starvation it is
+                continue
+            f = _straggler_finding(q, peers, size, why, waits, steps)
+            _episodes.stamp(f, run, p, ep, kept)
+            if ep:
+                _episodes.judge_cause(f, p, ep, why)
+            findings.append(f)
+            _full_waits(run)[("straggler", (p["rank"],), ep["first"] if ep else None)] = \
+                dict(waits["by_rank"])
+    return findings, input_late
 
 
 def _trace_ops_ms(run) -> dict[int, float]:
