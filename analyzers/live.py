@@ -2,7 +2,7 @@
 
 Not one of the analysis passes (it is not in ANALYZER_MODULES): a cheap snapshot that reads only
 the end of each rank's steps.jsonl (RANK_TAIL_BYTES; STEP_TAIL_BYTES of the most advanced
-rank's) and heartbeat.jsonl (its last line: trainprof/runstate.py),
+rank's) and heartbeat.jsonl (its last line: trainprof/rundir/state.py),
 so a refresh every few seconds costs the same at step 100 and at step 10,000,000, and opens
 nothing for writing.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainprof import runstate
+from trainprof.rundir import state as runstate
 
 STEP_TAIL_BYTES = 1 << 17   # the most advanced rank: ~1,000 step records for the window
 RANK_TAIL_BYTES = 4 << 10   # every rank: its last ~30 steps (last step, recent step time)

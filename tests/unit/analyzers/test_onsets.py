@@ -9,10 +9,11 @@ from datetime import datetime
 import numpy as np
 import pytest
 
-from trainprof.analysis import analyze
+from trainprof.analysis.runner import analyze
 from trainprof.analyzers import _changepoint as cp
 from trainprof.analyzers import stragglers, whole_run
-from trainprof.rundir import RunDir, rank_dir
+from trainprof.rundir.files import rank_dir
+from trainprof.analysis.run import RunDir
 
 T0 = 1_700_000_000_000_000_000
 MS = 1_000_000

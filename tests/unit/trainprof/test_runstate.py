@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from trainprof import runstate
+from trainprof.rundir import state as runstate
 from trainprof.analyzers.live import snapshot
-from trainprof.rundir import rank_dir
+from trainprof.rundir.files import rank_dir
 
 
 def _run(root, nranks=2, manifest=None, beat_age_s=1.0, last_event="progress", steps=50,
