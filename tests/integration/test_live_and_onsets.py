@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 
 from helpers import TRAINPROF, run_cli, wait_for
+from paths import JOBS
 
-JOB = Path(__file__).resolve().parents[1] / "jobs" / "midrun_job.py"
-if not JOB.exists():  # before the tests/ restructure
-    JOB = Path(__file__).resolve().parents[1] / "support" / "jobs" / "midrun_job.py"
+JOB = JOBS / "midrun_job.py"
 
 pytestmark = pytest.mark.multiproc
 
