@@ -17,6 +17,7 @@ import re
 import numpy as np
 
 from trainprof._lazy import pd
+from trainprof.analyzers import _gpu_calls
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._stats import median
 from trainprof.analyzers._profiled_window import off_training
@@ -36,9 +37,7 @@ _WAIT_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", 
                   "record_param_comms")
 # host calls that block until the device catches up (what .item(), .cpu(), .tolist() and
 # explicit synchronize() do); cudaStreamWaitEvent is a device-side wait and not one of them
-_SYNC_CALLS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
-                         "cudaMemcpy", "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cuCtxSynchronize",
-                         "cuStreamSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2"})
+_SYNC_CALLS = _gpu_calls.SYNC_CALLS  # CUDA and HIP
 CATEGORIES = ("compute_ms", "overlapped_ms", "exposed_comm_ms", "data_ms", "other_ms", "idle_ms")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # "<built-in method … object at 0x7f…>"
 TOP_OTHER = 5                 # host events named per step in other_by_name_ms (CPU traces)

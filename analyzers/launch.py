@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainprof.analyzers import _gpu_calls
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._stats import median, percentiles
 from trainprof.analyzers._kernel_ops import LAUNCHED, launch_calls
@@ -44,9 +45,7 @@ SYNC_SHARE = 0.30              # host step time blocked in synchronizations: syn
 MAX_STREAMS, MAX_STEPS, MAX_HTA_STREAMS = 8, 64, 32  # digest bounds
 HTA_LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaMemsetAsync")
 # host calls that block until the device catches up (as in analyzers/comm_compute.py)
-SYNC_CALLS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
-                        "cudaMemcpy", "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cuCtxSynchronize",
-                        "cuStreamSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2"})
+SYNC_CALLS = _gpu_calls.SYNC_CALLS  # CUDA and HIP
 DATA_PREFIX = "enumerate(DataLoader)"
 
 
