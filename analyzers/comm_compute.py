@@ -17,7 +17,7 @@ import re
 import numpy as np
 
 from trainprof._lazy import pd
-from trainprof.analyzers import _gpu_calls
+from trainprof.analyzers import _coll_kernels, _gpu_calls
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._stats import median
 from trainprof.analyzers._profiled_window import off_training
@@ -90,6 +90,7 @@ def _gpu_rows(trace, dims: dict, split: list | None = None, used: dict | None = 
     ks, ke = ev["ts_ns"][rows_idx], ev["end_ns"][rows_idx]
     ctype = coll_types(name) if is_comm.any() else np.full(len(rows_idx), None, dtype=object)
     pgs = gpu_event_groups(trace, rows_idx)
+    _name_generic_kernels(trace, rows_idx, is_comm, ctype, pgs)
     kdim = np.array([dims.get(p, f"pg {p}") if p is not None else "unknown" for p in pgs], dtype=object)
     kpg = _note_groups(pgs, dims, used)
     stalls = _host_stalls(ev)
@@ -120,6 +121,19 @@ def _gpu_rows(trace, dims: dict, split: list | None = None, used: dict | None = 
             "host_step_ms": _ms(span), "sync_calls": st[0], "sync_ms": _ms(st[1]),
             "d2h_copies": int((m & is_d2h).sum())})
     return out
+
+
+def _name_generic_kernels(trace, rows_idx, is_comm, ctype, pgs) -> None:
+    """NCCL/RCCL kernels whose name says no collective (ncclDevKernel_Generic) or that carry no
+    process group: both from the op that launched them (analyzers/_coll_kernels.py)."""
+    need = np.flatnonzero(is_comm & ((ctype == "other") | np.fromiter((p is None for p in pgs), bool, len(pgs))))
+    if not len(need):
+        return
+    for i, a in zip(need.tolist(), _coll_kernels.attribute(trace, rows_idx[need])):
+        if ctype[i] == "other":
+            ctype[i] = a["collective"]
+        if pgs[i] is None and a["pg_name"] is not None:
+            pgs[i] = a["pg_name"]
 
 
 def _distinct(a: np.ndarray) -> np.ndarray:

@@ -34,11 +34,12 @@ import re
 import numpy as np
 
 from trainprof.analyzers import _intervals as iv
-from trainprof.analyzers import _occupancy
+from trainprof.analyzers import _coll_kernels, _occupancy
 from trainprof.analyzers._kernel_ops import launch_op_rows
 
 NAME = "gpu_overview"
 MAX_STEPS = 64
+MAX_COLLECTIVES = 32
 ROLES = ("kernel", "memcpy", "memset", "communication", "runtime", "dataloader", "cpu_exec")
 BREAKDOWN = ROLES + ("other",)
 _COMM_OPS = ("nccl:", "gloo:")
@@ -256,8 +257,10 @@ def trace_digest(run, rank, trace) -> dict:
                              if span_sum and any(r["sm_efficiency"] is not None for r in rows) else None),
            "achieved_occupancy": round(occ_v / occ_w, 4) if occ_w else None,
            **tensor_core_shares(ev, kernel_rows)}
+    comm = kernel_rows[ev["name"].mask(lambda n: _COMM_KERNEL.search(n) is not None)[kernel_rows]]
     return {"kind": "gpu", "device": device, "dialect": trace.meta.get("dialect") or {},
-            "sm_count": props.get("numSms"), "job": job, "per_step": rows[:MAX_STEPS]}
+            "sm_count": props.get("numSms"), "job": job, "per_step": rows[:MAX_STEPS],
+            "collectives": _coll_kernels.summary(trace, comm)[:MAX_COLLECTIVES] if len(comm) else []}
 
 
 _READ_CATS = frozenset({"cpu_op", "user_annotation", "python_function", "cuda_runtime",
@@ -313,5 +316,6 @@ def analyze(run):
         job["dialect"] = dialects
     per_rank = [{"rank": r, "device": d.get("device"), **d["job"]} for r, d in gpu.items()]
     per_step = [{"rank": r, **s} for r, d in gpu.items() for s in d["per_step"]]
+    colls = [{"rank": r, **c} for r, d in gpu.items() for c in d.get("collectives") or []]
     return AnalyzerResult(metrics={"job": job, "per_rank": per_rank, "per_step": per_step,
-                                   "definitions": "docs/gpu-overview.md"})
+                                   "collectives": colls, "definitions": "docs/gpu-overview.md"})
