@@ -31,7 +31,7 @@ import math
 import os
 import pickle
 import re
-from itertools import count, repeat
+from itertools import chain, count, repeat
 from operator import attrgetter, is_not
 from typing import Any, Optional, Union
 
@@ -106,8 +106,43 @@ def _launch_number(col: str, v):
 def launch_values(col: str, values) -> np.ndarray:
     """Per-row launch figures (objects, None where absent) -> float64 with NaN where absent or
     not a number (grid/block as their product)."""
-    return np.fromiter((np.nan if (x := _launch_number(col, v)) is None else x for v in values),
-                       np.float64, len(values))
+    n = len(values)
+    have = np.flatnonzero(np.fromiter(map(is_not, values, repeat(None)), bool, n))
+    out = np.full(n, np.nan)
+    if len(have):  # kernels only: the other rows stay NaN without a Python call each
+        sub = [values[i] for i in have.tolist()]
+        fast = _launch_numbers(col, sub)
+        out[have] = fast if fast is not None else np.fromiter(
+            (np.nan if (x := _launch_number(col, v)) is None else x for v in sub), np.float64, len(sub))
+    return out
+
+
+def _launch_numbers(col: str, sub: list) -> np.ndarray | None:
+    """_launch_number of every value at numpy speed where the values have the usual types (3-int
+    lists for grid/block, ints and floats otherwise); None when some value has another type."""
+    types = set(map(type, sub))
+    if col in ("grid_blocks", "block_threads"):
+        if types != {list} or set(map(len, sub)) != {3}:
+            return None
+        flat = list(chain.from_iterable(sub))
+        if set(map(type, flat)) != {int}:  # a float, a bool, a nested list: row by row
+            return None
+        try:
+            a = np.array(flat, np.int64).reshape(-1, 3)
+        except OverflowError:
+            return None
+        ok = np.all((a > 0) & (a < 2**31), axis=1)
+        return np.where(ok, np.prod(np.where(ok[:, None], a, 1), axis=1).astype(np.float64), np.nan)
+    if not types <= {int, float}:
+        return None
+    try:
+        a = np.array(sub, dtype=np.float64)
+    except OverflowError:
+        return None
+    ok = np.isfinite(a)
+    if col in ("regs_per_thread", "shared_mem"):
+        ok &= (a == np.floor(a)) & (a >= 0) & (a < 2.0**62)
+    return np.where(ok, a, np.nan)
 
 
 def factorize(values, n: int | None = None) -> tuple[np.ndarray, list]:
