@@ -23,8 +23,9 @@ gpu_metrics_parser.py, tensor_cores_parser.py); docs/gpu-overview.md states them
   would move to tensor cores).
 
 Each rank's trace is reduced by ``trace_digest``; ``analyze`` writes metrics.gpu_overview
-(per rank: job averages and up to MAX_STEPS steps; job: the mean over ranks). No findings: the
-numbers feed the report's overview and the advice of other analyzers.
+(per rank: its job averages; per step: the mean over ranks; collectives summed over ranks;
+job: the mean over ranks). No findings: the numbers feed the report's overview and the advice
+of other analyzers.
 """
 
 from __future__ import annotations
@@ -315,7 +316,36 @@ def analyze(run):
     if dialects:
         job["dialect"] = dialects
     per_rank = [{"rank": r, "device": d.get("device"), **d["job"]} for r, d in gpu.items()]
-    per_step = [{"rank": r, **s} for r, d in gpu.items() for s in d["per_step"]]
-    colls = [{"rank": r, **c} for r, d in gpu.items() for c in d.get("collectives") or []]
-    return AnalyzerResult(metrics={"job": job, "per_rank": per_rank, "per_step": per_step,
-                                   "collectives": colls, "definitions": "docs/gpu-overview.md"})
+    return AnalyzerResult(metrics={"job": job, "per_rank": per_rank,
+                                   "per_step": _steps_over_ranks(gpu), "collectives": _collectives(gpu),
+                                   "definitions": "docs/gpu-overview.md"})
+
+
+def _steps_over_ranks(gpu: dict) -> list[dict]:
+    """One row per step number: each number the mean over the ranks that have the step (bounded
+    by MAX_STEPS whatever the number of ranks)."""
+    by: dict = {}
+    for d in gpu.values():
+        for s in d["per_step"]:
+            by.setdefault(s["step"], []).append(s)
+    out = []
+    for step in sorted(by)[:MAX_STEPS]:
+        rows = by[step]
+        keys = [k for k in rows[0] if k != "step"]
+        out.append({"step": step, "ranks": len(rows), **{k: _mean([r.get(k) for r in rows]) for k in keys}})
+    return out
+
+
+def _collectives(gpu: dict) -> list[dict]:
+    """The ranks' collective groups summed: (collective, bytes, process group) -> kernels, kernel
+    ms, ranks (largest kernel time first, MAX_COLLECTIVES rows)."""
+    agg: dict = {}
+    for d in gpu.values():
+        for c in d.get("collectives") or []:
+            k = (c["collective"], c["bytes"], c["pg_name"])
+            g = agg.setdefault(k, {"collective": k[0], "bytes": k[1], "pg_name": k[2], "ranks": 0,
+                                   "count": 0, "kernel_ms": 0.0, "seqs": c.get("seqs") or []})
+            g["ranks"] += 1
+            g["count"] += c["count"]
+            g["kernel_ms"] = round(g["kernel_ms"] + c["kernel_ms"], 4)
+    return sorted(agg.values(), key=lambda g: -g["kernel_ms"])[:MAX_COLLECTIVES]

@@ -154,6 +154,7 @@ RUN_DIR_ANALYSES = (("step time", "step timings (steps.jsonl)"),
 INTER_RANK_ANALYSES = ("stragglers over every step", "collective desync / mismatch")
 _LABELS = {"comm_compute": "communication vs compute", "trace_stragglers": "stragglers in the "
            "profiled steps", "launch": "kernel launch", "step_time": "step time",
+           "gpu_overview": "GPU overview",
            "nan_origin": "NaN origin"}
 
 

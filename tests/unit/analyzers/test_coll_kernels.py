@@ -48,7 +48,7 @@ def test_generic_kernels_named(launch, tmp_path):
     assert [a["collective"] for a in att] == ["all_reduce"] * 3 + ["broadcast"]
     assert [a["bytes"] for a in att] == [16777216] * 3 + [8000]  # 16.8 MB as TraceLens says
     assert [a["seq"] for a in att] == [1, 2, 3, 4] and {a["pg_name"] for a in att} == {"0"}
-    summ = gpu_overview.trace_digest(None, 0, tr)["collectives"]
+    summ = gpu_overview.trace_digest(None, 0, tr)["collectives"]  # one rank's digest
     assert summ[0]["collective"] == "all_reduce" and summ[0]["count"] == 3
     assert summ[0]["kernel_ms"] == 0.15 and summ[0]["seqs"] == [1, 2, 3]
     # the communication breakdown names them too (not "other")
@@ -63,3 +63,20 @@ def test_device_synchronize_is_a_sync(sync, tmp_path):
     p.write_text(json.dumps(trace(sync=sync)))
     rows_, _, _ = comm_compute.rank_breakdown(parse_trace(p))
     assert rows_[0]["sync_calls"] == 1 and rows_[0]["sync_ms"] == 0.3
+
+
+def test_job_metrics_bounded_over_ranks(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(trace()))
+    d = gpu_overview.trace_digest(None, 0, parse_trace(p))
+
+    class Run:
+        problems: list = []
+
+        def trace_digests(self, name):
+            return {r: d for r in range(3)}
+    m = gpu_overview.analyze(Run()).metrics
+    assert len(m["per_rank"]) == 3 and [s["ranks"] for s in m["per_step"]] == [3]
+    assert m["per_step"][0]["gpu_utilization"] == d["per_step"][0]["gpu_utilization"]
+    top = m["collectives"][0]
+    assert (top["collective"], top["bytes"], top["ranks"], top["count"]) == ("all_reduce", 16777216, 3, 9)
