@@ -214,6 +214,7 @@ try:  # msgspec: optional accelerator
         src_rank: Any = msgspec.field(default=None, name="Src Rank")
         dst_rank: Any = msgspec.field(default=None, name="Dst Rank")
         external_id_lc: int = msgspec.field(default=-1, name="external id")  # PyTorch 1.8-1.10
+        input_dims_lc: Any = msgspec.field(default=None, name="Input dims")  # PyTorch 1.8-1.10
         grid: Any = None
         block: Any = None
         regs: Any = msgspec.field(default=None, name="registers per thread")
@@ -635,6 +636,9 @@ def _from_structs(doc) -> Columns:
             c.launch[col] = launch_values(col, vals)
     c.dims, c.types, c.concrete = (list(map(attrgetter(attr), args))
                                    for attr in ("input_dims", "input_type", "concrete"))
+    old = list(map(attrgetter("input_dims_lc"), args))
+    if old.count(None) != n:  # "Input dims" where "Input Dims" is absent or null
+        c.dims = [d if d is not None else o for d, o in zip(c.dims, old)]
     c.comm = _comm_rows(args, n)
     inst = [e for e in events if type(e) is _Instant]
     c.mem = [(e.ts, e.args.mem_bytes, e.args.total_allocated, e.args.total_reserved,
@@ -733,7 +737,8 @@ def _from_dicts(data: bytes) -> Columns:
             for col, vals in c.launch.items():
                 if len(vals) < len(c.name):
                     vals.append(None)
-            c.dims.append(a.get("Input Dims"))
+            dims = a.get("Input Dims")
+            c.dims.append(dims if dims is not None else a.get("Input dims"))
             c.types.append(a.get("Input type"))
             c.concrete.append(a.get("Concrete Inputs"))
             if "Collective name" in a or "Process Group Name" in a:

@@ -4,7 +4,8 @@ traces, mapped onto the categories the rest of trainprof reads (today's Kineto n
 - PyTorch 1.8-1.10 (Kineto's first releases): ``Kernel``, ``Runtime``, ``Operator``, ``Memcpy``,
   ``Memset`` (and the lower-case ``runtime``/``operator``/``memcpy``/``memset`` the TensorBoard
   plugin also takes); the launching op's id is ``external id`` (lower case) on kernels and runtime
-  calls — the decoder reads it where ``External id`` is absent.
+  calls, and shapes are ``Input dims`` — the decoder reads them where ``External id`` / ``Input
+  Dims`` are absent.
 - MTIA: ``mtia_runtime`` (host calls) and ``mtia_ccp_events`` (device work), as HTA reads them.
 - XPU / PrivateUse1 backends: ``xpu_runtime``, ``privateuse1_runtime``.
 - CUPTI range-profiler traces: ``cuda_profiler_range`` spans are device time (a kernel or a range

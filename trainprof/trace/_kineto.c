@@ -468,13 +468,14 @@ static const Key EV_KEYS[N_EV] = {K("ph"), K("cat"), K("name"), K("pid"), K("tid
    _decode.COMM_KEYS) */
 #define N_LAUNCH 7
 enum { A_EXT, A_STREAM, A_CORR, A_DIMS, A_TYPES, A_CONC, A_COMM0, A_EXT_LC = A_COMM0 + 12,
-       A_LAUNCH0, N_ARGS = A_LAUNCH0 + N_LAUNCH };
+       A_DIMS_LC, A_LAUNCH0, N_ARGS = A_LAUNCH0 + N_LAUNCH };
 static const Key ARG_KEYS[N_ARGS] = {
     K("External id"), K("stream"), K("correlation"), K("Input Dims"), K("Input type"),
     K("Concrete Inputs"), K("Collective name"), K("In msg nelems"), K("Out msg nelems"),
     K("Group size"), K("dtype"), K("Process Group Name"), K("Process Group Description"),
     K("Process Group Ranks"), K("Seq"), K("Rank"), K("Src Rank"), K("Dst Rank"),
-    K("external id"), /* the launch figures, in _decode.LAUNCH_KEYS' order */
+    K("external id"), K("Input dims"), /* PyTorch 1.8-1.10; then the launch figures, in
+                                            _decode.LAUNCH_KEYS' order */
     K("grid"), K("block"), K("registers per thread"), K("shared memory"), K("blocks per SM"),
     K("warps per SM"), K("est. achieved occupancy %")};
 #define A_COLL A_COMM0
@@ -652,7 +653,13 @@ static int complete_event(Cur *c, Out *o, Span *ev, int *seen, Span *a, int *ase
         if (v64 < 0) v64 = lc;
     }
     if (vec_push(&o->ext, &v64) < 0) return -2;
-    if ((r = span_code(&o->t_dims, &o->dims, a[A_DIMS], aseen[A_DIMS])) < 0) return r;
+    {   /* "Input dims" (PyTorch 1.8-1.10) where "Input Dims" is absent or null */
+        int old = (!aseen[A_DIMS] || is_null(a[A_DIMS])) && aseen[A_DIMS_LC];
+        if (old && aseen[A_DIMS] && push_check(c, o, a[A_DIMS]) < 0) return -2;
+        if ((r = span_code(&o->t_dims, &o->dims, old ? a[A_DIMS_LC] : a[A_DIMS],
+                           old || aseen[A_DIMS])) < 0) return r;
+        if (!old && aseen[A_DIMS_LC] && push_check(c, o, a[A_DIMS_LC]) < 0) return -2;
+    }
     if ((r = span_code(&o->t_types, &o->types, a[A_TYPES], aseen[A_TYPES])) < 0) return r;
     if ((r = span_code(&o->t_conc, &o->conc, a[A_CONC], aseen[A_CONC])) < 0) return r;
     for (int k = 0; k < N_LAUNCH; k++)

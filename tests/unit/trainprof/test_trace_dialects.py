@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainprof.analyzers import comm_compute, gpu_overview
+from trainprof.analyzers import comm_compute, gpu_overview, roofline
 from trainprof.trace import _decode, parse_trace
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
@@ -28,8 +28,8 @@ def _doc(rel):
 
 
 def pytorch_18(doc):
-    """Today's trace as PyTorch 1.8-1.10 wrote it: old category names, and the launching op's
-    id as "external id" on GPU ops and runtime calls."""
+    """Today's trace as PyTorch 1.8-1.10 wrote it: old category names, the launching op's id as
+    "external id" on GPU ops and runtime calls, shapes as "Input dims"."""
     for e in doc["traceEvents"]:
         c = e.get("cat")
         if c in OLD:
@@ -37,6 +37,8 @@ def pytorch_18(doc):
             a = e.get("args")
             if c in LAUNCHED and isinstance(a, dict) and "External id" in a:
                 a["external id"] = a.pop("External id")
+            if isinstance(a, dict) and "Input Dims" in a:
+                a["Input dims"] = a.pop("Input Dims")
     return doc
 
 
@@ -70,7 +72,7 @@ def _write(tmp_path, doc, name="t.json"):
 
 def _numbers(tr):
     _, view, kind = comm_compute.rank_breakdown(tr)
-    return kind, view, gpu_overview.trace_digest(None, tr.rank, tr)["job"]
+    return kind, view, gpu_overview.trace_digest(None, tr.rank, tr)["job"], roofline.op_classes(tr)
 
 
 @pytest.mark.parametrize("dialect", sorted(DIALECTS))
@@ -97,6 +99,7 @@ def test_old_dialect_same_columns_on_every_decoder_path(rel, tmp_path):
     tolerant = _decode._from_dicts(data)
     for c in (typed, tolerant):
         assert np.array_equal(c.ext, scanned.ext)
+        assert c.dims == scanned.dims
         assert set(c.launch) == set(scanned.launch)
         for k, v in scanned.launch.items():
             assert np.array_equal(c.launch[k], v, equal_nan=True), k
