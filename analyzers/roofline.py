@@ -264,7 +264,8 @@ def position(flops, by, time_ns, peak) -> dict:
         row.update(bound="compute" if ai >= ridge else "memory",
                    attainable_flops_per_s=attainable,
                    pct_of_bound=(flops / t) / attainable if attainable else (by / t) / peak["bytes_per_s"],
-                   pct_of_peak_bandwidth=(by / t) / peak["bytes_per_s"])
+                   pct_of_peak_bandwidth=(by / t) / peak["bytes_per_s"],
+                   pct_of_peak_flops=(flops / t) / peak["flops_per_s"])
     return row
 
 

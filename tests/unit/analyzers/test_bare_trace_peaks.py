@@ -61,6 +61,8 @@ def test_bare_h100_trace_gets_percent_of_peak(tmp_path):
     r = s["metrics"]["roofline"]
     assert r["peak"]["flops_per_s"] == 989e12 and r["compute_dtype"] == "bf16"
     assert any(c.get("pct_of_bound") is not None for c in r["classes"])
+    mm = next(c for c in r["classes"] if c["op_class"] == "matmul")
+    assert mm["pct_of_peak_flops"] == pytest.approx(mm["achieved_flops_per_s"] / 989e12)
     assert not any("device peak" in p for p in s["problems"])
     ov = s["metrics"]["gpu_overview"]["job"]
     assert ov["devices"] == ["NVIDIA H100 80GB HBM3"] and ov["gpu_utilization"] > 0
