@@ -304,10 +304,10 @@ def analyze(run):
                 f"{', '.join(repr(c) for c in cats)} look like device work (kernels, runtime "
                 f"calls, copies): a trace format trainprof does not know; it was analyzed as a "
                 f"CPU trace, so nothing about the device was checked")
-        return AnalyzerResult(metrics={"job": {"trace_kind": "cpu", "ranks": len(digests),
-                                               **({"unread_device_categories": sorted(
-                                                   {c for h in hints.values() for c in h})}
-                                                  if hints else {})}})
+            return AnalyzerResult(metrics={
+                "job": {"trace_kind": "cpu", "ranks": len(digests), "unread_device_categories": cats},
+                "withheld": "no device events read"})
+        return AnalyzerResult()  # a CPU run: nothing to overview
     keys = sorted({k for d in gpu.values() for k in d["job"]} - {"steps"})
     job = {"trace_kind": "gpu", "ranks": len(gpu), "cpu_only_ranks": len(digests) - len(gpu),
            "devices": sorted({d["device"] for d in gpu.values() if d.get("device")}),

@@ -143,7 +143,7 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
 
 # analyzers whose figures come from the profiled window alone (withheld with comm_compute's
 # when that window holds no training step)
-WINDOW_ANALYZERS = ("comm_compute", "ops", "roofline", "launch", "trace_stragglers")
+WINDOW_ANALYZERS = ("comm_compute", "ops", "roofline", "launch", "trace_stragglers", "gpu_overview")
 # what a run directory's streams give and bare profiler traces cannot: (analysis, stream)
 RUN_DIR_ANALYSES = (("step time", "step timings (steps.jsonl)"),
                     ("stragglers over every step", "the collective log (collectives.jsonl)"),
@@ -189,10 +189,13 @@ def coverage(run: RunDir, metrics: dict) -> dict | None:
     if unreached:
         missing += [{"analysis": _LABELS.get(n, n), "needs": "a profiled window of training steps"}
                     for n in WINDOW_ANALYZERS if n not in metrics or n == "trace_stragglers"]
-    if not missing:
+    unread = ((metrics.get("gpu_overview") or {}).get("job") or {}).get("unread_device_categories")
+    if not missing and not unread:
         return None
     needs = list(dict.fromkeys(m["needs"] for m in missing))
-    if run.trace_inputs:
+    if not missing:
+        text = ""
+    elif run.trace_inputs:
         text = ("profiler traces only (no run directory): not analyzed — "
                 + ", ".join(m["analysis"] for m in missing if m["needs"] in dict(RUN_DIR_ANALYSES).values())
                 + "; they need a run directory's " + ", ".join(n for n in needs if "window" not in n)
@@ -204,6 +207,11 @@ def coverage(run: RunDir, metrics: dict) -> dict | None:
                 + " (the profiler window did not cover training steps: see problems)")
     if why and run.trace_inputs:
         text += "; the profiled window holds no training step: trace figures withheld"
+    if unread:  # a device trace read as a CPU one is no clean run (analyzers/gpu_overview.py)
+        missing.append({"analysis": "GPU analyses", "needs": "device events in a format trainprof reads"})
+        text = ("device events not read: events of " + ", ".join(repr(c) for c in unread)
+                + " look like kernels or runtime calls in a trace format trainprof does not know, "
+                "so the GPU analyses did not run" + ("; " + text if text else ""))
     text += "; analyzed: " + (", ".join(analyzed) if analyzed else "nothing")
     return {"analyzed": analyzed, "not_analyzed": missing, "text": text,
             **({"not_applicable": list(INTER_RANK_ANALYSES)} if single else {})}

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from trainprof.analyzers import comm_compute, gpu_overview, roofline
+from trainprof.analysis import analyze
+from trainprof.rundir import RunDir
 from trainprof.trace import _decode, parse_trace
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
@@ -122,21 +124,24 @@ def test_launch_figures_read(tmp_path):
 
 
 def test_unknown_device_dialect_is_said(tmp_path):
-    """A device trace under category names trainprof does not know is not a clean CPU run."""
+    """A device trace under category names trainprof does not know is not a clean CPU run: the
+    coverage (what the terminal and report lead with when nothing is found) and the problems say
+    its device events were not read."""
     doc = renamed({"kernel": "gpu_kernel_v9", "cuda_runtime": "rt_v9"})(_doc(TRACES[0]))
-    tr = parse_trace(_write(tmp_path, doc))
-    d = gpu_overview.trace_digest(None, 0, tr)
+    path = _write(tmp_path, doc, "rank-0.pt.trace.json")
+    d = gpu_overview.trace_digest(None, 0, parse_trace(path))
     assert d["kind"] == "cpu" and d["device_hint"] == ["gpu_kernel_v9", "rt_v9"]
+    s = analyze(RunDir(path))
+    assert s["metrics"]["gpu_overview"]["job"]["unread_device_categories"] == ["gpu_kernel_v9", "rt_v9"]
+    text = s["coverage"]["text"]
+    assert text.startswith("device events not read: events of 'gpu_kernel_v9', 'rt_v9' look like")
+    assert "GPU overview" not in text.split("analyzed: ")[-1]
+    assert any("look like device work" in p and "rank(s) 0" in p for p in s["problems"])
 
-    class Run:
-        problems: list = []
 
-        def trace_digests(self, name):
-            return {0: d}
-    run = Run()
-    res = gpu_overview.analyze(run)
-    assert res.metrics["job"]["unread_device_categories"] == ["gpu_kernel_v9", "rt_v9"]
-    assert "look like device work" in run.problems[0] and "rank(s) 0" in run.problems[0]
-    # a real CPU trace gives no such line
-    cpu = parse_trace(FIX / "hta/cpu_only/rank-34.Jul_15_10_52_41.1074.pt.trace.json.gz")
-    assert gpu_overview.trace_digest(None, 0, cpu)["device_hint"] == []
+def test_cpu_trace_is_no_unread_device_trace():
+    path = FIX / "hta/cpu_only/rank-34.Jul_15_10_52_41.1074.pt.trace.json.gz"
+    assert gpu_overview.trace_digest(None, 0, parse_trace(path))["device_hint"] == []
+    s = analyze(RunDir(path))
+    assert "gpu_overview" not in s["metrics"]
+    assert "device events not read" not in (s.get("coverage") or {}).get("text", "")
