@@ -113,34 +113,56 @@ def role_sets(ev) -> dict[str, iv.Set]:
     return {k: iv.of(ev, m) for k, m in masks.items()}
 
 
-def breakdown(roles: dict[str, iv.Set], lo: int, hi: int) -> dict[str, int]:
-    """ns per role within [lo, hi), each moment in the first role active (ROLES order), the
-    rest "other"."""
-    free: iv.Set = (np.array([lo], np.int64), np.array([hi], np.int64))
-    out = {}
+def exclusive(roles: dict[str, iv.Set]) -> dict[str, iv.Set]:
+    """Each role's time less the time of the roles before it (ROLES order): a moment counts once,
+    in the first role active then."""
+    out, taken = {}, iv.EMPTY
     for role in ROLES:
-        got = iv.intersect(free, iv.clip(roles[role], lo, hi))
-        out[role] = iv.length(got)
-        free = iv.subtract(free, got)
-    out["other"] = iv.length(free)
+        got = iv.subtract(roles[role], taken)
+        out[role] = got
+        taken = iv.union(np.concatenate([taken[0], got[0]]), np.concatenate([taken[1], got[1]]))
     return out
 
 
-# --------------------------------------------------------------------------- SM efficiency
-def sm_efficiency_time(starts, ends, values, lo: int, hi: int) -> float:
-    """∫ min(Σ value of the kernels running, 1) dt over [lo, hi) (the plugin's
-    merge_ranges_with_value), in ns."""
-    s, e = np.maximum(starts, lo), np.minimum(ends, hi)
-    keep = (e > s) & (values > 0)
-    s, e, v = s[keep], e[keep], values[keep]
-    if not len(s):
-        return 0.0
+# --------------------------------------------------------------------------- integrals
+def level(starts, ends, values, cap: float | None = None):
+    """The function t -> Σ values of the intervals holding t (capped at ``cap``), as its
+    breakpoints, its value after each and its integral up to each: integrals over any window are
+    then two binary searches (every step of a long trace at once)."""
+    s, e = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+    v = np.asarray(values, np.float64)
+    keep = e > s
+    s, e, v = s[keep], e[keep], v[keep]
     pts = np.concatenate([s, e])
-    dv = np.concatenate([v, -v])
-    order = np.lexsort((-dv, pts))  # starts before ends at one time: adds, then removes
-    pts, level = pts[order], np.cumsum(dv[order])
-    seg = np.diff(pts).astype(np.float64)
-    return float((seg * np.clip(level[:-1], 0.0, 1.0)).sum())
+    order = np.argsort(pts, kind="stable")
+    pts = pts[order]
+    lev = np.cumsum(np.concatenate([v, -v])[order])
+    if cap is not None:
+        lev = np.clip(lev, 0.0, cap)
+    area = np.diff(pts).astype(np.float64) * lev[:-1] if len(pts) else np.empty(0)
+    return pts, lev, np.concatenate([[0.0], np.cumsum(area)])
+
+
+def integral(f, lo, hi) -> np.ndarray:
+    """∫ f over each [lo, hi) (arrays of ns)."""
+    pts, lev, cum = f
+    lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+    if not len(pts):
+        return np.zeros(len(lo))
+
+    def upto(x):
+        j = np.searchsorted(pts, x, side="right") - 1
+        ok = j >= 0
+        out = np.zeros(len(x))
+        jj = j[ok]
+        out[ok] = cum[jj] + (x[ok] - pts[jj]) * lev[jj]
+        return out
+    return upto(hi) - upto(lo)
+
+
+def of_set(a: iv.Set):
+    """level() of a disjoint set: its length over a window."""
+    return level(a[0], a[1], np.ones(len(a[0])))
 
 
 def _kernel_launch(trace, ev, kernel_rows, props: dict):
@@ -205,20 +227,28 @@ def tensor_core_shares(ev, kernel_rows) -> dict:
 
 
 # --------------------------------------------------------------------------- per rank
-def _step_row(n, lo, hi, roles, kernels, bps, occ, k_s, k_e) -> dict:
-    span = hi - lo
-    parts = breakdown(roles, lo, hi)
-    busy = iv.length(iv.clip(kernels, lo, hi))
-    row = {"step": n, "step_ms": _ms(span), **{f"{k}_ms": _ms(v) for k, v in parts.items()},
-           "gpu_utilization": round(busy / span, 4) if span else None}
-    known = ~np.isnan(bps)
-    row["sm_efficiency"] = (round(sm_efficiency_time(k_s[known], k_e[known], bps[known], lo, hi) / span, 4)
-                            if span and known.any() else None)
+def step_figures(ev, steps, trace, kernel_rows, props) -> dict[str, np.ndarray]:
+    """Per step (arrays over ``steps``): ns per breakdown role, kernel-busy ns, SM-efficiency ns
+    (∫ min(Σ blocks per SM, 1)), and occupancy sums (∫ Σ occupancy and ∫ kernels with one)."""
+    lo = np.array([s[1] for s in steps], np.int64)
+    hi = np.array([s[2] for s in steps], np.int64)
+    out = {role: integral(of_set(r), lo, hi) for role, r in exclusive(role_sets(ev)).items()}
+    out["other"] = (hi - lo) - sum(out[r] for r in ROLES)
+    out["span"] = (hi - lo).astype(np.float64)
+    k_s, k_e = ev["ts_ns"][kernel_rows], ev["end_ns"][kernel_rows]
+    out["busy"] = integral(of_set(iv.union(k_s, k_e)), lo, hi)
+    bps, occ = _kernel_launch(trace, ev, kernel_rows, props)
+    known = ~np.isnan(bps) & (np.nan_to_num(bps) > 0)
+    out["sm"] = integral(level(k_s[known], k_e[known], bps[known], cap=1.0), lo, hi) \
+        if known.any() else None
     known = ~np.isnan(occ)
-    s, e = np.maximum(k_s[known], lo), np.minimum(k_e[known], hi)
-    w = np.clip(e - s, 0, None).astype(np.float64)
-    row["achieved_occupancy"] = round(float((w * occ[known]).sum() / w.sum()), 4) if w.sum() > 0 else None
-    return row, parts, busy, w, occ[known]
+    out["occ_num"] = integral(level(k_s[known], k_e[known], occ[known]), lo, hi)
+    out["occ_den"] = integral(level(k_s[known], k_e[known], np.ones(int(known.sum()))), lo, hi)
+    return out
+
+
+def _ratio(a, b, digits=4):
+    return round(float(a) / float(b), digits) if b else None
 
 
 def trace_digest(run, rank, trace) -> dict:
@@ -231,36 +261,26 @@ def trace_digest(run, rank, trace) -> dict:
         return {"kind": "cpu", "device": device, "dialect": trace.meta.get("dialect") or {},
                 "device_hint": device_hint(ev)}
     steps = device_steps(ev, trace.tables.steps)
-    roles = role_sets(ev)
-    kernels = iv.of(ev, ev["cat"].eq("kernel"))
-    bps, occ = _kernel_launch(trace, ev, kernel_rows, props)
-    k_s, k_e = ev["ts_ns"][kernel_rows], ev["end_ns"][kernel_rows]
-    rows, tot = [], dict.fromkeys(BREAKDOWN, 0)
-    span_sum = busy_sum = sm_sum = 0.0
-    occ_w = occ_v = 0.0
-    for n, lo, hi in steps:
-        row, parts, busy, w, o = _step_row(n, lo, hi, roles, kernels, bps, occ, k_s, k_e)
-        rows.append(row)
-        for k, v in parts.items():
-            tot[k] += v
-        span_sum += hi - lo
-        busy_sum += busy
-        if row["sm_efficiency"] is not None:
-            sm_sum += row["sm_efficiency"] * (hi - lo)
-        occ_w += float(w.sum())
-        occ_v += float((w * o).sum())
+    f = step_figures(ev, steps, trace, kernel_rows, props)
+    rows = []
+    for i, (n, _, _) in enumerate(steps[:MAX_STEPS]):
+        rows.append({"step": n, "step_ms": _ms(f["span"][i]),
+                     **{f"{k}_ms": _ms(f[k][i]) for k in BREAKDOWN},
+                     "gpu_utilization": _ratio(f["busy"][i], f["span"][i]),
+                     "sm_efficiency": _ratio(f["sm"][i], f["span"][i]) if f["sm"] is not None else None,
+                     "achieved_occupancy": _ratio(f["occ_num"][i], f["occ_den"][i])})
+    span = float(f["span"].sum())
     n_steps = max(len(steps), 1)
-    job = {"steps": len(steps), "step_ms": _ms(span_sum / n_steps),
-           **{f"{k}_ms": _ms(v / n_steps) for k, v in tot.items()},
-           **{f"{k}_pct": round(100.0 * v / span_sum, 2) if span_sum else None for k, v in tot.items()},
-           "gpu_utilization": round(busy_sum / span_sum, 4) if span_sum else None,
-           "sm_efficiency": (round(sm_sum / span_sum, 4)
-                             if span_sum and any(r["sm_efficiency"] is not None for r in rows) else None),
-           "achieved_occupancy": round(occ_v / occ_w, 4) if occ_w else None,
+    job = {"steps": len(steps), "step_ms": _ms(span / n_steps),
+           **{f"{k}_ms": _ms(f[k].sum() / n_steps) for k in BREAKDOWN},
+           **{f"{k}_pct": _ratio(100.0 * f[k].sum(), span, 2) for k in BREAKDOWN},
+           "gpu_utilization": _ratio(f["busy"].sum(), span),
+           "sm_efficiency": _ratio(f["sm"].sum(), span) if f["sm"] is not None else None,
+           "achieved_occupancy": _ratio(f["occ_num"].sum(), f["occ_den"].sum()),
            **tensor_core_shares(ev, kernel_rows)}
     comm = kernel_rows[ev["name"].mask(lambda n: _COMM_KERNEL.search(n) is not None)[kernel_rows]]
     return {"kind": "gpu", "device": device, "dialect": trace.meta.get("dialect") or {},
-            "sm_count": props.get("numSms"), "job": job, "per_step": rows[:MAX_STEPS],
+            "sm_count": props.get("numSms"), "job": job, "per_step": rows,
             "collectives": _coll_kernels.summary(trace, comm)[:MAX_COLLECTIVES] if len(comm) else []}
 
 
