@@ -1,8 +1,7 @@
 """Host runtime calls on GPU traces, CUDA and HIP (ROCm) alike: the calls that block until the
-device catches up, and the calls that enqueue device work. A leaf module: analyzers import it.
+device catches up. A leaf module: analyzers import it.
 
-ROCm traces record HIP calls under today's category names (cuda_runtime); MTIA traces launch
-through ``runFunction - job_prep_and_submit_for_execution`` (HTA's name for it).
+ROCm traces record HIP calls under today's category names (cuda_runtime).
 """
 
 from __future__ import annotations
@@ -17,9 +16,5 @@ HIP_SYNC = frozenset({"hipDeviceSynchronize", "hipStreamSynchronize", "hipEventS
                       "hipMemcpyWithStream", "hipCtxSynchronize"})
 SYNC_CALLS = CUDA_SYNC | HIP_SYNC
 
-LAUNCH_CALLS = frozenset({
-    "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-    "cudaMemcpyAsync", "cudaMemsetAsync",
-    "hipLaunchKernel", "hipExtLaunchKernel", "hipModuleLaunchKernel", "hipExtModuleLaunchKernel",
-    "hipMemcpyAsync", "hipMemsetAsync", "hipMemcpyWithStream",
-    "runFunction - job_prep_and_submit_for_execution"})
+# asynchronous copies: into pageable host memory they block like a synchronous one
+ASYNC_COPIES = ("cudaMemcpyAsync", "hipMemcpyAsync")

@@ -160,7 +160,7 @@ def _host_stalls(ev) -> dict[int, tuple[int, int]]:
     name = ev["name"]
     rname = name[rt]
     blocking = rname.mask(lambda n: n in _SYNC_CALLS)
-    async_cp = rname.eq("cudaMemcpyAsync")
+    async_cp = rname.isin(_gpu_calls.ASYNC_COPIES)
     if async_cp.any():
         cp = np.flatnonzero(cat.eq("gpu_memcpy"))
         pageable = ev["correlation"][cp][name[cp].mask(lambda n: "DtoH" in n and "Pageable" in n)]

@@ -131,7 +131,7 @@ def _host_steps(trace) -> list[dict]:
     cp = ev["cat"].eq("gpu_memcpy") & name.mask(lambda n: "DtoH" in n and "Pageable" in n)
     if cp.any():  # cudaMemcpyAsync into pageable memory blocks like a synchronous copy
         pageable = ev["correlation"][cp]
-        sync_m |= rt & name.eq("cudaMemcpyAsync") & np.isin(ev["correlation"], pageable)
+        sync_m |= rt & name.isin(_gpu_calls.ASYNC_COPIES) & np.isin(ev["correlation"], pageable)
     sync = iv.union(s_all[sync_m], e_all[sync_m])
     steps = trace.tables.steps
     out = []
