@@ -11,11 +11,11 @@ import importlib
 
 # Order matters only for the report's section order. Modules not present in this build are
 # skipped silently.
-ANALYZER_MODULES = ("step_time", "gpu_overview", "comm_compute", "collectives", "stragglers", "slow_steps",
+ANALYZER_MODULES = ("step_time", "comm_compute", "collectives", "stragglers", "slow_steps",
                     "trace_stragglers",
                     "pipeline",
                     "nan_origin", "hang", "memory", "fragmentation", "roofline", "ops", "launch",
-                    "uneven_steps")
+                    "gpu_overview", "uneven_steps")
 
 
 def load_all():

@@ -126,7 +126,8 @@ def _gpu_rows(trace, dims: dict, split: list | None = None, used: dict | None = 
 def _name_generic_kernels(trace, rows_idx, is_comm, ctype, pgs) -> None:
     """NCCL/RCCL kernels whose name says no collective (ncclDevKernel_Generic) or that carry no
     process group: both from the op that launched them (analyzers/_coll_kernels.py)."""
-    need = np.flatnonzero(is_comm & ((ctype == "other") | np.fromiter((p is None for p in pgs), bool, len(pgs))))
+    no_pg = np.fromiter((p is None for p in pgs), bool, len(pgs))
+    need = np.flatnonzero(is_comm & ((ctype == "other") | no_pg))
     if not len(need):
         return
     for i, a in zip(need.tolist(), _coll_kernels.attribute(trace, rows_idx[need])):

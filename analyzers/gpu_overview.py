@@ -336,8 +336,9 @@ def analyze(run):
     if dialects:
         job["dialect"] = dialects
     per_rank = [{"rank": r, "device": d.get("device"), **d["job"]} for r, d in gpu.items()]
-    return AnalyzerResult(metrics={"job": job, "per_rank": per_rank,
-                                   "per_step": _steps_over_ranks(gpu), "collectives": _collectives(gpu),
+    colls = _collectives(gpu)
+    return AnalyzerResult(metrics={"job": job, "per_rank": per_rank, "per_step": _steps_over_ranks(gpu),
+                                   **({"collectives": colls} if colls else {}),
                                    "definitions": "docs/gpu-overview.md"})
 
 

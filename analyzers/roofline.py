@@ -37,7 +37,7 @@ from trainprof.findings import AnalyzerResult, Finding
 NAME = "roofline"
 MEMORY_SHARE_WARN = 0.30     # memory-bound ops hold ≥ 30 % of op time ...
 BANDWIDTH_LOW = 0.20         # ... while reaching < 20 % of peak bandwidth
-DTYPE_MIN_AI = 8.0           # ops whose dtype says the matmul dtype: FLOP/byte ≥ this (GEMM, conv, attention)
+DTYPE_MIN_AI = 8.0           # ops that say the matmul dtype: FLOP/byte ≥ this (GEMM, conv, attention)
 COMPUTE_LOW = 0.30           # compute-bound ops below 30 % of peak FLOP/s
 
 
@@ -94,7 +94,8 @@ def trace_peaks(digests: dict, known: dict, declared: str | None) -> dict[int, d
         p = _devices.peak(name, dtype)
         if p:
             src = "the job's dtype" if declared else (
-                f"{dtype}: most matmul-class op time has {dtype} inputs" if by else "fp32: no matmul dtype recorded")
+                f"{dtype}: most matmul-class op time has {dtype} inputs" if by
+                else "fp32: no matmul dtype recorded")
             out[r] = dict(p, basis=p["basis"] + f" (device named in the trace; {src})")
     return out
 
