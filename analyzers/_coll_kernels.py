@@ -63,7 +63,8 @@ def _enclosing(ev, rt_rows: np.ndarray) -> np.ndarray:
 
 
 def attribute(trace, rows: np.ndarray) -> list[dict]:
-    """Per kernel row: {"collective", "bytes", "pg_name", "seq", "source"} (None where unknown)."""
+    """Per kernel row: {"collective", "bytes", "pg_name", "pg_desc", "group_size", "seq",
+    "source"} (None where unknown)."""
     ev = trace.tables.events
     rows = np.asarray(rows, np.int64)
     args = _comm_args(trace)
@@ -83,9 +84,11 @@ def attribute(trace, rows: np.ndarray) -> list[dict]:
         n, dt = a.get("in_nelems"), a.get("dtype")
         nbytes = (int(n) * DTYPE_BYTES[dt] if isinstance(n, (int, np.integer)) and not isinstance(n, bool)
                   and dt in DTYPE_BYTES else None)
-        seq = a.get("seq")
+        seq, size = a.get("seq"), a.get("group_size")
         out.append({"collective": ctype, "bytes": nbytes,
                     "pg_name": None if a.get("pg_name") is None else str(a["pg_name"]),
+                    "pg_desc": None if a.get("pg_desc") is None else str(a["pg_desc"]),
+                    "group_size": int(size) if isinstance(size, (int, np.integer)) else None,
                     "seq": int(seq) if isinstance(seq, (int, np.integer)) and seq >= 0 else None,
                     "source": src})
     return out
@@ -99,7 +102,8 @@ def summary(trace, rows: np.ndarray) -> list[dict]:
     agg: dict = {}
     for r, a in zip(np.asarray(rows).tolist(), att):
         k = (a["collective"], a["bytes"], a["pg_name"])
-        g = agg.setdefault(k, {"collective": k[0], "bytes": k[1], "pg_name": k[2], "count": 0,
+        g = agg.setdefault(k, {"collective": k[0], "bytes": k[1], "pg_name": k[2],
+                               "pg_desc": a["pg_desc"], "group_size": a["group_size"], "count": 0,
                                "kernel_ms": 0.0, "seqs": []})
         g["count"] += 1
         g["kernel_ms"] += float(ev["dur_ns"][r]) / 1e6

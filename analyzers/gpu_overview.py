@@ -364,8 +364,9 @@ def _collectives(gpu: dict) -> list[dict]:
     for d in gpu.values():
         for c in d.get("collectives") or []:
             k = (c["collective"], c["bytes"], c["pg_name"])
-            g = agg.setdefault(k, {"collective": k[0], "bytes": k[1], "pg_name": k[2], "ranks": 0,
-                                   "count": 0, "kernel_ms": 0.0, "seqs": c.get("seqs") or []})
+            g = agg.setdefault(k, {"collective": k[0], "bytes": k[1], "pg_name": k[2],
+                                   "pg_desc": c.get("pg_desc"), "group_size": c.get("group_size"),
+                                   "ranks": 0, "count": 0, "kernel_ms": 0.0, "seqs": c.get("seqs") or []})
             g["ranks"] += 1
             g["count"] += c["count"]
             g["kernel_ms"] = round(g["kernel_ms"] + c["kernel_ms"], 4)

@@ -48,6 +48,7 @@ def test_generic_kernels_named(launch, tmp_path):
     assert [a["collective"] for a in att] == ["all_reduce"] * 3 + ["broadcast"]
     assert [a["bytes"] for a in att] == [16777216] * 3 + [8000]  # 16.8 MB as TraceLens says
     assert [a["seq"] for a in att] == [1, 2, 3, 4] and {a["pg_name"] for a in att} == {"0"}
+    assert {(a["pg_desc"], a["group_size"]) for a in att} == {("default_pg", 8)}
     summ = gpu_overview.trace_digest(None, 0, tr)["collectives"]  # one rank's digest
     assert summ[0]["collective"] == "all_reduce" and summ[0]["count"] == 3
     assert summ[0]["kernel_ms"] == 0.15 and summ[0]["seqs"] == [1, 2, 3]
