@@ -28,7 +28,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from trainprof.analyzers import _devices, _trace_device
+from trainprof.analyzers import _devices
+from trainprof.analyzers import _trace_device
 from trainprof.analyzers._stats import median
 from trainprof.analyzers._kernel_ops import kernel_external_ids
 from trainprof.analyzers._opcost import select_ops
