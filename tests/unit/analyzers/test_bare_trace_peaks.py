@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from trainprof.analysis import analyze
-from trainprof.analyzers import _devices, roofline
+from trainprof.analyzers import _devices
+from trainprof.analyzers import roofline
 from trainprof.rundir import RunDir
 from trainprof.trace import parse_trace
 
