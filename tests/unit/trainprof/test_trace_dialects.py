@@ -108,18 +108,19 @@ def test_old_dialect_same_columns_on_every_decoder_path(rel, tmp_path):
     assert (scanned.ext >= 0).sum() > 0
 
 
-def test_launch_figures_read(tmp_path):
+def test_launch_figures_read():
     tr = parse_trace(FIX / "gpu/h100_item_sync.pt.trace.json.gz")
     lt, ev = tr.tables.launch, tr.tables.events
     assert len(lt) == int(ev["cat"].eq("kernel").sum())  # every kernel has its figures
-    first = _doc("gpu/h100_item_sync.pt.trace.json.gz")
-    k = next(e for e in first["traceEvents"] if e.get("cat") == "kernel" and "grid" in e["args"])
-    row = int(np.flatnonzero((ev["ts_ns"] == tr.tables.events["ts_ns"][lt["row"]].min()))[0])
-    assert row in lt["row"].tolist()
+    doc = _doc("gpu/h100_item_sync.pt.trace.json.gz")
+    k = next(e for e in doc["traceEvents"] if e.get("cat") == "kernel" and "grid" in e["args"])
     a = k["args"]
-    i = 0  # the first kernel in time is the first in the file here
+    row = int(np.flatnonzero((ev["correlation"] == a["correlation"])
+                             & ev["cat"].eq("kernel"))[0])  # the kernel's events row
+    i = int(np.flatnonzero(lt["row"] == row)[0])
     assert lt["grid_blocks"][i] == np.prod(a["grid"]) and lt["block_threads"][i] == np.prod(a["block"])
     assert lt["regs_per_thread"][i] == a["registers per thread"]
+    assert lt["shared_mem"][i] == a["shared memory"] and lt["blocks_per_sm"][i] == a["blocks per SM"]
     assert lt["est_occupancy_pct"][i] == a["est. achieved occupancy %"]
 
 
