@@ -58,11 +58,13 @@ def device_steps(ev, steps) -> list[tuple[int, int, int]]:
     GPU op the step launched when that is later than the host end."""
     gpu = ev["is_gpu"] & ev["cat"].isin(("kernel", "gpu_memcpy", "gpu_memset"))
     st, end = ev["step"][gpu], ev["end_ns"][gpu]
+    order = np.argsort(st, kind="stable")
+    st, end = st[order], end[order]
+    first = np.flatnonzero(np.r_[True, st[1:] != st[:-1]]) if len(st) else np.empty(0, np.int64)
+    last_end = dict(zip(st[first].tolist(), np.maximum.reduceat(end, first).tolist())) if len(st) else {}
     out, prev = [], None
     for n, s, e in zip(steps["step"].tolist(), steps["start_ns"].tolist(), steps["end_ns"].tolist()):
-        m = st == n
-        if m.any():
-            e = max(e, int(end[m].max()))
+        e = max(e, last_end.get(n, e))
         s = s if prev is None else max(prev, s)
         e = max(e, s)
         out.append((n, s, e))
