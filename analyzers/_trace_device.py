@@ -4,7 +4,7 @@ compute dtype from its recorded input types. A leaf module (roofline, gpu_overvi
 
 from __future__ import annotations
 
-# torch.profiler's "Input type" strings -> _devices dtype names
+# torch.profiler's "Input type" strings -> trainprof.devices dtype names
 _DTYPES = {"c10::BFloat16": "bf16", "c10::Half": "fp16", "float": "fp32", "double": "fp64",
            "c10::Float8_e4m3fn": "fp8", "c10::Float8_e5m2": "fp8", "c10::Float8_e4m3fnuz": "fp8",
            "c10::Float8_e5m2fnuz": "fp8"}

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from trainprof.analysis import analyze
-from trainprof.analyzers import _devices
+from trainprof import devices as _devices
+from trainprof.analysis.run import RunDir
+from trainprof.analysis.runner import analyze
 from trainprof.analyzers import roofline
-from trainprof.rundir import RunDir
 from trainprof.trace import parse_trace
 
 H100 = Path(__file__).resolve().parents[2] / "fixtures" / "gpu" / "h100_item_sync.pt.trace.json.gz"

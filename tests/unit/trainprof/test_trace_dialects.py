@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from trainprof.analysis.run import RunDir
+from trainprof.analysis.runner import analyze
 from trainprof.analyzers import comm_compute, gpu_overview, roofline
-from trainprof.analysis import analyze
-from trainprof.rundir import RunDir
 from trainprof.trace import _decode, parse_trace
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
