@@ -15,7 +15,7 @@ ANALYZER_MODULES = ("step_time", "whole_run", "comm_compute", "collectives", "st
                     "trace_stragglers",
                     "pipeline", "expert_balance",
                     "nan_origin", "hang", "memory", "fragmentation", "roofline", "ops", "launch",
-                    "uneven_steps")
+                    "gpu_overview", "uneven_steps")
 
 
 def load_all():

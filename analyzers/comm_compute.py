@@ -17,7 +17,7 @@ import re
 import numpy as np
 
 from trainprof._lazy import pd
-from trainprof.analyzers import _async_p2p, _log_labels
+from trainprof.analyzers import _async_p2p, _coll_kernels, _gpu_calls, _log_labels
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._stats import median
 from trainprof.analyzers._profiled_window import off_training
@@ -39,9 +39,7 @@ _WAIT_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "gloo:", 
                   "record_param_comms")
 # host calls that block until the device catches up (what .item(), .cpu(), .tolist() and
 # explicit synchronize() do); cudaStreamWaitEvent is a device-side wait and not one of them
-_SYNC_CALLS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
-                         "cudaMemcpy", "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cuCtxSynchronize",
-                         "cuStreamSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2"})
+_SYNC_CALLS = _gpu_calls.SYNC_CALLS  # CUDA and HIP
 CATEGORIES = ("compute_ms", "overlapped_ms", "exposed_comm_ms", "data_ms", "other_ms", "idle_ms")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # "<built-in method … object at 0x7f…>"
 TOP_OTHER = 5                 # host events named per step in other_by_name_ms (CPU traces)
@@ -122,6 +120,7 @@ def _gpu_rows(trace, dims: dict, split: list | None = None, used: dict | None = 
     ks, ke = ev["ts_ns"][rows_idx], ev["end_ns"][rows_idx]
     ctype = coll_types(name) if is_comm.any() else np.full(len(rows_idx), None, dtype=object)
     pgs = gpu_event_groups(trace, rows_idx)
+    _name_generic_kernels(trace, rows_idx, is_comm, ctype, pgs)
     kdim = np.array([dims.get(p, f"pg {p}") if p is not None else "unknown" for p in pgs], dtype=object)
     kpg = _note_groups(pgs, dims, used)
     stalls = _host_stalls(ev)
@@ -157,6 +156,20 @@ def _gpu_rows(trace, dims: dict, split: list | None = None, used: dict | None = 
     return out
 
 
+def _name_generic_kernels(trace, rows_idx, is_comm, ctype, pgs) -> None:
+    """NCCL/RCCL kernels whose name says no collective (ncclDevKernel_Generic) or that carry no
+    process group: both from the op that launched them (analyzers/_coll_kernels.py)."""
+    no_pg = np.fromiter((p is None for p in pgs), bool, len(pgs))
+    need = np.flatnonzero(is_comm & ((ctype == "other") | no_pg))
+    if not len(need):
+        return
+    for i, a in zip(need.tolist(), _coll_kernels.attribute(trace, rows_idx[need])):
+        if ctype[i] == "other":
+            ctype[i] = a["collective"]
+        if pgs[i] is None and a["pg_name"] is not None:
+            pgs[i] = a["pg_name"]
+
+
 def _distinct(a: np.ndarray) -> np.ndarray:
     """np.unique(a), sorted; asked with counts, which skips the masked-array check that imports
     numpy.ma (~10 ms in a process without pandas)."""
@@ -181,7 +194,7 @@ def _host_stalls(ev) -> dict[int, tuple[int, int]]:
     name = ev["name"]
     rname = name[rt]
     blocking = rname.mask(lambda n: n in _SYNC_CALLS)
-    async_cp = rname.eq("cudaMemcpyAsync")
+    async_cp = rname.isin(_gpu_calls.ASYNC_COPIES)
     if async_cp.any():
         cp = np.flatnonzero(cat.eq("gpu_memcpy"))
         pageable = ev["correlation"][cp][name[cp].mask(lambda n: "DtoH" in n and "Pageable" in n)]

@@ -29,6 +29,7 @@ import collections
 
 import numpy as np
 
+from trainprof.analyzers import _gpu_calls
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._stats import median, percentiles
 from trainprof.analyzers._kernel_ops import LAUNCHED, launch_calls
@@ -47,9 +48,7 @@ SYNC_SHARE = 0.30              # host step time blocked in synchronizations: syn
 MAX_STREAMS, MAX_STEPS, MAX_HTA_STREAMS = 8, 64, 32  # digest bounds
 HTA_LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaMemsetAsync")
 # host calls that block until the device catches up (as in analyzers/comm_compute.py)
-SYNC_CALLS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
-                        "cudaMemcpy", "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cuCtxSynchronize",
-                        "cuStreamSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2"})
+SYNC_CALLS = _gpu_calls.SYNC_CALLS  # CUDA and HIP
 DATA_PREFIX = "enumerate(DataLoader)"
 
 
@@ -123,7 +122,7 @@ def _host_steps(trace) -> list[dict]:
     cp = ev["cat"].eq("gpu_memcpy") & name.mask(lambda n: "DtoH" in n and "Pageable" in n)
     if cp.any():  # cudaMemcpyAsync into pageable memory blocks like a synchronous copy
         pageable = ev["correlation"][cp]
-        sync_m |= rt & name.eq("cudaMemcpyAsync") & np.isin(ev["correlation"], pageable)
+        sync_m |= rt & name.isin(_gpu_calls.ASYNC_COPIES) & np.isin(ev["correlation"], pageable)
     sync = iv.union(s_all[sync_m], e_all[sync_m])
     steps = trace.tables.steps
     calls = collections.Counter(np.asarray(step)[np.asarray(sync_m)].tolist())  # one pass, not one per step

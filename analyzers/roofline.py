@@ -29,6 +29,7 @@ from collections import defaultdict
 import numpy as np
 
 from trainprof import devices as _devices
+from trainprof.analyzers import _trace_device
 from trainprof.analyzers._stats import median
 from trainprof.analyzers._kernel_ops import kernel_external_ids
 from trainprof.analyzers._opcost import select_ops
@@ -37,6 +38,7 @@ from trainprof.findings import AnalyzerResult, Finding
 NAME = "roofline"
 MEMORY_SHARE_WARN = 0.30     # memory-bound ops hold ≥ 30 % of op time ...
 BANDWIDTH_LOW = 0.20         # ... while reaching < 20 % of peak bandwidth
+DTYPE_MIN_AI = 8.0           # ops that say the matmul dtype: FLOP/byte ≥ this (GEMM, conv, attention)
 COMPUTE_LOW = 0.30           # compute-bound ops below 30 % of peak FLOP/s
 
 
@@ -74,6 +76,28 @@ def device_peaks(run, dtype: str) -> dict[int, dict]:
                 p = dict(p, flops_per_s=host_flops / len(ranks), bytes_per_s=p["bytes_per_s"] / len(ranks),
                          basis=p["basis"] + f"; host shared by {len(ranks)} rank(s) on {cores} core(s)")
             out[r] = p
+    return out
+
+
+def trace_peaks(digests: dict, known: dict, declared: str | None) -> dict[int, dict]:
+    """rank -> peak for ranks whose trace names its device (deviceProperties) and that have no
+    peak from the run's own metadata: the datasheet peak of the dtype the job declared, else of
+    the dtype most of its matmul-class op time ran in (bare traces)."""
+    out = {}
+    for r, d in digests.items():
+        facts = d.get("facts") or {}
+        name = facts.get("device")
+        if r in known or not name:
+            continue
+        by = facts.get("dtype_time_ns") or {}
+        dtype = declared or (max(by, key=by.get) if by else "fp32")
+        dtype = {"fp64": "fp32", "fp8": "bf16"}.get(dtype, dtype)
+        p = _devices.peak(name, dtype)
+        if p:
+            src = "the job's dtype" if declared else (
+                f"{dtype}: most matmul-class op time has {dtype} inputs" if by
+                else "fp32: no matmul dtype recorded")
+            out[r] = dict(p, basis=p["basis"] + f" (device named in the trace; {src})")
     return out
 
 
@@ -200,6 +224,8 @@ def op_classes(trace) -> tuple[dict, dict]:
     notes = set()
     steps = ev["step"][rows] if "step" in ev else np.zeros(len(ops), dtype=int)
     durs = ev["dur_ns"][rows]
+    types = ev["input_types"] if "input_types" in ev else None
+    dtype_ns: dict = defaultdict(int)  # op time of the FLOP-heavy ops per input dtype
     for (row, c), st, dur in zip(ops, steps.tolist(), durs.tolist()):
         if st < 0:
             continue
@@ -207,14 +233,20 @@ def op_classes(trace) -> tuple[dict, dict]:
         a["count"] += 1
         a["flops"] += c.flops
         a["bytes"] += c.bytes
-        a["time_ns"] += dev_t.get(row, 0) if gpu else dur
+        t = dev_t.get(row, 0) if gpu else dur
+        a["time_ns"] += t
+        if c.flops and c.bytes and c.flops / c.bytes >= DTYPE_MIN_AI and types is not None:
+            d = _trace_device.op_dtype(types[row])
+            if d:
+                dtype_ns[d] += t
         if c.note:
             notes.add(f"{c.op_class}: {c.note}")
     windows = trace.tables.steps
     n_steps = len(windows) if windows is not None else 0
     span = int((windows["end_ns"] - windows["start_ns"]).sum()) if n_steps else 0
     return dict(agg), {"steps": n_steps, "step_span_ns": span, "timing": "gpu kernels" if gpu else "host ops",
-                       "notes": sorted(notes)}
+                       "notes": sorted(notes), "device": _trace_device.device_name(trace) if gpu else None,
+                       "dtype_time_ns": dict(dtype_ns)}
 
 
 def trace_digest(run, rank, trace) -> dict:
@@ -234,7 +266,8 @@ def position(flops, by, time_ns, peak) -> dict:
         row.update(bound="compute" if ai >= ridge else "memory",
                    attainable_flops_per_s=attainable,
                    pct_of_bound=(flops / t) / attainable if attainable else (by / t) / peak["bytes_per_s"],
-                   pct_of_peak_bandwidth=(by / t) / peak["bytes_per_s"])
+                   pct_of_peak_bandwidth=(by / t) / peak["bytes_per_s"],
+                   pct_of_peak_flops=(flops / t) / peak["flops_per_s"])
     return row
 
 
@@ -244,8 +277,12 @@ def analyze(run) -> AnalyzerResult:
     info = run.rank_meta(run.ranks[0]).get("run_info") or {}
     dtype = _devices.compute_dtype(info)
     peaks = device_peaks(run, dtype)
-    mfu = mfu_metrics(run, peaks)
     digests = run.trace_digests(NAME) if run.profiler_traces() else {}
+    declared = bool(info.get("dtype") or info.get("param_dtype"))
+    peaks.update(trace_peaks(digests, peaks, dtype if declared else None))
+    if not declared and peaks:  # bare traces: the dtype their peaks are of
+        dtype = next(iter(peaks.values())).get("dtype", dtype)
+    mfu = mfu_metrics(run, peaks)
     job_cls: dict = defaultdict(lambda: {"count": 0, "flops": 0.0, "bytes": 0.0, "time_ns": 0})
     per_rank, notes, timing, steps_seen, span_total = [], set(), set(), 0, 0
     trace_flops = []

@@ -21,6 +21,9 @@ TABLE: list[tuple[str, dict]] = [
     (r"H200", {"name": "H200", "bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67, "tb_s": 4.8}),
     (r"H100|H800", {"name": "H100 SXM", "bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67, "tb_s": 3.35}),
     (r"H20\b", {"name": "H20", "bf16": 148, "fp16": 148, "tf32": 74, "fp32": 44, "tb_s": 4.0}),
+    # GB200 NVL72 datasheet: 360 PFLOP/s FP16/BF16 sparse, 180 TF32 sparse, 6,480 TFLOP/s FP32
+    # and 8 TB/s HBM3e per GPU over 72 GPUs (dense = sparse / 2); before B200, whose pattern it holds
+    (r"GB200", {"name": "GB200", "bf16": 2500, "fp16": 2500, "tf32": 1250, "fp32": 90, "tb_s": 8.0}),
     (r"B200", {"name": "B200", "bf16": 2250, "fp16": 2250, "tf32": 1100, "fp32": 75, "tb_s": 8.0}),
     (r"(A100|A800).*PCIE.*40GB|(A100|A800)-PCIE-40GB", {"name": "A100 PCIe 40GB", "bf16": 312, "fp16": 312,
                                                         "tf32": 156, "fp32": 19.5, "tb_s": 1.555}),
@@ -31,13 +34,24 @@ TABLE: list[tuple[str, dict]] = [
     (r"A100|A800", {"name": "A100 SXM 80GB", "bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5, "tb_s": 2.039}),
     (r"V100.*PCIE", {"name": "V100 PCIe", "bf16": None, "fp16": 112, "tf32": None, "fp32": 14, "tb_s": 0.9}),
     (r"V100", {"name": "V100 SXM2", "bf16": None, "fp16": 125, "tf32": None, "fp32": 15.7, "tb_s": 0.9}),
+    # NVIDIA A40 datasheet: BF16/FP16 tensor 149.7 TFLOP/s dense (299.4 sparse), FP32 37.4, 696 GB/s
+    (r"\bA40\b", {"name": "A40", "bf16": 149.7, "fp16": 149.7, "tf32": 74.8, "fp32": 37.4, "tb_s": 0.696}),
+    # Ada whitepaper, RTX 4090: FP16/BF16 tensor with FP32 accumulate 165.2 dense, TF32 82.6,
+    # FP32 82.6, 1,008 GB/s GDDR6X
+    (r"RTX 4090", {"name": "RTX 4090", "bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6,
+                   "tb_s": 1.008}),
     (r"L40S", {"name": "L40S", "bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6, "tb_s": 0.864}),
     (r"L40\b", {"name": "L40", "bf16": 181, "fp16": 181, "tf32": 90.5, "fp32": 90.5, "tb_s": 0.864}),
     (r"\bL4\b", {"name": "L4", "bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30.3, "tb_s": 0.3}),
     (r"\bA10\b", {"name": "A10", "bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2, "tb_s": 0.6}),
     (r"\bT4\b", {"name": "T4", "bf16": None, "fp16": 65, "tf32": None, "fp32": 8.1, "tb_s": 0.32}),
     (r"MI325X", {"name": "MI325X", "bf16": 1307, "fp16": 1307, "tf32": 654, "fp32": 163, "tb_s": 6.0}),
+    # AMD Instinct MI300A datasheet: BF16/FP16 980.6 TFLOP/s dense, TF32 490.3, FP32 matrix 122.6,
+    # 5.3 TB/s HBM3
+    (r"MI300A", {"name": "MI300A", "bf16": 980.6, "fp16": 980.6, "tf32": 490.3, "fp32": 122.6, "tb_s": 5.3}),
     (r"MI300X", {"name": "MI300X", "bf16": 1307, "fp16": 1307, "tf32": 654, "fp32": 163, "tb_s": 5.3}),
+    # AMD Instinct MI210 datasheet: BF16/FP16 181.0 TFLOP/s, FP32 matrix 45.3, 1.6 TB/s HBM2e
+    (r"MI210", {"name": "MI210", "bf16": 181, "fp16": 181, "tf32": None, "fp32": 45.3, "tb_s": 1.6}),
     (r"MI250X?", {"name": "MI250X", "bf16": 383, "fp16": 383, "tf32": None, "fp32": 95.7, "tb_s": 3.2}),
 ]
 DTYPES = ("bf16", "fp16", "tf32", "fp32")

@@ -175,7 +175,7 @@ def _stamp_onsets(run: RunDir, found) -> None:
 
 # analyzers whose figures come from the profiled window alone (withheld with comm_compute's
 # when that window holds no training step)
-WINDOW_ANALYZERS = ("comm_compute", "ops", "roofline", "launch", "trace_stragglers")
+WINDOW_ANALYZERS = ("comm_compute", "ops", "roofline", "launch", "trace_stragglers", "gpu_overview")
 # what a run directory's streams give and bare profiler traces cannot: (analysis, stream)
 RUN_DIR_ANALYSES = (("step time", "step timings (steps.jsonl)"),
                     ("stragglers over every step", "the collective log (collectives.jsonl)"),
@@ -186,6 +186,7 @@ RUN_DIR_ANALYSES = (("step time", "step timings (steps.jsonl)"),
 INTER_RANK_ANALYSES = ("stragglers over every step", "collective desync / mismatch")
 _LABELS = {"comm_compute": "communication vs compute", "trace_stragglers": "stragglers in the "
            "profiled steps", "launch": "kernel launch", "step_time": "step time",
+           "gpu_overview": "GPU overview",
            "nan_origin": "NaN origin", "whole_run": "whole run over time"}
 
 
@@ -222,10 +223,13 @@ def coverage(run: RunDir, metrics: dict, health=None) -> dict | None:
                     for n in WINDOW_ANALYZERS if n not in metrics or n == "trace_stragglers"]
     lost = stream_health.not_analyzed(health) if health else []
     missing += [m for m in lost if m["analysis"] not in {x["analysis"] for x in missing}]
-    if not missing:
+    unread = ((metrics.get("gpu_overview") or {}).get("job") or {}).get("unread_device_categories")
+    if not missing and not unread:
         return None
     needs = list(dict.fromkeys(m["needs"] for m in missing))
-    if run.trace_inputs:
+    if not missing:
+        text = ""
+    elif run.trace_inputs:
         text = ("profiler traces only (no run directory): not analyzed — "
                 + ", ".join(m["analysis"] for m in missing if m["needs"] in dict(RUN_DIR_ANALYSES).values())
                 + "; they need a run directory's " + ", ".join(n for n in needs if "window" not in n)
@@ -241,6 +245,11 @@ def coverage(run: RunDir, metrics: dict, health=None) -> dict | None:
                 + " (the profiler window did not cover training steps: see problems)")
     if why and run.trace_inputs:
         text += "; the profiled window holds no training step: trace figures withheld"
+    if unread:  # a device trace read as a CPU one is no clean run (analyzers/gpu_overview.py)
+        missing.append({"analysis": "GPU analyses", "needs": "device events in a format trainprof reads"})
+        text = ("device events not read: events of " + ", ".join(repr(c) for c in unread)
+                + " look like kernels or runtime calls in a trace format trainprof does not know, "
+                "so the GPU analyses did not run" + ("; " + text if text else ""))
     text += "; analyzed: " + (", ".join(analyzed) if analyzed else "nothing")
     return {"analyzed": analyzed, "not_analyzed": missing, "text": text,
             **({"not_applicable": list(INTER_RANK_ANALYSES)} if single else {})}

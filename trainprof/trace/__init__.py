@@ -47,6 +47,14 @@
 - ``steps``: ProfilerStep spans: step, start_ns, end_ns (int64), sorted. A trace
     without ProfilerStep (no schedule/step()) gets one window, step 0, over the whole trace (every
     event in it) and ``meta["whole_trace_window"] = True``.
+- ``launch``: a kernel's launch figures, one row per event with any (Kineto writes them on CUDA
+    kernels; ROCm traces have grid and block): row (int64 index into events), grid_blocks and
+    block_threads (the products of grid and block), regs_per_thread, shared_mem (bytes),
+    blocks_per_sm, warps_per_sm, est_occupancy_pct — float64, NaN where absent.
+- Dialects (trainprof/trace/_dialects.py): PyTorch 1.8-1.10 categories (Kernel, Runtime,
+  Operator, Memcpy, Memset; "external id"), MTIA (mtia_runtime, mtia_ccp_events), XPU and
+  PrivateUse1 runtimes and CUPTI range-profiler spans (cuda_profiler_range) are read under
+  today's category names; ``meta["dialect"]`` lists the categories renamed.
 - ``stats`` (dict): events (all traceEvents), complete ('X' rows), malformed, decoder.
 
 Helpers: ``Trace.host_events()``, ``Trace.gpu_events()`` (pandas), ``name_mask(col, pred)`` (a

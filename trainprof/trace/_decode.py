@@ -31,7 +31,7 @@ import math
 import os
 import pickle
 import re
-from itertools import count, repeat
+from itertools import chain, count, repeat
 from operator import attrgetter, is_not
 from typing import Any, Optional, Union
 
@@ -43,6 +43,13 @@ COMM_KEYS = (("Collective name", "collective"), ("In msg nelems", "in_nelems"),
              ("Process Group Name", "pg_name"), ("Process Group Description", "pg_desc"),
              ("Process Group Ranks", "pg_ranks"), ("Seq", "seq"), ("Rank", "coll_rank"),
              ("Src Rank", "src_rank"), ("Dst Rank", "dst_rank"))
+# args keys of a kernel's launch figures (Kineto writes them on CUDA kernels; AMD traces have
+# grid and block) -> the columns of the launch table (trainprof.trace's docstring): grid and
+# block as their product (blocks, threads per block), the others as numbers
+LAUNCH_KEYS = (("grid", "grid_blocks"), ("block", "block_threads"),
+               ("registers per thread", "regs_per_thread"), ("shared memory", "shared_mem"),
+               ("blocks per SM", "blocks_per_sm"), ("warps per SM", "warps_per_sm"),
+               ("est. achieved occupancy %", "est_occupancy_pct"))
 META_KEYS = ("schemaVersion", "deviceProperties", "distributedInfo", "baseTimeNanoseconds",
              "displayTimeUnit", "traceName", "record_shapes", "profile_memory", "with_stack",
              "with_flops", "trace_id", "host_name")
@@ -60,12 +67,13 @@ class Columns:
     path appends to into those arrays."""
 
     __slots__ = ("name", "cat", "ts", "dur", "pid", "tid", "stream", "corr", "ext", "dims",
-                 "types", "concrete", "comm", "mem", "meta", "n_events", "n_bad")
+                 "types", "concrete", "comm", "mem", "meta", "n_events", "n_bad", "launch")
 
     def __init__(self):
         for s in self.__slots__:
             setattr(self, s, [])
         self.meta, self.n_events, self.n_bad = {}, 0, 0
+        self.launch = {}  # launch column -> numeric array (launch_values); {} when none
 
     def __len__(self) -> int:
         return len(self.ts)
@@ -75,7 +83,66 @@ class Columns:
         self.ts, self.dur = np.asarray(self.ts, np.float64), np.asarray(self.dur, np.float64)
         for col in ("pid", "tid", "stream", "corr", "ext"):
             setattr(self, col, ints(getattr(self, col)))
+        if isinstance(self.launch, dict) and self.launch and \
+                isinstance(next(iter(self.launch.values())), list):
+            self.launch = {col: launch_values(col, v) for col, v in self.launch.items()}
         return self
+
+
+def _launch_number(col: str, v):
+    """One launch figure as a number: grid/block the product of their positive integer
+    dimensions, integer fields an int, the others a finite float; None where it is not that."""
+    if col in ("grid_blocks", "block_threads"):
+        if isinstance(v, list) and v and all(type(x) is int and 0 < x < 2**31 for x in v):
+            return math.prod(v)
+        return None
+    if type(v) is bool or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    if col in ("regs_per_thread", "shared_mem"):
+        return int(v) if float(v).is_integer() and 0 <= v < 2**62 else None
+    return float(v)
+
+
+def launch_values(col: str, values) -> np.ndarray:
+    """Per-row launch figures (objects, None where absent) -> float64 with NaN where absent or
+    not a number (grid/block as their product)."""
+    n = len(values)
+    have = np.flatnonzero(np.fromiter(map(is_not, values, repeat(None)), bool, n))
+    out = np.full(n, np.nan)
+    if len(have):  # kernels only: the other rows stay NaN without a Python call each
+        sub = [values[i] for i in have.tolist()]
+        fast = _launch_numbers(col, sub)
+        out[have] = fast if fast is not None else np.fromiter(
+            (np.nan if (x := _launch_number(col, v)) is None else x for v in sub), np.float64, len(sub))
+    return out
+
+
+def _launch_numbers(col: str, sub: list) -> np.ndarray | None:
+    """_launch_number of every value at numpy speed where the values have the usual types (3-int
+    lists for grid/block, ints and floats otherwise); None when some value has another type."""
+    types = set(map(type, sub))
+    if col in ("grid_blocks", "block_threads"):
+        if types != {list} or set(map(len, sub)) != {3}:
+            return None
+        flat = list(chain.from_iterable(sub))
+        if set(map(type, flat)) != {int}:  # a float, a bool, a nested list: row by row
+            return None
+        try:
+            a = np.array(flat, np.int64).reshape(-1, 3)
+        except OverflowError:
+            return None
+        ok = np.all((a > 0) & (a < 2**31), axis=1)
+        return np.where(ok, np.prod(np.where(ok[:, None], a, 1), axis=1).astype(np.float64), np.nan)
+    if not types <= {int, float}:
+        return None
+    try:
+        a = np.array(sub, dtype=np.float64)
+    except OverflowError:
+        return None
+    ok = np.isfinite(a)
+    if col in ("regs_per_thread", "shared_mem"):
+        ok &= (a == np.floor(a)) & (a >= 0) & (a < 2.0**62)
+    return np.where(ok, a, np.nan)
 
 
 def factorize(values, n: int | None = None) -> tuple[np.ndarray, list]:
@@ -146,6 +213,15 @@ try:  # msgspec: optional accelerator
         coll_rank: Any = msgspec.field(default=None, name="Rank")
         src_rank: Any = msgspec.field(default=None, name="Src Rank")
         dst_rank: Any = msgspec.field(default=None, name="Dst Rank")
+        external_id_lc: int = msgspec.field(default=-1, name="external id")  # PyTorch 1.8-1.10
+        input_dims_lc: Any = msgspec.field(default=None, name="Input dims")  # PyTorch 1.8-1.10
+        grid: Any = None
+        block: Any = None
+        regs: Any = msgspec.field(default=None, name="registers per thread")
+        smem: Any = msgspec.field(default=None, name="shared memory")
+        blocks_per_sm: Any = msgspec.field(default=None, name="blocks per SM")
+        warps_per_sm: Any = msgspec.field(default=None, name="warps per SM")
+        occupancy: Any = msgspec.field(default=None, name="est. achieved occupancy %")
 
     class _MemArgs(msgspec.Struct, gc=False):  # Kineto's order: the scan finds each at once
         device_type: Any = msgspec.field(default=-1, name="Device Type")
@@ -419,6 +495,9 @@ def _concat(parts: list[Columns]) -> Columns:
             c.meta.setdefault(k, v)
         for col in ("dims", "types", "concrete", "mem"):
             getattr(c, col).extend(getattr(p, col))
+        for col in set(c.launch) | set(p.launch):  # absent in a part: NaN rows
+            c.launch[col] = np.concatenate([c.launch.get(col, np.full(offset, np.nan)),
+                                            p.launch.get(col, np.full(len(p), np.nan))])
         for row in p.comm:
             row["row"] += offset
             c.comm.append(row)
@@ -493,6 +572,11 @@ def _scanned_columns(r: dict, view: memoryview) -> Columns | None:
                 if v is not None:
                     out[col] = v
         c.comm.append(out)
+    for (_, col), (codes, spans) in zip(LAUNCH_KEYS, r["launch"]):
+        if spans:
+            values = np.array([launch_values(col, [dec(view[lo:hi])])[0] for lo, hi in spans]
+                              + [np.nan])
+            c.launch[col] = values[np.frombuffer(codes, np.int32)]  # code -1: the NaN at the end
     c.mem = r["mem"]
     for lo, hi in r["check"]:  # values the typed decoder decodes and the columns do not keep
         dec(view[lo:hi])
@@ -543,8 +627,18 @@ def _from_structs(doc) -> Columns:
         args = [empty if a is None else a for a in args]
     c.stream, c.corr, c.ext = (_int_column(args, attr, n)
                                for attr in ("stream", "correlation", "external_id"))
+    lc = _int_column(args, "external_id_lc", n)
+    c.ext = np.where(c.ext >= 0, c.ext, lc)
+    for (_, col), attr in zip(LAUNCH_KEYS, ("grid", "block", "regs", "smem", "blocks_per_sm",
+                                             "warps_per_sm", "occupancy")):
+        vals = list(map(attrgetter(attr), args))
+        if vals.count(None) != n:
+            c.launch[col] = launch_values(col, vals)
     c.dims, c.types, c.concrete = (list(map(attrgetter(attr), args))
                                    for attr in ("input_dims", "input_type", "concrete"))
+    old = list(map(attrgetter("input_dims_lc"), args))
+    if old.count(None) != n:  # "Input dims" where "Input Dims" is absent or null
+        c.dims = [d if d is not None else o for d, o in zip(c.dims, old)]
     c.comm = _comm_rows(args, n)
     inst = [e for e in events if type(e) is _Instant]
     c.mem = [(e.ts, e.args.mem_bytes, e.args.total_allocated, e.args.total_reserved,
@@ -633,8 +727,18 @@ def _from_dicts(data: bytes) -> Columns:
             c.tid.append(e.get("tid"))
             c.stream.append(a.get("stream"))
             c.corr.append(a.get("correlation"))
-            c.ext.append(a.get("External id"))
-            c.dims.append(a.get("Input Dims"))
+            ext = a.get("External id")
+            if "external id" in a and (-1 if ext is None else ints([ext])[0]) < 0:
+                ext = a["external id"]  # PyTorch 1.8-1.10 name
+            c.ext.append(ext)
+            for key, col in LAUNCH_KEYS:
+                if key in a:
+                    c.launch.setdefault(col, [None] * (len(c.name) - 1)).append(a[key])
+            for col, vals in c.launch.items():
+                if len(vals) < len(c.name):
+                    vals.append(None)
+            dims = a.get("Input Dims")
+            c.dims.append(dims if dims is not None else a.get("Input dims"))
             c.types.append(a.get("Input type"))
             c.concrete.append(a.get("Concrete Inputs"))
             if "Collective name" in a or "Process Group Name" in a:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from trainprof import safeio, settings
-from trainprof.trace import _decode
+from trainprof.trace import _decode, _dialects
 from trainprof.trace._table import Cat, Table, objects
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
@@ -27,12 +27,14 @@ class TraceError(Exception):
 
 class Tables:
     """A parsed trace's tables (trainprof/trace/_table.py; numpy only): events, comm, memory,
-    steps, with the columns trainprof.trace's docstring lists."""
+    steps, launch, with the columns trainprof.trace's docstring lists."""
 
-    __slots__ = ("events", "comm", "memory", "steps")
+    __slots__ = ("events", "comm", "memory", "steps", "launch")
 
-    def __init__(self, events: Table, comm: Table, memory: Table, steps: Table):
+    def __init__(self, events: Table, comm: Table, memory: Table, steps: Table,
+                 launch: Table | None = None):
         self.events, self.comm, self.memory, self.steps = events, comm, memory, steps
+        self.launch = launch if launch is not None else _launch_table({}, np.arange(0))
 
 
 @dataclass
@@ -176,7 +178,7 @@ def _parse(path: Path, rank: int | None, fast: bool, pieces: int) -> Trace:
     base = int(base) if isinstance(base, (int, float)) and not isinstance(base, bool) \
         and abs(base) < 2**62 else 0  # a base beyond that leaves no room for the timestamps
 
-    events = _events_table(cols, base)
+    events = _events_table(cols, base, meta)
     steps = _steps(events)
     meta["whole_trace_window"] = False  # ours, whatever the file's top level holds
     if steps.empty and len(events):
@@ -203,7 +205,8 @@ def _parse(path: Path, rank: int | None, fast: bool, pieces: int) -> Trace:
     meta["path"] = str(path)
     meta["span_ns"] = ([int(events["ts_ns"][0]), int(events["end_ns"].max())]
                        if len(events) else None)
-    tables = Tables(events, _comm_table(cols.comm, remap), _memory_table(cols.mem, base), steps)
+    tables = Tables(events, _comm_table(cols.comm, remap), _memory_table(cols.mem, base), steps,
+                    _launch_table(cols.launch, remap))
     return Trace(path=path, rank=rank, meta=meta, tables=tables,
                  stats={"events": cols.n_events, "complete": len(events), "malformed": cols.n_bad,
                         "gpu_ops_without_launch": int(unlaunched.sum()),
@@ -221,10 +224,11 @@ def _us_to_ns(values) -> np.ndarray:
     return whole.astype(np.int64) * 1000 + np.rint((a - whole) * 1000.0).astype(np.int64)
 
 
-def _events_table(c, base: int) -> Table:
+def _events_table(c, base: int, meta: dict) -> Table:
     ts_ns = _us_to_ns(c.ts) + base
     dur_ns = np.maximum(_us_to_ns(c.dur), 0)
-    cat = Cat.from_factorized(*c.cat)
+    cat_values, meta["dialect"] = _dialects.canonical(c.cat[1])  # ours, like whole_trace_window
+    cat = Cat.from_factorized(c.cat[0], cat_values)
     is_gpu = cat.isin(GPU_CATS)
     stream = c.stream  # Columns' int columns are int64 arrays already (-1 = missing)
     stream[~is_gpu] = -1
@@ -280,6 +284,29 @@ def _comm_table(rows: list, remap: np.ndarray) -> Table:
             out[k] = objects(vals)
     if "seq" not in out:
         out["seq"] = np.full(len(rows), -1, np.int64)
+    return Table(out)
+
+
+LAUNCH_COLUMNS = tuple(col for _, col in _decode.LAUNCH_KEYS)
+
+
+def _launch_table(launch: dict, remap: np.ndarray) -> Table:
+    """A kernel's launch figures, one row per event that has any: ``row`` (int64 index into
+    events, sorted) and the LAUNCH_COLUMNS as float64 (NaN where absent)."""
+    if not launch:
+        return Table({"row": np.empty(0, np.int64),
+                      **{c: np.empty(0, np.float64) for c in LAUNCH_COLUMNS}})
+    n = len(next(iter(launch.values())))
+    have = np.zeros(n, bool)
+    for v in launch.values():
+        have |= ~np.isnan(v)
+    rows = np.flatnonzero(have)
+    new = remap[rows]
+    order = np.argsort(new, kind="stable")
+    out = {"row": new[order]}
+    for col in LAUNCH_COLUMNS:
+        v = launch.get(col)
+        out[col] = v[rows][order] if v is not None else np.full(len(rows), np.nan)
     return Table(out)
 
 

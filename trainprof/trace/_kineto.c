@@ -11,8 +11,10 @@
    What it keeps, per complete ('X') event: name, cat (factorized: codes + distinct values),
    pid, tid (int64; a string id comes back as an index into its distinct strings), ts, dur
    (float64, parsed with correct rounding), args' stream, correlation, External id (int64, -1
-   when absent), the raw spans of Input Dims / Input type / Concrete Inputs (factorized by their
-   bytes) and of the collective keys; per '[memory]' instant event its ts and integer fields;
+   when absent; the older traces' "external id" where "External id" is absent), the raw spans
+   of Input Dims / Input type / Concrete Inputs and of a kernel's launch figures (grid, block,
+   registers per thread, shared memory, blocks per SM, warps per SM, est. achieved occupancy %)
+   (factorized by their bytes) and of the collective keys; per '[memory]' instant event its ts and integer fields;
    the spans of the top-level keys besides traceEvents. */
 
 #define PY_SSIZE_T_CLEAN
@@ -464,12 +466,18 @@ static const Key EV_KEYS[N_EV] = {K("ph"), K("cat"), K("name"), K("pid"), K("tid
 
 /* args of complete events: the int fields, the span fields, the collective keys (the order of
    _decode.COMM_KEYS) */
-enum { A_EXT, A_STREAM, A_CORR, A_DIMS, A_TYPES, A_CONC, A_COMM0, N_ARGS = A_COMM0 + 12 };
+#define N_LAUNCH 7
+enum { A_EXT, A_STREAM, A_CORR, A_DIMS, A_TYPES, A_CONC, A_COMM0, A_EXT_LC = A_COMM0 + 12,
+       A_DIMS_LC, A_LAUNCH0, N_ARGS = A_LAUNCH0 + N_LAUNCH };
 static const Key ARG_KEYS[N_ARGS] = {
     K("External id"), K("stream"), K("correlation"), K("Input Dims"), K("Input type"),
     K("Concrete Inputs"), K("Collective name"), K("In msg nelems"), K("Out msg nelems"),
     K("Group size"), K("dtype"), K("Process Group Name"), K("Process Group Description"),
-    K("Process Group Ranks"), K("Seq"), K("Rank"), K("Src Rank"), K("Dst Rank")};
+    K("Process Group Ranks"), K("Seq"), K("Rank"), K("Src Rank"), K("Dst Rank"),
+    K("external id"), K("Input dims"), /* PyTorch 1.8-1.10; then the launch figures, in
+                                            _decode.LAUNCH_KEYS' order */
+    K("grid"), K("block"), K("registers per thread"), K("shared memory"), K("blocks per SM"),
+    K("warps per SM"), K("est. achieved occupancy %")};
 #define A_COLL A_COMM0
 #define A_PG (A_COMM0 + 5)
 
@@ -538,6 +546,8 @@ static const char PHASES[] = "XiBEIbnesStfPONDMRCc()";
 typedef struct {
     Vec name, cat, pid, tid, pid_s, tid_s, ts, dur, stream, corr, ext, dims, types, conc;
     Table t_name, t_cat, t_pid_s, t_tid_s, t_dims, t_types, t_conc;
+    Vec launch[N_LAUNCH];
+    Table t_launch[N_LAUNCH];
     PyObject *comm, *mem, *top, *check;  /* check: spans the caller decodes only to validate */
     Py_ssize_t n_events;
 } Out;
@@ -637,10 +647,24 @@ static int complete_event(Cur *c, Out *o, Span *ev, int *seen, Span *a, int *ase
     if (int_arg(a[A_CORR], aseen[A_CORR], &v64) < 0) return -1;
     if (vec_push(&o->corr, &v64) < 0) return -2;
     if (int_arg(a[A_EXT], aseen[A_EXT], &v64) < 0) return -1;
+    {
+        int64_t lc;  /* "external id" (PyTorch 1.8-1.10): read, and used where External id is not >= 0 */
+        if (int_arg(a[A_EXT_LC], aseen[A_EXT_LC], &lc) < 0) return -1;
+        if (v64 < 0) v64 = lc;
+    }
     if (vec_push(&o->ext, &v64) < 0) return -2;
-    if ((r = span_code(&o->t_dims, &o->dims, a[A_DIMS], aseen[A_DIMS])) < 0) return r;
+    {   /* "Input dims" (PyTorch 1.8-1.10) where "Input Dims" is absent or null */
+        int old = (!aseen[A_DIMS] || is_null(a[A_DIMS])) && aseen[A_DIMS_LC];
+        if (old && aseen[A_DIMS] && push_check(c, o, a[A_DIMS]) < 0) return -2;
+        if ((r = span_code(&o->t_dims, &o->dims, old ? a[A_DIMS_LC] : a[A_DIMS],
+                           old || aseen[A_DIMS])) < 0) return r;
+        if (!old && aseen[A_DIMS_LC] && push_check(c, o, a[A_DIMS_LC]) < 0) return -2;
+    }
     if ((r = span_code(&o->t_types, &o->types, a[A_TYPES], aseen[A_TYPES])) < 0) return r;
     if ((r = span_code(&o->t_conc, &o->conc, a[A_CONC], aseen[A_CONC])) < 0) return r;
+    for (int k = 0; k < N_LAUNCH; k++)
+        if ((r = span_code(&o->t_launch[k], &o->launch[k], a[A_LAUNCH0 + k], aseen[A_LAUNCH0 + k])) < 0)
+            return r;
     if ((aseen[A_COLL] && !is_null(a[A_COLL])) || (aseen[A_PG] && !is_null(a[A_PG]))) {
         PyObject *spans = PyTuple_New(12);
         if (!spans) return -2;
@@ -829,6 +853,7 @@ static void out_free(Out *o) {
     for (size_t i = 0; i < sizeof(vs) / sizeof(vs[0]); i++) vec_free(vs[i]);
     Table *ts[] = {&o->t_name, &o->t_cat, &o->t_pid_s, &o->t_tid_s, &o->t_dims, &o->t_types, &o->t_conc};
     for (size_t i = 0; i < sizeof(ts) / sizeof(ts[0]); i++) table_free(ts[i]);
+    for (int k = 0; k < N_LAUNCH; k++) { vec_free(&o->launch[k]); table_free(&o->t_launch[k]); }
     Py_XDECREF(o->comm);
     Py_XDECREF(o->mem);
     Py_XDECREF(o->top);
@@ -839,11 +864,11 @@ static void out_free(Out *o) {
    decoding the distinct values; NULL with an error set on a memory error (building stops at the
    first failure: nothing runs with an error set). */
 static PyObject *build_result(Out *o, const char *base) {
-    enum { N_ITEMS = 27 };
+    enum { N_ITEMS = 28 };
     static const char *keys[N_ITEMS] = {
         "names", "cats", "pid_strs", "tid_strs", "name", "cat", "pid", "pid_s", "tid", "tid_s",
         "ts", "dur", "stream", "corr", "ext", "dims", "dims_spans", "types", "types_spans",
-        "concrete", "concrete_spans", "comm", "mem", "top", "check", "n_events", "n"};
+        "concrete", "concrete_spans", "comm", "mem", "top", "check", "n_events", "n", "launch"};
     PyObject *vals[N_ITEMS] = {NULL};
     PyObject *result = NULL;
     Table *strings[4] = {&o->t_name, &o->t_cat, &o->t_pid_s, &o->t_tid_s};
@@ -867,6 +892,18 @@ static PyObject *build_result(Out *o, const char *base) {
     for (int k = 0; k < 4; k++, i++) { vals[i] = lists[k]; Py_INCREF(vals[i]); }
     if (!(vals[i++] = PyLong_FromSsize_t(o->n_events))) goto out;
     if (!(vals[i++] = PyLong_FromSsize_t(o->ts.len))) goto out;
+    /* launch: a list of (codes, spans) per launch key */
+    if (!(vals[i] = PyList_New(N_LAUNCH))) goto out;
+    for (int k = 0; k < N_LAUNCH; k++) {
+        PyObject *codes = vec_bytes(&o->launch[k]);
+        PyObject *spans = codes ? table_spans(&o->t_launch[k], base) : NULL;
+        PyObject *pair = spans ? PyTuple_Pack(2, codes, spans) : NULL;
+        Py_XDECREF(codes);
+        Py_XDECREF(spans);
+        if (!pair) goto out;
+        PyList_SET_ITEM(vals[i], k, pair);
+    }
+    i++;
     result = PyDict_New();
     if (!result) goto out;
     for (int k = 0; k < N_ITEMS; k++) {
@@ -886,10 +923,13 @@ static PyObject *scan(PyObject *self, PyObject *arg) {
     o.name.item = o.cat.item = o.pid.item = o.tid.item = o.ext.item = o.stream.item = o.corr.item = 8;
     o.ts.item = o.dur.item = 8;
     o.pid_s.item = o.tid_s.item = o.dims.item = o.types.item = o.conc.item = 4;
+    for (int k = 0; k < N_LAUNCH; k++) o.launch[k].item = 4;
     PyObject *result = NULL;
     Table *ts[] = {&o.t_name, &o.t_cat, &o.t_pid_s, &o.t_tid_s, &o.t_dims, &o.t_types, &o.t_conc};
     for (size_t i = 0; i < sizeof(ts) / sizeof(ts[0]); i++)
         if (table_init(ts[i]) < 0) { PyErr_NoMemory(); goto done; }
+    for (int k = 0; k < N_LAUNCH; k++)
+        if (table_init(&o.t_launch[k]) < 0) { PyErr_NoMemory(); goto done; }
     o.comm = PyList_New(0);
     o.mem = PyList_New(0);
     o.top = PyList_New(0);

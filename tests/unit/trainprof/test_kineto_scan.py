@@ -39,6 +39,9 @@ def differences(a, b) -> list[str]:
                                                and getattr(a, k)[1] == getattr(b, k)[1])]
     out += [k for k in ("dims", "types", "concrete", "comm", "mem", "meta", "n_events", "n_bad")
             if getattr(a, k) != getattr(b, k)]
+    if set(a.launch) != set(b.launch) or not all(
+            np.array_equal(v, b.launch[k], equal_nan=True) for k, v in a.launch.items()):
+        out.append("launch")
     return out
 
 
@@ -77,7 +80,7 @@ def test_trace_reads_the_same_through_either_path(monkeypatch):
     fast = parse_trace(path)
     monkeypatch.setattr(_decode, "_kineto", None)
     slow = parse_trace(path)
-    for name in ("events", "comm", "memory", "steps"):
+    for name in ("events", "comm", "memory", "steps", "launch"):
         a, b = getattr(fast.tables, name), getattr(slow.tables, name)
         assert list(a.columns) == list(b.columns), name
         for col in a.columns:
@@ -105,6 +108,16 @@ def test_trace_reads_the_same_through_either_path(monkeypatch):
       "args": {"Device Type": 1, "Device Id": 0, "Addr": 123, "Bytes": -64, "Total Allocated": 9}},
      {"ph": "i", "name": "[memory]", "ts": 6.5, "args": {}}, {"ph": "i", "name": "other", "args": {"x": [1]}},
      {"ph": "i", "name": "[memory]"}, {"ph": "i", "name": "[memory]", "args": None}],
+    # PyTorch 1.8-1.10 names and kernels' launch figures, of every type the columns meet
+    [X(args={"external id": 4}), X(args={"External id": 5, "external id": 4}),
+     X(args={"External id": -3, "external id": 4}), X(args={"Input dims": [[1]], "Input Dims": None}),
+     X(args={"Input dims": [[1]], "Input Dims": [[2]]}), X(args={"Input dims": [[1]]})],
+    [X(args={"grid": [2, 3, 4], "block": [128, 1, 1], "registers per thread": 32, "shared memory": 0,
+             "blocks per SM": 0.5, "warps per SM": 2.0, "est. achieved occupancy %": 6}),
+     X(args={"grid": [2.0, 3, 4], "block": [0, 1, 1], "registers per thread": 1.5,
+             "shared memory": -1, "blocks per SM": True, "est. achieved occupancy %": "6"}),
+     X(args={"grid": [2, 3], "block": "x", "registers per thread": None, "warps per SM": [1]}),
+     X(args={"grid": [[1], 2, 3], "block": [2**40, 1, 1], "shared memory": 2**70})],
     [{"ph": "f", "id": 1, "pid": 0}, {"ph": "s", "cat": 5}, {"ph": "M", "name": "process_name", "args": {}},
      X(), {"ph": "C", "args": {"a": 1}}],
     [],
@@ -121,6 +134,7 @@ def test_documents_probing_each_rule_scan_the_same(events):
     doc([X(args={"stream": 1.0})]),                       # a float for an int field
     doc([X(args={"stream": True})]),
     doc([X(args={"correlation": 2**63})]),                # beyond int64: the typed decoder's rule
+    doc([X(args={"external id": 1.5})]),                  # the older id name: an int, too
     doc([X(pid=1.5)]), doc([X(pid=True)]), doc([X(cat=None)]), doc([X(ts="1")]), doc([X(dur=None)]),
     b'{"traceEvents": [{"ph": "X", "ph": "X"}]}',          # a repeated key
     b'{"traceEvents": [{"ph": "X", "n\\u0061me": "x"}]}',  # an escaped key

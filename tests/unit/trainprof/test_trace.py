@@ -149,6 +149,7 @@ def _same(a, b):
     pd.testing.assert_frame_equal(a.memory, b.memory)
     pd.testing.assert_frame_equal(a.comm, b.comm)
     pd.testing.assert_frame_equal(a.steps, b.steps)
+    pd.testing.assert_frame_equal(a.tables.launch.to_pandas(), b.tables.launch.to_pandas())
     assert dict(a.meta, path=None) == dict(b.meta, path=None)
     assert a.stats == b.stats
 
