@@ -176,6 +176,10 @@ def render_terminal(summary, report_path=None, console=None) -> None:
     for label, value in key_metrics(summary):
         console.print(f"  {escape(label)}: [bold]{escape(value)}[/bold]")
 
+    from trainprof.reports.actions import terminal_lines
+
+    for line in terminal_lines(summary):  # what to change first, with its estimated saving
+        console.print(escape(line))
     findings = [f for f in (summary.get("findings") or []) if isinstance(f, Mapping)]
     cover = summary.get("coverage")
     if findings and isinstance(cover, Mapping):
