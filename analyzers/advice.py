@@ -68,7 +68,10 @@ _STARVED = {
 
 def advise(metrics: Mapping, findings: list[dict]) -> list[dict]:
     """Fill in ``fix`` and ``estimate`` on every finding (dicts, in place); findings that would
-    save less than MIN_SAVING become ``info``. Returns the actions, largest saving first."""
+    save less than MIN_SAVING become ``info``; a fix no analyzer names but the measurements
+    price at ≥ MIN_SAVING (AMP for fp32 tensor-core work) is added as a finding. Returns the
+    actions, largest saving first."""
+    findings.extend(extra_findings(metrics, findings))
     for f in findings:
         if not f.get("fix"):
             f["fix"] = _fix(f)
@@ -171,20 +174,57 @@ def _estimate(f: Mapping, metrics: Mapping) -> dict | None:
     return None
 
 
+def extra_findings(metrics: Mapping, findings: list[dict]) -> list[dict]:
+    """AMP: fp32 work on tensor-core-eligible ops whose move to bf16 saves ≥ MIN_SAVING."""
+    if any(f.get("kind") == "roofline" for f in findings):
+        return []  # the roofline finding carries the AMP estimate itself
+    e = _amp(metrics)
+    if not e or e["saving_fraction"] < est.MIN_SAVING:
+        return []
+    share = ((metrics.get("gpu_overview") or {}).get("job") or {}).get("tc_eligible_fp32_share")
+    what = (f"{share:.0%} of kernel time is in tensor-core-eligible ops on fp32 inputs"
+            if isinstance(share, (int, float)) else "matmul/conv/attention ops run in fp32")
+    return [{"kind": "roofline", "severity": "warning", "ranks": [],
+             "message": f"{what}: in bf16/fp16 on tensor cores they would take "
+                        f"{e['saving_ms']:.3g} ms less per step",
+             "evidence": {"tc_eligible_fp32_share": share, "compute_dtype": "fp32"},
+             "analyzer": "roofline", "fix": "enable automatic mixed precision: torch.autocast("
+             "device_type=\"cuda\", dtype=torch.bfloat16) around forward and loss (fp32 master "
+             "weights stay), or torch.backends.cuda.matmul.allow_tf32 = True", "estimate": e}]
+
+
+def _peaks_of(metrics: Mapping) -> dict | None:
+    from trainprof.analyzers._devices import lookup
+
+    devs = ((metrics.get("gpu_overview") or {}).get("job") or {}).get("devices") or []
+    basis = ((metrics.get("roofline") or {}).get("peak") or {}).get("basis") or ""
+    for name in list(devs) + [basis.replace("datasheet ", "")]:
+        p = lookup(name)
+        if p:
+            return p
+    return None
+
+
 def _amp(metrics: Mapping) -> dict | None:
+    roof = metrics.get("roofline") or {}
+    go = (metrics.get("gpu_overview") or {}).get("job") or {}
+    rows = (metrics.get("launch") or {}).get("per_rank") or []
+    host = max((r.get("host_ms_per_step") or 0.0 for r in rows), default=None)
+    if go.get("tc_eligible_fp32_share") is not None:
+        return est.amp_overview(go, _peaks_of(metrics), host)
+    return _amp_roofline(metrics)
+
+
+def _amp_roofline(metrics: Mapping) -> dict | None:
     roof = metrics.get("roofline") or {}
     if roof.get("compute_dtype") not in ("fp32", None):
         return None
-    peaks = roof.get("peak_table") or roof.get("device_peaks")
-    if not peaks:
-        from trainprof.analyzers._devices import lookup
-
-        peaks = lookup((roof.get("peak") or {}).get("basis", "").replace("datasheet ", ""))
+    peaks = _peaks_of(metrics)
     rows = (metrics.get("launch") or {}).get("per_rank") or []
     steps = len({(p.get("rank"), p.get("step")) for p in (metrics.get("launch") or {}).get("per_step") or []})
-    ranks = max(len(rows), 1)
-    return est.amp(roof.get("classes") or [], peaks, rows[0] if rows else None,
-                   max(steps // ranks, 1)) if rows else None
+    # the classes' times are summed over every rank's profiled steps: per rank-step
+    return est.amp(roof.get("classes") or [], peaks, rows[0] if rows else None, max(steps, 1)) \
+        if rows else None
 
 
 def _worst(ests: list) -> dict | None:

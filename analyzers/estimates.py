@@ -266,6 +266,27 @@ def amp(classes: list[dict], peaks: dict | None, row: dict | None, steps: int) -
                     f"profiled step (rank {row.get('rank')}, launch and roofline analyzers)")
 
 
+def amp_overview(job: dict, peaks: dict | None, host_ms: float | None) -> dict | None:
+    """AMP from the GPU overview (metrics.gpu_overview.job): kernel time per step launched by
+    tensor-core-eligible ops on fp32 inputs, scaled by the fp32 ÷ bf16 peak ratio (at least
+    0.5); the step is max(host time, device step − saving)."""
+    fl = (peaks or {}).get("flops_per_s") or {}
+    tc, f32 = fl.get("bf16") or fl.get("fp16"), fl.get("fp32")
+    step, kern, share = job.get("step_ms"), job.get("kernel_ms"), job.get("tc_eligible_fp32_share")
+    if not (tc and f32 and _num(step) and _num(kern) and _num(share)) or share <= 0:
+        return None
+    t = kern * share
+    saving = t - t * max(f32 / tc, 0.5)
+    after = max(step - saving, host_ms if _num(host_ms) else 0.0)
+    return estimate(step, after,
+                    f"kernel time of tensor-core-eligible ops on fp32 inputs ({share:.0%} of "
+                    f"kernel time) × (1 − max(fp32 ÷ bf16 peak = {f32 / tc:.3f}, 0.5)); the step "
+                    "is max(host time, device step − saving)",
+                    ["autocast to bf16/fp16 keeps each op at its measured share of peak",
+                     "the model trains as well in mixed precision (fp32 master weights kept)"],
+                    "device step per profiled step (gpu_overview, mean over ranks)")
+
+
 # --------------------------------------------------------------------------- pipeline
 def more_micro_batches(pipe: dict, step_ms: float | None, factor: int = 2) -> dict | None:
     """The pipeline with ``factor``× the micro-batches (same global batch): the ideal compute is

@@ -15,9 +15,9 @@ MAX_STEPS = 64  # bars in the per-step chart (the latest steps past that)
 
 # the breakdown's parts: (key in the source's per-step rows, label, colour)
 GPU_OVERVIEW_PARTS = (("kernel", "kernel", "#2f9e44"), ("memcpy", "memcpy", "#1c7ed6"),
-                      ("memset", "memset", "#74c0fc"), ("runtime", "runtime", "#ae3ec9"),
-                      ("data_loading", "data loading", "#f59f00"), ("cpu_exec", "CPU exec", "#e8590c"),
-                      ("other", "other", "#adb5bd"))
+                      ("memset", "memset", "#74c0fc"), ("communication", "communication", "#e03131"),
+                      ("runtime", "runtime", "#ae3ec9"), ("dataloader", "data loading", "#f59f00"),
+                      ("cpu_exec", "CPU exec", "#e8590c"), ("other", "other", "#adb5bd"))
 COMM_COMPUTE_PARTS = (("compute_ms", "compute", "#2f9e44"), ("overlapped_ms", "comm hidden under compute", "#74c0fc"),
                       ("exposed_comm_ms", "exposed comm", "#e03131"), ("data_ms", "data loading", "#f59f00"),
                       ("other_ms", "other", "#868e96"), ("idle_ms", "idle", "#dee2e6"))
@@ -120,7 +120,8 @@ def _from_rows(rows: list, parts, keys, title: str) -> dict | None:
 
 
 def _from_run(st: Mapping) -> dict | None:
-    """The slowest rank's step each step (run directory: steps, data and collective logs)."""
+    """Each step, the rank the others wait for (most own work + input wait; run directory:
+    steps, data and collective logs)."""
     steps = st.get("steps") or []
     busy, data, wait = (st.get(k) or {} for k in ("busy_ms_by_rank", "data_ms_by_rank", "wait_ms_by_rank"))
     labels, values = [], []
@@ -131,14 +132,14 @@ def _from_run(st: Mapping) -> dict | None:
             vals = [row[j] if j < len(row) else None,
                     (data.get(r) or [None] * len(steps))[j], (wait.get(r) or [None] * len(steps))[j]]
             vals = [float(v) if _num(v) else 0.0 for v in vals]
-            if best is None or sum(vals) > sum(best):
+            if best is None or vals[0] + vals[1] > best[0] + best[1]:  # the one the others wait for
                 best = vals
         if best is not None:
             labels.append(str(s))
             values.append(best)
     if not values:
         return None
-    return {"title": "Step breakdown (the slowest rank each step)", "unit": "ms",
+    return {"title": "Step breakdown (each step, the rank the others wait for)", "unit": "ms",
             "parts": [p[1:] for p in RUN_PARTS], "steps": labels, "values": values,
             "note": "own work = step − waits in collectives − input wait (steps.jsonl, collectives.jsonl, data.jsonl)"}
 
