@@ -88,14 +88,14 @@ def breakdown(summary: Mapping) -> dict | None:
     if isinstance(rows, list) and rows:
         return _from_rows(rows, GPU_OVERVIEW_PARTS, ("{}_ms", "{}"),
                           "Step breakdown (GPU overview: the TensorBoard plugin's categories)")
+    st = m.get("stragglers") or {}  # a run directory: every step, not only the profiled ones
+    if isinstance(st, Mapping) and st.get("busy_ms_by_rank"):
+        return _from_run(st)
     cc = m.get("comm_compute") or {}
     rows = cc.get("per_step") if isinstance(cc, Mapping) and not cc.get("withheld") else None
     if isinstance(rows, list) and rows:
         return _from_rows(rows, COMM_COMPUTE_PARTS, ("{}",),
                           "Step breakdown of the profiled steps (mean over ranks)")
-    st = m.get("stragglers") or {}
-    if isinstance(st, Mapping) and st.get("busy_ms_by_rank"):
-        return _from_run(st)
     return None
 
 
@@ -123,10 +123,12 @@ def _from_run(st: Mapping) -> dict | None:
     """Each step, the rank the others wait for (most own work + input wait; run directory:
     steps, data and collective logs)."""
     steps = st.get("steps") or []
+    kept = set(st.get("steps_analysed") or steps)  # warm-up and profiler-window steps left out
     busy, data, wait = (st.get(k) or {} for k in ("busy_ms_by_rank", "data_ms_by_rank", "wait_ms_by_rank"))
     labels, values = [], []
-    for i, s in enumerate(steps[-MAX_STEPS:]):
-        j = len(steps) - min(len(steps), MAX_STEPS) + i
+    at = [j for j, s in enumerate(steps) if s in kept][-MAX_STEPS:]
+    for j in at:
+        s = steps[j]
         best = None
         for r, row in busy.items():
             vals = [row[j] if j < len(row) else None,
@@ -141,7 +143,8 @@ def _from_run(st: Mapping) -> dict | None:
         return None
     return {"title": "Step breakdown (each step, the rank the others wait for)", "unit": "ms",
             "parts": [p[1:] for p in RUN_PARTS], "steps": labels, "values": values,
-            "note": "own work = step − waits in collectives − input wait (steps.jsonl, collectives.jsonl, data.jsonl)"}
+            "note": "own work = step − waits in collectives − input wait (steps.jsonl, collectives.jsonl, "
+                    "data.jsonl); the analysed steps (warm-up and profiler-window steps left out)"}
 
 
 def breakdown_html(summary: Mapping) -> str:
