@@ -27,6 +27,7 @@ COMPUTE_MS = "120"
 def _pair(tmp_path: Path, problem: list[str], fixed: list[str]) -> tuple[dict, dict]:
     """Both jobs at once (their "compute" sleeps, so they hardly disturb each other), each
     wrapped, then analyzed: (problem summary, fixed summary)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     procs = {}
     for tag, args in (("problem", problem), ("fixed", fixed)):
         cmd = [*TRAINPROF, "wrap", "--out", str(tmp_path / tag), "--no-analyze", "--profile-steps",
@@ -65,14 +66,24 @@ def _check(problem: dict, fixed: dict, kind: str) -> tuple[float, float]:
     return e["step_ms_after"], measured
 
 
+def _checked_pair(tmp_path: Path, problem: list[str], fixed: list[str], kind: str):
+    """One more pair when the first misses: on a loaded shared machine one run of a pair can be
+    slowed more than the other (measured: a 120 ms sleep taking 130-290 ms at load 25 on 2
+    cores). Two misses fail."""
+    try:
+        return _check(*_pair(tmp_path / "1", problem, fixed), kind)
+    except AssertionError as first:
+        print(f"first pair missed ({first}); once more")
+        return _check(*_pair(tmp_path / "2", problem, fixed), kind)
+
+
 def test_straggler_removed_estimate_matches_the_run_without_it(tmp_path):
-    slow, clean = _pair(tmp_path, ["--slow-rank", "1", "--slow-ms", "80"], [])
-    est, measured = _check(slow, clean, "straggler")
+    est, measured = _checked_pair(tmp_path, ["--slow-rank", "1", "--slow-ms", "80"], [], "straggler")
     print(f"straggler: estimate {est:.1f} ms, measured {measured:.1f} ms")
 
 
 def test_data_loading_in_workers_estimate_matches_the_run_with_workers(tmp_path):
-    starved, workers = _pair(tmp_path, ["--data-ms", "80", "--data-rank", "1"],
-                             ["--data-ms", "80", "--data-rank", "1", "--workers", "2"])
-    est, measured = _check(starved, workers, "data_starvation")
+    est, measured = _checked_pair(tmp_path, ["--data-ms", "80", "--data-rank", "1"],
+                                  ["--data-ms", "80", "--data-rank", "1", "--workers", "2"],
+                                  "data_starvation")
     print(f"data loading: estimate {est:.1f} ms, measured {measured:.1f} ms")
