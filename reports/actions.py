@@ -35,6 +35,19 @@ def saving_text(a: Mapping) -> str:
             f"{kit.fmt_ms(a.get('step_ms_before'))} → {kit.fmt_ms(a.get('step_ms_after'))}")
 
 
+def coverage_is_the_input(summary: Mapping) -> bool:
+    """Whether what was not analyzed is just the nature of the input (bare profiler traces carry
+    no run directory's streams), to be said plainly rather than as an error."""
+    cover = summary.get("coverage")
+    if not isinstance(cover, Mapping) or not isinstance((summary.get("run") or {}).get("input"), Mapping):
+        return False
+    from trainprof.analysis import RUN_DIR_ANALYSES
+
+    streams = {need for _, need in RUN_DIR_ANALYSES}
+    missing = [m for m in cover.get("not_analyzed") or [] if isinstance(m, Mapping)]
+    return bool(missing) and all(m.get("needs") in streams for m in missing)
+
+
 def start_up_text(summary: Mapping) -> str | None:
     su = (((summary.get("metrics") or {}).get("launch") or {}).get("job") or {}).get("start_up")
     return su.get("text") if isinstance(su, Mapping) else None

@@ -156,7 +156,7 @@ def _findings(summary: dict) -> str:
         return f'<h2>Findings</h2><p class="error">Nothing analyzed: {kit.esc(summary["nothing_analyzed"])}</p>'
     cover = summary.get("coverage")
     # bare traces hold no run directory's streams: that is the input, said plainly, no error
-    plain = isinstance(_get(summary, "run", "input"), Mapping)
+    plain = act.coverage_is_the_input(summary)
     note = ((f'<p class="plain">What this input allows: {kit.esc(cover.get("text"))}</p>' if plain else
              f'<p class="error">Not everything was analyzed: {kit.esc(cover.get("text"))}</p>')
             if isinstance(cover, Mapping) else "")

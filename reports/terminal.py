@@ -183,7 +183,9 @@ def render_terminal(summary, report_path=None, console=None) -> None:
     findings = [f for f in (summary.get("findings") or []) if isinstance(f, Mapping)]
     cover = summary.get("coverage")
     if findings and isinstance(cover, Mapping):  # bare traces: the nature of the input, said plainly
-        label = "what this input allows" if isinstance(inp, Mapping) else "[yellow]coverage[/yellow]"
+        from trainprof.reports.actions import coverage_is_the_input
+
+        label = "what this input allows" if coverage_is_the_input(summary) else "[yellow]coverage[/yellow]"
         console.print(f"{label}: {escape(str(cover.get('text', '')))}")
     if summary.get("nothing_analyzed"):
         console.print(f"[bold red]nothing analyzed[/bold red]: {escape(str(summary['nothing_analyzed']))}")
