@@ -84,6 +84,9 @@ def lead_html(summary: Mapping) -> str:
 def _no_action_text(summary: Mapping) -> str:
     if summary.get("nothing_analyzed"):
         return "Nothing to suggest: nothing was analyzed (see below)."
+    if start_up_text(summary) and not summary.get("findings"):
+        return ("Nothing diagnosed: the profiled window shows start-up, not steady-state "
+                "training (below); profile later steps to see what to change.")
     fs = summary.get("findings") or []
     if fs:
         return ("No change with a measured saving of 5 % of the step or more; the findings below "
