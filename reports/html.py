@@ -2,8 +2,9 @@
 
 No network (inline CSS, inline SVG plots, no fonts or scripts from anywhere), every text from the
 summary escaped. "What to change first" (reports/actions.py), then the findings, then one
-section per analyzer in ANALYZER_MODULES order: the analyzer's own renderer `trainprof.reports.sections.<NAME>` when there is one, else a generic view
-of its metrics. A section that fails to render shows its error; the rest of the report still renders.
+section per analyzer in ANALYZER_MODULES order: the analyzer's own renderer
+`trainprof.reports.sections.<NAME>` when there is one, else a generic view of its metrics. A
+section that fails to render shows its error; the rest of the report still renders.
 """
 
 from __future__ import annotations
