@@ -64,3 +64,29 @@ def test_terminal_lines_and_sentences():
     render_terminal(_summary(), console=Console(file=buf, width=200))
     out = buf.getvalue()
     assert out.index("What to change first") < out.index("1 finding(s)")
+
+
+def _chromium():
+    import shutil
+
+    return next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+def test_report_renders_in_headless_chromium(tmp_path):
+    import subprocess
+
+    import pytest
+
+    exe = _chromium()
+    if not exe:
+        pytest.skip("no headless Chromium installed")
+    from trainprof.reports.html import write_html
+
+    page = write_html(_summary(gpu_overview=True), tmp_path / "report.html")
+    shot = tmp_path / "shot.png"
+    args = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={tmp_path / 'p'}"]
+    r = subprocess.run(args + ["--window-size=1280,900", f"--screenshot={shot}", page.as_uri()],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and shot.stat().st_size > 10_000, r.stderr[-2000:]
+    dom = subprocess.run(args + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    assert "What to change first" in dom and "saves ≈ 40.1 ms/step" in dom and "<svg" in dom
