@@ -1,6 +1,6 @@
 """Analyzers: pure functions from a run directory to metrics and findings, one module per concern.
 
-Each module exposes ``NAME`` and ``analyze(run: trainprof.rundir.RunDir) -> AnalyzerResult``.
+Each module exposes ``NAME`` and ``analyze(run: trainprof.analysis.run.RunDir) -> AnalyzerResult``.
 They read only what the run directory holds (never probe internals, never the fault-injection
 ground truth) and share one parse of every file through the RunDir cache.
 """
@@ -13,7 +13,7 @@ import importlib
 # skipped silently.
 ANALYZER_MODULES = ("step_time", "comm_compute", "collectives", "stragglers", "slow_steps",
                     "trace_stragglers",
-                    "pipeline",
+                    "pipeline", "expert_balance",
                     "nan_origin", "hang", "memory", "fragmentation", "roofline", "ops", "launch",
                     "uneven_steps")
 

@@ -57,6 +57,8 @@ FIXES = {
               "sharding, or freeing the tensors named before the peak",
     "fragmentation": "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or allocate the "
                      "large buffers once and reuse them",
+    "expert_imbalance": "even out the experts' load: an auxiliary load-balancing loss, a capacity "
+                        "factor, or expert placement that spreads the busy experts",
 }
 _STARVED = {
     "launch": "capture the step in a CUDA graph (torch.compile(mode=\"reduce-overhead\") or "

@@ -16,9 +16,9 @@ from helpers import TRAINPROF, run_cli
 
 pytestmark = pytest.mark.multiproc
 
-_HERE = Path(__file__).resolve().parent.parent
-JOB = next(p for p in (_HERE / "jobs" / "whatif_job.py", _HERE / "support" / "jobs" / "whatif_job.py")
-           if p.exists())
+from paths import JOBS
+
+JOB = JOBS / "whatif_job.py"
 TOLERANCE = 0.15
 STEPS = "8"
 COMPUTE_MS = "120"

@@ -12,9 +12,7 @@ import pytest
 
 from trainprof.analyzers import advice, estimates as est
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
-if not FIXTURES.exists():  # tests/fixtures seen from tests/unit/analyzers
-    FIXTURES = Path(__file__).resolve().parents[3] / "tests" / "fixtures"
+from paths import FIXTURES
 H100 = FIXTURES / "gpu" / "h100_item_sync.pt.trace.json.gz"
 ALEXNET = FIXTURES / "hta" / "critical_path" / "alexnet"
 
