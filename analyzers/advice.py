@@ -196,7 +196,7 @@ def extra_findings(metrics: Mapping, findings: list[dict]) -> list[dict]:
 
 
 def _peaks_of(metrics: Mapping) -> dict | None:
-    from trainprof.analyzers._devices import lookup
+    from trainprof.devices import lookup
 
     devs = ((metrics.get("gpu_overview") or {}).get("job") or {}).get("devices") or []
     basis = ((metrics.get("roofline") or {}).get("peak") or {}).get("basis") or ""

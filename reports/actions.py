@@ -41,7 +41,7 @@ def coverage_is_the_input(summary: Mapping) -> bool:
     cover = summary.get("coverage")
     if not isinstance(cover, Mapping) or not isinstance((summary.get("run") or {}).get("input"), Mapping):
         return False
-    from trainprof.analysis import RUN_DIR_ANALYSES
+    from trainprof.analysis.runner import RUN_DIR_ANALYSES
 
     streams = {need for _, need in RUN_DIR_ANALYSES}
     missing = [m for m in cover.get("not_analyzed") or [] if isinstance(m, Mapping)]

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 
 from helpers import TRAINPROF, run_cli
+from paths import JOBS
 
 pytestmark = pytest.mark.multiproc
-
-from paths import JOBS
 
 JOB = JOBS / "whatif_job.py"
 TOLERANCE = 0.15

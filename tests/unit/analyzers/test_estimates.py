@@ -97,8 +97,8 @@ def _dataloader_trace(tmp_path: Path, share: float) -> Path:
 
 
 def _analyze(path, tmp_path):
-    from trainprof.analysis import analyze
-    from trainprof.rundir import RunDir
+    from trainprof.analysis.runner import analyze
+    from trainprof.analysis.run import RunDir
 
     return analyze(RunDir(path))
 
