@@ -37,15 +37,10 @@ def saving_text(a: Mapping) -> str:
 
 def coverage_is_the_input(summary: Mapping) -> bool:
     """Whether what was not analyzed is just the nature of the input (bare profiler traces carry
-    no run directory's streams), to be said plainly rather than as an error."""
+    no run directory's streams: summary.json coverage.input_only), to be said plainly rather
+    than as an error."""
     cover = summary.get("coverage")
-    if not isinstance(cover, Mapping) or not isinstance((summary.get("run") or {}).get("input"), Mapping):
-        return False
-    from trainprof.analysis.runner import RUN_DIR_ANALYSES
-
-    streams = {need for _, need in RUN_DIR_ANALYSES}
-    missing = [m for m in cover.get("not_analyzed") or [] if isinstance(m, Mapping)]
-    return bool(missing) and all(m.get("needs") in streams for m in missing)
+    return isinstance(cover, Mapping) and cover.get("input_only") is True
 
 
 def start_up_text(summary: Mapping) -> str | None:

@@ -133,6 +133,10 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
     if nothing:
         run.problems.insert(0, nothing)
     cover = None if nothing else coverage(run, metrics, health)
+    if cover and run.trace_inputs:
+        # only a run directory's streams missing: the nature of bare traces, said plainly
+        streams = {need for _, need in RUN_DIR_ANALYSES}
+        cover["input_only"] = all(m.get("needs") in streams for m in cover.get("not_analyzed") or [])
     if cover:
         run.problems.insert(0, cover["text"])
     return {
