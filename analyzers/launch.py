@@ -31,6 +31,7 @@ import numpy as np
 
 from trainprof.analyzers import _gpu_calls
 from trainprof.analyzers import _intervals as iv
+from trainprof.analyzers import estimates
 from trainprof.analyzers._stats import median, percentiles
 from trainprof.analyzers._kernel_ops import LAUNCHED, launch_calls
 from trainprof.findings import AnalyzerResult, Finding
@@ -126,14 +127,27 @@ def _host_steps(trace) -> list[dict]:
     sync = iv.union(s_all[sync_m], e_all[sync_m])
     steps = trace.tables.steps
     calls = collections.Counter(np.asarray(step)[np.asarray(sync_m)].tolist())  # one pass, not one per step
+    longest = _longest_by_step(np.asarray(step)[np.asarray(rt)], np.asarray(ev["dur_ns"])[np.asarray(rt)])
     out = []
     for st, lo, hi in zip(steps["step"].tolist(), steps["start_ns"].tolist(),
                           steps["end_ns"].tolist()):
         out.append({"step": st, "host_ns": hi - lo,
                     "data_ns": iv.length(iv.clip(data, lo, hi)),
                     "sync_ns": iv.length(iv.clip(sync, lo, hi)),
-                    "sync_calls": calls.get(st, 0)})
+                    "sync_calls": calls.get(st, 0),
+                    # the longest runtime call: ≥ START_UP_CALL_MS is start-up, not steady state
+                    "max_call_ns": longest.get(st, 0)})
     return out
+
+
+def _longest_by_step(steps: np.ndarray, durs: np.ndarray) -> dict[int, int]:
+    """step -> the longest duration among the events of that step (one pass)."""
+    if not len(steps):
+        return {}
+    u, inv = np.unique(steps, return_inverse=True)
+    m = np.zeros(len(u), dtype=np.int64)
+    np.maximum.at(m, inv, durs.astype(np.int64))
+    return {int(k): int(v) for k, v in zip(u.tolist(), m.tolist())}
 
 
 def _hta_view(trace, launched: np.ndarray, rt_rows: np.ndarray) -> dict:
@@ -199,7 +213,8 @@ def trace_digest(run, rank, trace) -> dict:
     launched = ev["cat"].isin(LAUNCHED)
     host = _host_steps(trace)
     host_rows = [{"step": h["step"], "host_ms": _ms(h["host_ns"]), "data_ms": _ms(h["data_ns"]),
-                  "sync_ms": _ms(h["sync_ns"]), "sync_calls": h["sync_calls"]} for h in host]
+                  "sync_ms": _ms(h["sync_ns"]), "sync_calls": h["sync_calls"],
+                  "max_call_ms": _ms(h["max_call_ns"])} for h in host]
     if not launched.any():
         return {"kind": "cpu", "steps": len(host), "per_step": host_rows[:MAX_STEPS]}
     step = ev["step"]
@@ -276,6 +291,9 @@ def _rank_row(rank: int, d: dict) -> dict:
     main = next((s for s in d["streams"] if s["stream"] == d["main_stream"]), d["streams"][0])
     idle = main["host_wait_ms"] + main["kernel_wait_ms"] + main["other_ms"]
     steps = [p for p in d["per_step"] if p.get("host_ms")]
+    start_up = estimates.start_up_steps(steps)
+    if start_up and len(start_up) < len(steps):  # steady-state steps judged alone
+        steps = [p for p in steps if p not in start_up]
     n = max(len(steps), 1)
     host_ms = sum(p["host_ms"] for p in steps)
     la = d["launch"]
@@ -294,12 +312,23 @@ def _rank_row(rank: int, d: dict) -> dict:
         "sync_share": round(sum(p["sync_ms"] for p in steps) / host_ms, 4) if host_ms else 0.0,
         "launch_delay_p50_us": (la.get("launch_delay") or {}).get("p50_us"),
         "launch_call_mean_us": (la.get("launch_call") or {}).get("mean_us"),
+        **({"start_up_steps": [p["step"] for p in start_up]} if start_up else {}),
+        # every profiled step is start-up (context set-up, first-call compilation): not judged
+        **({"start_up": True, "longest_call_ms": max(p["max_call_ms"] for p in start_up)}
+           if start_up and len(start_up) == len(d["per_step"]) else {}),
     }
 
 
 def cause(row: dict) -> str | None:
     """Why the device of a rank is starved (None: it is not): 'data_loader', 'synchronization'
     or 'launch'."""
+    if row.get("start_up"):  # start-up is not steady state
+        return None
+    # the data loader: whenever taking it off the critical path saves enough of the step,
+    # whatever the device idle (analyzers/estimates.py)
+    data = estimates.data_loading_trace(row)
+    if data and data["saving_fraction"] >= estimates.MIN_SAVING:
+        return "data_loader"
     if row["idle_fraction"] < STARVED_IDLE or row["host_wait_share"] < HOST_WAIT_SHARE:
         return None
     if row["data_share"] >= DATA_SHARE:
@@ -335,6 +364,11 @@ def analyze(run) -> AnalyzerResult:
            **{k: med(k) for k in ("idle_fraction", "host_wait_share", "kernel_wait_share",
                                   "other_share", "kernels_per_step", "host_ms_per_step")},
            "starved_ranks": [x["rank"] for x in per_rank if x["starved"]]}
+    start_up = [x for x in per_rank if x.get("start_up")]
+    if start_up:  # said plainly: the window shows start-up, which is no steady state to judge
+        job["start_up"] = {"ranks": [x["rank"] for x in start_up],
+                           "longest_call_ms": max(x["longest_call_ms"] for x in start_up),
+                           "text": start_up_text(start_up)}
     metrics = {"job": job, "per_rank": per_rank, "streams": streams, "launch": launch,
                "per_step": per_step,
                "hta": {str(r): d["hta"] for r, d in gpu.items() if d.get("hta")},
@@ -344,6 +378,15 @@ def analyze(run) -> AnalyzerResult:
                               "short_kernel_us": SHORT_KERNEL_NS / 1e3},
                "definitions": "docs/launch.md"}
     return AnalyzerResult(metrics=metrics, findings=_findings(per_rank, gpu))
+
+
+def start_up_text(rows: list[dict]) -> str:
+    longest = max(x["longest_call_ms"] for x in rows)
+    n = len(rows)
+    return (f"the profiled steps of {n} rank{'s' * (n != 1)} are start-up, not steady state: a "
+            f"runtime call of {longest / 1e3:.2f} s (CUDA context set-up, module loading or "
+            f"first-call compilation; ≥ {estimates.START_UP_CALL_MS:g} ms); idle and launch "
+            "figures are not diagnosed there — profile later steps (schedule(wait=…, warmup=…))")
 
 
 _ADVICE = {

@@ -1,9 +1,10 @@
 """report.html: one self-contained file rendered from summary.json alone.
 
 No network (inline CSS, inline SVG plots, no fonts or scripts from anywhere), every text from the
-summary escaped. Findings come first, then one section per analyzer in ANALYZER_MODULES order: the
-analyzer's own renderer `trainprof.reports.sections.<NAME>` when there is one, else a generic view
-of its metrics. A section that fails to render shows its error; the rest of the report still renders.
+summary escaped. "What to change first" (reports/actions.py), then the findings, then one
+section per analyzer in ANALYZER_MODULES order: the analyzer's own renderer
+`trainprof.reports.sections.<NAME>` when there is one, else a generic view of its metrics. A
+section that fails to render shows its error; the rest of the report still renders.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import traceback
 from collections.abc import Mapping
 from pathlib import Path
 
-from trainprof.reports import kit, ranks as rk
+from trainprof.reports import actions as act, kit, ranks as rk
 
 SEVERITY_COLOURS = {"critical": "#b3001b", "error": "#d9480f", "warning": "#e8a200", "info": "#1c7ed6"}
 
@@ -129,22 +130,28 @@ def _header(summary: dict) -> str:
             f"{inp_html}</header>")
 
 
-def _finding(f: Mapping, summary: dict, evidence_open: bool = True) -> str:
+def _finding(f: Mapping, summary: dict, evidence_open: bool = True, idx: int | None = None) -> str:
     sev = str(f.get("severity", "info"))
     colour = SEVERITY_COLOURS.get(sev, "#868e96")
     evidence = f.get("evidence") or {}
     ev_html = ""
     if isinstance(evidence, Mapping) and evidence:
+        # sentences and a small chart first; every figure, raw, folded (analyzers' own keys)
+        said = "".join(kit.para(x) for x in act.evidence_sentences(evidence))
         ev_html = (f"<details{' open' if evidence_open else ''}><summary>evidence</summary>"
-                   + generic(evidence) + "</details>")
+                   + said + act.rank_bars(evidence)
+                   + "<details><summary>all figures</summary>" + generic(evidence)
+                   + "</details></details>")
     elif evidence:
         ev_html = kit.para(kit.fmt_value(evidence))
     analyzer = f.get("analyzer")
-    return (f'<div class="finding" style="--sev:{colour}"><div class="head">'
+    anchor = f' id="f-{idx}"' if isinstance(idx, int) else ""
+    return (f'<div class="finding"{anchor} style="--sev:{colour}"><div class="head">'
             f'<span class="sev">{kit.esc(sev)}</span><span class="kind">{kit.esc(f.get("kind"))}</span>'
             f'<span class="ranks">{kit.esc(ranks_text(f.get("ranks"), summary))}</span>'
             + (f'<span class="note">from {kit.esc(analyzer)}</span>' if analyzer else "")
-            + f'</div><div class="msg">{kit.esc(rk.cap_numbers(f.get("message")))}</div>{ev_html}</div>')
+            + f'</div><div class="msg">{kit.esc(rk.cap_numbers(f.get("message")))}</div>'
+            + act.estimate_html(f) + f'{ev_html}</div>')
 
 
 def _findings(summary: dict) -> str:
@@ -152,7 +159,10 @@ def _findings(summary: dict) -> str:
     if summary.get("nothing_analyzed"):
         return f'<h2>Findings</h2><p class="error">Nothing analyzed: {kit.esc(summary["nothing_analyzed"])}</p>'
     cover = summary.get("coverage")
-    note = (f'<p class="error">Not everything was analyzed: {kit.esc(cover.get("text"))}</p>'
+    # bare traces hold no run directory's streams: that is the input, said plainly, no error
+    plain = act.coverage_is_the_input(summary)
+    note = ((f'<p class="plain">What this input allows: {kit.esc(cover.get("text"))}</p>' if plain else
+             f'<p class="error">Not everything was analyzed: {kit.esc(cover.get("text"))}</p>')
             if isinstance(cover, Mapping) else "")
     if not findings and note:  # never "nothing looks wrong" about analyses that did not run
         return '<h2>Findings</h2><p class="none">No findings in what was analyzed.</p>' + note
@@ -164,7 +174,7 @@ def _findings(summary: dict) -> str:
     tally = ", ".join(f"{n:,} {s}" for s, n in counts.items())
     head = f"<h2>Findings ({kit.esc(tally)})</h2>" + note
     if len(findings) <= rk.MANY_FINDINGS:
-        return head + "".join(_finding(f, summary) for f in findings)
+        return head + "".join(_finding(f, summary, idx=i) for i, f in enumerate(findings))
     return head + _many_findings(findings, summary)
 
 
@@ -178,12 +188,17 @@ def _many_findings(findings: list, summary: dict) -> str:
         if len(fs) > 1:
             out.append(f"<h3>{kit.esc(kind)}: {len(fs):,} findings — "
                        f"{kit.esc(ranks_text(rk.finding_ranks(fs), summary))}</h3>")
-        out.extend(_finding(f, summary, evidence_open=False) for f in fs[:rk.FULL_PER_KIND])
+        out.extend(_finding(f, summary, evidence_open=False, idx=_index(findings, f))
+                   for f in fs[:rk.FULL_PER_KIND])
         rest = [{"severity": f.get("severity"), "ranks": ranks_text(f.get("ranks"), summary, limit=4),
                  "message": rk.cap_numbers(f.get("message"))} for f in fs[rk.FULL_PER_KIND:]]
         if rest:
             out.append(kit.table(rest, max_rows=rk.TOP, what=f"{kind} findings"))
     return "".join(out)
+
+
+def _index(findings: list, f) -> int | None:
+    return next((i for i, g in enumerate(findings) if g is f), None)
 
 
 def generic(value, depth: int = 0) -> str:
@@ -308,11 +323,18 @@ def render_html(summary: dict) -> str:
     title = f"trainprof — {_get(summary, 'run', 'dir', default='report')}"
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\">"
-            f"<title>{kit.esc(title)}</title><style>{CSS}</style></head><body>"
-            f"{_header(summary)}<main>{_findings(summary)}<h2>Metrics</h2>{sections}"
+            f"<title>{kit.esc(title)}</title><style>{CSS}{act.CSS}</style></head><body>"
+            f"{_header(summary)}<main>{_lead(summary)}{_findings(summary)}<h2>Metrics</h2>{sections}"
             f"{_problems(summary)}</main><footer>generated {kit.esc(summary.get('generated_at'))}"
             f" by trainprof {kit.esc(summary.get('trainprof_version'))} — self-contained, works offline"
             "</footer></body></html>\n")
+
+
+def _lead(summary: dict) -> str:
+    try:
+        return act.lead_html(summary)
+    except Exception as e:  # noqa: BLE001 - the rest of the report still renders
+        return kit.para(f"The actions could not be rendered ({type(e).__name__}: {e}).", "note")
 
 
 def write_html(summary: dict, path) -> Path:

@@ -181,10 +181,17 @@ def render_terminal(summary, report_path=None, console=None) -> None:
     for label, value in key_metrics(summary):
         console.print(f"  {escape(label)}: [bold]{escape(value)}[/bold]")
 
+    from trainprof.reports.actions import terminal_lines
+
+    for line in terminal_lines(summary):  # what to change first, with its estimated saving
+        console.print(escape(line))
     findings = [f for f in (summary.get("findings") or []) if isinstance(f, Mapping)]
     cover = summary.get("coverage")
-    if findings and isinstance(cover, Mapping):
-        console.print(f"[yellow]coverage[/yellow]: {escape(str(cover.get('text', '')))}")
+    if findings and isinstance(cover, Mapping):  # bare traces: the nature of the input, said plainly
+        from trainprof.reports.actions import coverage_is_the_input
+
+        label = "what this input allows" if coverage_is_the_input(summary) else "[yellow]coverage[/yellow]"
+        console.print(f"{label}: {escape(str(cover.get('text', '')))}")
     if summary.get("nothing_analyzed"):
         console.print(f"[bold red]nothing analyzed[/bold red]: {escape(str(summary['nothing_analyzed']))}")
     elif not findings and isinstance(partial, Mapping):  # never "nothing wrong" about ranks not seen

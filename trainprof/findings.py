@@ -6,7 +6,9 @@ summary.json (schema documented in docs/summary.md)::
      "run": {"dir", "world_size", "mesh": {"dp", "pp", "tp"}, "command", "exit_code", ...},
      "metrics": {"<analyzer>": {...}, ...},
      "findings": [{"kind", "severity", "ranks", "message", "evidence": {...}, "analyzer",
-                   "onset": {"step", "time"}, "end": {"step", "time"}}],  (onset/end: when known)
+                   "onset": {"step", "time"}, "end": {"step", "time"},  (onset/end: when known)
+                   "fix": "what to change", "estimate": {...} | null}],
+     "actions": [{"kind", "ranks", "fix", "estimate", "evidence", "section", "finding"}],
      "problems": ["<file>: what is wrong", ...],
      "errors": [{"analyzer", "error"}]}
 """
@@ -40,6 +42,12 @@ class Finding:
     # when it started and, once over, ended: {"step": N, "time": ISO-8601 or None} (docs/onsets.md)
     onset: dict | None = None
     end: dict | None = None
+    # what to change, and what it would buy: {"step_ms_before", "step_ms_after",
+    # "saving_fraction", "model", "assumptions": [...]} (analyzers/estimates.py); filled in by
+    # analyzers/advice.py for findings whose analyzer left them empty; null when the finding
+    # is not about speed (a NaN, a hang) or the input gives no measure of the step
+    fix: str = ""
+    estimate: dict[str, Any] | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:

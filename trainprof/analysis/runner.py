@@ -128,7 +128,13 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
             f.analyzer = f.analyzer or mod.NAME
             findings.append(f.to_dict())
     findings = withhold_window(metrics, findings)
-    findings.sort(key=lambda f: (SEVERITY_ORDER.get(f["severity"], 9), f["kind"], f["ranks"]))
+    actions = _advise(metrics, findings, errors)
+    # by severity, then by what fixing it would save (analyzers/advice.py), largest first
+    findings.sort(key=lambda f: (SEVERITY_ORDER.get(f["severity"], 9), -_saving(f), f["kind"], f["ranks"]))
+    if actions is not None:
+        from trainprof.analyzers.advice import actions as ranked
+
+        actions = ranked(findings)
     info = run_info(run)
     info.update(live_state(run))
     for name, rs in info.get("probes_off", {}).items():  # absent data must not read as "nothing found"
@@ -145,6 +151,10 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
     if nothing:
         run.problems.insert(0, nothing)
     cover = None if nothing else coverage(run, metrics, health)
+    if cover and run.trace_inputs:
+        # only a run directory's streams missing: the nature of bare traces, said plainly
+        streams = {need for _, need in RUN_DIR_ANALYSES}
+        cover["input_only"] = all(m.get("needs") in streams for m in cover.get("not_analyzed") or [])
     if cover:
         run.problems.insert(0, cover["text"])
     return {
@@ -157,6 +167,8 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
         "problems": list(dict.fromkeys(run.problems)),
         "errors": errors,
         "analyzer_seconds": timings,
+        # what to change first: findings whose fix saves ≥ 5 % of the step, largest saving first
+        "actions": actions or [],
         **({"nothing_analyzed": nothing} if nothing else {}),
         # what could not be analyzed (and why): never "nothing looks wrong" about it
         **({"coverage": cover} if cover else {}),
@@ -171,6 +183,22 @@ def _stamp_onsets(run: RunDir, found) -> None:
         stamp_findings(run, found)
     except Exception as e:  # noqa: BLE001 - a finding without its onset is still a finding
         run.problems.append(f"onsets: {type(e).__name__}: {e}")
+
+
+def _advise(metrics: dict, findings: list[dict], errors: list) -> list | None:
+    """``fix`` and ``estimate`` on every finding (analyzers/advice.py); None when it failed."""
+    try:
+        from trainprof.analyzers.advice import advise
+
+        return advise(metrics, findings)
+    except Exception as e:  # noqa: BLE001 - the findings stand without their estimates
+        errors.append({"analyzer": "advice", "error": f"{type(e).__name__}: {e}"})
+        return None
+
+
+def _saving(f: dict) -> float:
+    e = f.get("estimate")
+    return float(e.get("saving_fraction") or 0.0) if isinstance(e, dict) else -1.0
 
 
 # analyzers whose figures come from the profiled window alone (withheld with comm_compute's
