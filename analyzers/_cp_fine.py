@@ -1,0 +1,223 @@
+"""The step graph of the profiler window, from one or several ranks' traces.
+
+Per rank: every CPU thread's events cut into leaf segments (the innermost event at each moment;
+gaps between a thread's events are host time too) chained in time order; every GPU stream's
+kernels / memcpys / memsets in stream order (the gap between two is ``idle``); a kernel launch
+(runtime call with the kernel's correlation id) -> its kernel (the launch delay, ``idle``); a
+synchronizing runtime call (cudaDeviceSynchronize, cudaStreamSynchronize, cudaEventSynchronize,
+a synchronous cudaMemcpy) waits for the last GPU op that ended before it returned. Kinds: GPU
+kernels ``compute`` (NCCL / RCCL kernels ``communication``); CPU segments ``host`` when the rank
+has GPU work, ``compute`` on a CPU-only trace; the data loader's spans ``data``; collective
+CPU ops (c10d / gloo / record_param_comms) ``communication``.
+
+Across ranks (``comm_keys``: event row -> instance key, the same key on every member), a
+collective is a join: each member's op start -> join at the last start; join -> each member's op
+end (``communication``), and the member's own segments inside the op (its wait) are left out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from trainprof.analyzers._cp_graph import Graph
+
+SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy", "hipDeviceSynchronize", "hipStreamSynchronize", "hipMemcpy")
+COMM_MARKS = ("nccl", "rccl", "gloo:", "c10d::", "record_param_comms")
+DATA_MARKS = ("dataloader",)
+
+
+def _is_comm(name: str) -> bool:
+    n = name.lower()
+    return any(m in n for m in COMM_MARKS)
+
+
+def _kind_cpu(name: str, cat: str, has_gpu: bool) -> str:
+    n = name.lower()
+    if any(m in n for m in DATA_MARKS):
+        return "data"
+    if _is_comm(name):
+        return "communication"
+    if not has_gpu and cat in ("cpu_op", "user_annotation", "python_function"):
+        return "compute"
+    return "host"
+
+
+def window_rows(trace, lo: int, hi: int) -> np.ndarray:
+    """Rows of events in [lo, hi]: host events starting in it (zero-length ones left out), GPU
+    ops whose launch started in it (or without a launch, starting in it). Step annotations
+    (ProfilerStep#N) are left out: they span the whole step."""
+    ev = trace.tables.events
+    ts = ev["ts_ns"]
+    dur = ev["dur_ns"]
+    gpu = ev["is_gpu"]
+    names = ev["name"]
+    step_mark = (names.startswith("ProfilerStep#") | names.isin(["Iteration Start: PyTorch Profiler"])
+                 | ev["cat"].isin(["Trace", "gpu_user_annotation"]))
+    host = ~gpu & (ts >= lo) & (ts <= hi) & (dur > 0) & ~step_mark
+    corr = ev["correlation"]
+    launch_ts = {}
+    for i in np.flatnonzero(~gpu & (corr >= 0)):
+        launch_ts[int(corr[i])] = int(ts[i])
+    g = np.flatnonzero(gpu & ~step_mark)
+    keep_g = np.array([lo <= launch_ts.get(int(corr[i]), int(ts[i])) <= hi for i in g], bool)
+    rows = np.concatenate([np.flatnonzero(host), g[keep_g] if len(g) else g])
+    return np.sort(rows)
+
+
+def _segments(starts, ends, order):
+    """Leaf segments of one thread's nested events: [(a, b, row or -1)] in time order."""
+    out = []
+    stack: list = []  # (end, row)
+    cursor = None
+    for i in order:
+        s, e = int(starts[i]), int(ends[i])
+        while stack and stack[-1][0] <= s:
+            pe, prow = stack.pop()
+            if cursor is not None and pe > cursor:
+                out.append((cursor, pe, prow))
+            cursor = pe if cursor is None else max(cursor, pe)
+        if cursor is not None and s > cursor:
+            out.append((cursor, s, stack[-1][1] if stack else -1))
+        if stack:
+            e = min(e, stack[-1][0])  # a child never outlives its parent
+        stack.append((e, int(i)))
+        cursor = s if cursor is None else max(cursor, s)
+    while stack:
+        pe, prow = stack.pop()
+        if cursor is not None and pe > cursor:
+            out.append((cursor, pe, prow))
+            cursor = pe
+    return out
+
+
+def add_rank(g: Graph, rank: int, trace, rows: np.ndarray, shift, comm_keys: dict | None = None,
+             arrivals: dict | None = None, leaves: list | None = None,
+             clip: int | None = None) -> None:
+    """Add one rank's window (event ``rows``) to ``g``; ``shift(ns array) -> aligned``.
+    Collective ops listed in ``comm_keys`` go to ``arrivals`` / ``leaves`` for joining. Host
+    events end at ``clip`` (the window's end, local ns) at the latest."""
+    ev = trace.tables.events
+    names, cats = ev["name"], ev["cat"]
+    raw_end = ev["end_ns"][rows]
+    if clip is not None:
+        raw_end = np.where(ev["is_gpu"][rows], raw_end, np.minimum(raw_end, clip))
+    ts = np.asarray(shift(ev["ts_ns"][rows]), np.int64)
+    end = np.asarray(shift(raw_end), np.int64)
+    gpu = ev["is_gpu"][rows]
+    tid = ev["tid"][rows]
+    stream = ev["stream"][rows]
+    corr = ev["correlation"][rows]
+    has_gpu = bool(gpu.any())
+    names_l = [str(names[int(r)]) for r in rows]
+    cats_l = [str(cats[int(r)]) for r in rows]
+    comm_keys = comm_keys or {}
+    waits: dict = {}  # tid -> [(a, b)] intervals inside joined collectives
+    for k, r in enumerate(rows):
+        if int(r) in comm_keys and not gpu[k]:
+            waits.setdefault(int(tid[k]), []).append((int(ts[k]), int(end[k])))
+    node_at: dict = {}  # (tid, ts) -> node on that thread
+    host_idx = np.flatnonzero(~gpu)
+    for t in np.unique(tid[host_idx]) if len(host_idx) else ():
+        idx = host_idx[tid[host_idx] == t]
+        order = idx[np.lexsort((-(end[idx] - ts[idx]), ts[idx]))]
+        segs = _segments(ts, end, order)
+        wv = sorted(waits.get(int(t), ()))
+        prev = None
+        for a, b, k in segs:
+            na = node_at.get((int(t), a))
+            if na is None:
+                na = node_at[(int(t), a)] = g.node(rank, a)
+            if prev is not None and prev != na:
+                g.edge(prev, na)  # same moment
+            nb = node_at.get((int(t), b))
+            if nb is None:
+                nb = node_at[(int(t), b)] = g.node(rank, b)
+            prev = nb
+            if any(x <= a and b <= y for x, y in wv):
+                continue  # waiting inside a joined collective
+            kind = _kind_cpu(names_l[k], cats_l[k], has_gpu) if k >= 0 else "host"
+            g.edge(na, nb, b - a, rank, {kind: b - a}, key=("work", rank),
+                   label=names_l[k] if k >= 0 else None)
+    # launches: correlation -> the runtime call's start node
+    launch = {}
+    for k in host_idx:
+        if corr[k] >= 0 and cats_l[k] in ("cuda_runtime", "cuda_driver"):
+            launch[int(corr[k])] = node_at.get((int(tid[k]), int(ts[k])))
+    gpu_idx = np.flatnonzero(gpu)
+    gpu_ends = []  # (end, end node)
+    for s in np.unique(stream[gpu_idx]) if len(gpu_idx) else ():
+        idx = gpu_idx[stream[gpu_idx] == s]
+        idx = idx[np.argsort(ts[idx], kind="stable")]
+        prev_end = None
+        for k in idx:
+            a, b = int(ts[k]), max(int(end[k]), int(ts[k]))
+            if prev_end is not None:
+                a = max(a, g.node_ts[prev_end])
+                b = max(a, b)
+            na, nb = g.node(rank, a), g.node(rank, b)
+            if prev_end is not None:
+                gap = a - g.node_ts[prev_end]
+                g.edge(prev_end, na, gap, rank, {"idle": gap}, key=("gpu_gap", rank))
+            ln = launch.get(int(corr[k]))
+            if ln is not None:
+                delay = a - g.node_ts[ln]
+                g.edge(ln, na, delay, rank, {"idle": delay}, key=("launch", rank))
+            if int(rows[k]) in comm_keys:
+                arrivals.setdefault(comm_keys[int(rows[k])], []).append((rank, na, a))
+                leaves.append((comm_keys[int(rows[k])], rank, nb, a, b, names_l[k]))
+            else:
+                kind = "communication" if _is_comm(names_l[k]) else "compute"
+                g.edge(na, nb, b - a, rank, {kind: b - a}, key=("kernel", rank), label=names_l[k])
+            gpu_ends.append((b, nb))
+            prev_end = nb
+    # CPU collective ops that join across ranks
+    for k, r in enumerate(rows):
+        if int(r) in comm_keys and not gpu[k]:
+            na = node_at.get((int(tid[k]), int(ts[k])))
+            nb = node_at.get((int(tid[k]), int(end[k])))
+            if na is not None and nb is not None:
+                arrivals.setdefault(comm_keys[int(r)], []).append((rank, na, int(ts[k])))
+                leaves.append((comm_keys[int(r)], rank, nb, int(ts[k]), int(end[k]), names_l[k]))
+    _sync_edges(g, rank, host_idx, names_l, tid, ts, end, node_at, gpu_ends)
+
+
+def _sync_edges(g, rank, host_idx, names_l, tid, ts, end, node_at, gpu_ends) -> None:
+    if not gpu_ends:
+        return
+    gpu_ends.sort()
+    ends = [e for e, _ in gpu_ends]
+    import bisect
+
+    for k in host_idx:
+        if names_l[k] not in SYNC_CALLS:
+            continue
+        b = int(end[k])
+        j = bisect.bisect_right(ends, b) - 1
+        nb = node_at.get((int(tid[k]), b))
+        if j >= 0 and nb is not None and ends[j] >= int(ts[k]):
+            w = b - ends[j]
+            g.edge(gpu_ends[j][1], nb, w, rank, {"host": w}, key=("sync", rank))
+
+
+def join(g: Graph, arrivals: dict, leaves: list) -> None:
+    """Collectives as joins: each member's start -> join at the last start -> each member's end."""
+    joins = {}
+    for key, arr in arrivals.items():
+        t = max(x[2] for x in arr)
+        j = g.node(-1, t)
+        joins[key] = (j, t)
+        for _, n, _ in arr:
+            g.edge(n, j)
+    for key, rank, nb, a, b, name in leaves:
+        j, t = joins[key]
+        w = b - max(t, a)
+        g.edge(j, nb, w, rank, {"communication": w}, key=("coll", key), label=name)
+
+
+def rank_graph(trace, lo: int, hi: int, rank: int = 0) -> Graph:
+    """One rank's window as a graph (no joins): the single-rank critical path."""
+    g = Graph()
+    rows = window_rows(trace, lo, hi)
+    add_rank(g, rank, trace, rows, lambda a: np.asarray(a, np.int64), {}, {}, [], clip=hi)
+    return g
