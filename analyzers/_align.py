@@ -51,7 +51,9 @@ def _ends_table(run, base) -> tuple:
     if df.empty:
         return np.zeros(0, int), np.zeros(0, int), np.zeros(0, np.int64)
     ranks = df["rank"].to_numpy(int)
-    inst = df.groupby(["group", "ordinal"], observed=True).ngroup().to_numpy()
+    ordinal = df["ordinal"].to_numpy().astype(np.int64)
+    gcode = df["group"].cat.codes.to_numpy().astype(np.int64)
+    inst = gcode * (int(ordinal.max()) + 1) + ordinal
     end = df["end_ns"].astype(np.int64).to_numpy()
     out = end.copy()
     for r in np.unique(ranks):

@@ -13,13 +13,15 @@ CPU ops (c10d / gloo / record_param_comms) ``communication``.
 Across ranks (``comm_keys``: event row -> instance key, the same key on every member), a
 collective is a join: each member's op start -> join at the last start; join -> each member's op
 end (``communication``), and the member's own segments inside the op (its wait) are left out.
+An op that returned before the last member arrived (an async launch: isend, irecv, NCCL's host
+side) does not wait for the join: it stays its rank's own work.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from trainprof.analyzers._cp_graph import Graph
+from trainprof.analyzers._cp_graph import COLL, WORK, Graph
 
 SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
               "cudaMemcpy", "hipDeviceSynchronize", "hipStreamSynchronize", "hipMemcpy")
@@ -55,6 +57,19 @@ def window_rows(trace, lo: int, hi: int) -> np.ndarray:
     step_mark = (names.startswith("ProfilerStep#") | names.isin(["Iteration Start: PyTorch Profiler"])
                  | ev["cat"].isin(["Trace", "gpu_user_annotation"]))
     host = ~gpu & (ts >= lo) & (ts <= hi) & (dur > 0) & ~step_mark
+    # the threads that drive the step: the one holding the step annotations (else the busiest)
+    # and those launching GPU work; helper threads (gloo's workers, the data loader's pin
+    # thread, the profiler's own) run beside the step, not in its chain
+    tid = ev["tid"]
+    marks = np.flatnonzero(names.startswith("ProfilerStep#"))
+    if len(marks):
+        main = {int(tid[marks[0]])}
+    else:
+        vals, cnt = np.unique(tid[host], return_counts=True)
+        main = {int(vals[np.argmax(cnt)])} if len(vals) else set()
+    launch = np.asarray(ev["cat"].isin(["cuda_runtime", "cuda_driver"])) & host
+    main |= {int(x) for x in np.unique(tid[launch])}
+    host &= np.isin(tid, list(main))
     corr = ev["correlation"]
     launch_ts = {}
     for i in np.flatnonzero(~gpu & (corr >= 0)):
@@ -113,15 +128,23 @@ def add_rank(g: Graph, rank: int, trace, rows: np.ndarray, shift, comm_keys: dic
     cats_l = [str(cats[int(r)]) for r in rows]
     comm_keys = comm_keys or {}
     waits: dict = {}  # tid -> [(a, b)] intervals inside joined collectives
+    cuts: dict = {}  # tid -> moments a log record adds (its wait's start and its end)
+    spans: dict = {}  # local row index -> (arrival, wait start, end) of a joined host op
     for k, r in enumerate(rows):
         if int(r) in comm_keys and not gpu[k]:
-            waits.setdefault(int(tid[k]), []).append((int(ts[k]), int(end[k])))
+            key, ws, we = _key_times(comm_keys[int(r)])
+            a = int(ts[k])
+            ws = int(ts[k]) if ws is None else max(int(ws), a)
+            we = int(end[k]) if we is None else max(int(we), ws)
+            spans[k] = (a, ws, we)
+            waits.setdefault(int(tid[k]), []).append((ws, we))
+            cuts.setdefault(int(tid[k]), set()).update((ws, we))
     node_at: dict = {}  # (tid, ts) -> node on that thread
     host_idx = np.flatnonzero(~gpu)
     for t in np.unique(tid[host_idx]) if len(host_idx) else ():
         idx = host_idx[tid[host_idx] == t]
         order = idx[np.lexsort((-(end[idx] - ts[idx]), ts[idx]))]
-        segs = _segments(ts, end, order)
+        segs = _cut(_segments(ts, end, order), cuts.get(int(t)))
         wv = sorted(waits.get(int(t), ()))
         prev = None
         for a, b, k in segs:
@@ -137,7 +160,7 @@ def add_rank(g: Graph, rank: int, trace, rows: np.ndarray, shift, comm_keys: dic
             if any(x <= a and b <= y for x, y in wv):
                 continue  # waiting inside a joined collective
             kind = _kind_cpu(names_l[k], cats_l[k], has_gpu) if k >= 0 else "host"
-            g.edge(na, nb, b - a, rank, {kind: b - a}, key=("work", rank),
+            g.edge(na, nb, b - a, rank, {kind: b - a}, etype=WORK,
                    label=names_l[k] if k >= 0 else None)
     # launches: correlation -> the runtime call's start node
     launch = {}
@@ -158,28 +181,55 @@ def add_rank(g: Graph, rank: int, trace, rows: np.ndarray, shift, comm_keys: dic
             na, nb = g.node(rank, a), g.node(rank, b)
             if prev_end is not None:
                 gap = a - g.node_ts[prev_end]
-                g.edge(prev_end, na, gap, rank, {"idle": gap}, key=("gpu_gap", rank))
+                g.edge(prev_end, na, gap, rank, {"idle": gap}, etype=WORK)
             ln = launch.get(int(corr[k]))
             if ln is not None:
                 delay = a - g.node_ts[ln]
-                g.edge(ln, na, delay, rank, {"idle": delay}, key=("launch", rank))
+                g.edge(ln, na, delay, rank, {"idle": delay}, etype=WORK)
             if int(rows[k]) in comm_keys:
-                arrivals.setdefault(comm_keys[int(rows[k])], []).append((rank, na, a))
-                leaves.append((comm_keys[int(rows[k])], rank, nb, a, b, names_l[k]))
+                key = _key_times(comm_keys[int(rows[k])])[0]
+                arrivals.setdefault(key, []).append((rank, na, a))
+                leaves.append((key, rank, nb, a, b, names_l[k]))
             else:
                 kind = "communication" if _is_comm(names_l[k]) else "compute"
-                g.edge(na, nb, b - a, rank, {kind: b - a}, key=("kernel", rank), label=names_l[k])
+                g.edge(na, nb, b - a, rank, {kind: b - a}, etype=WORK, label=names_l[k])
             gpu_ends.append((b, nb))
             prev_end = nb
     # CPU collective ops that join across ranks
-    for k, r in enumerate(rows):
-        if int(r) in comm_keys and not gpu[k]:
-            na = node_at.get((int(tid[k]), int(ts[k])))
-            nb = node_at.get((int(tid[k]), int(end[k])))
-            if na is not None and nb is not None:
-                arrivals.setdefault(comm_keys[int(r)], []).append((rank, na, int(ts[k])))
-                leaves.append((comm_keys[int(r)], rank, nb, int(ts[k]), int(end[k]), names_l[k]))
+    for k, (a, ws, we) in spans.items():
+        na = node_at.get((int(tid[k]), a))
+        nb = node_at.get((int(tid[k]), we))
+        if na is not None and nb is not None:
+            key = _key_times(comm_keys[int(rows[k])])[0]
+            arrivals.setdefault(key, []).append((rank, na, a))
+            leaves.append((key, rank, nb, ws, we, names_l[k]))
     _sync_edges(g, rank, host_idx, names_l, tid, ts, end, node_at, gpu_ends)
+
+
+def _key_times(v) -> tuple:
+    """comm_keys values: a key, or (key, wait start, end) in aligned ns from the log record
+    (an async op waits later, in Work.wait(), which the trace does not show as the op)."""
+    if isinstance(v, tuple) and len(v) == 3 and v and isinstance(v[0], tuple):
+        return v
+    return v, None, None
+
+
+def _cut(segs: list, cuts) -> list:
+    """Segments split at the given moments (so that a node exists there)."""
+    if not cuts:
+        return segs
+    import bisect
+
+    cs = sorted(cuts)
+    out = []
+    for a, b, k in segs:
+        i = bisect.bisect_right(cs, a)
+        while i < len(cs) and cs[i] < b:
+            out.append((a, cs[i], k))
+            a = cs[i]
+            i += 1
+        out.append((a, b, k))
+    return out
 
 
 def _sync_edges(g, rank, host_idx, names_l, tid, ts, end, node_at, gpu_ends) -> None:
@@ -197,7 +247,7 @@ def _sync_edges(g, rank, host_idx, names_l, tid, ts, end, node_at, gpu_ends) -> 
         nb = node_at.get((int(tid[k]), b))
         if j >= 0 and nb is not None and ends[j] >= int(ts[k]):
             w = b - ends[j]
-            g.edge(gpu_ends[j][1], nb, w, rank, {"host": w}, key=("sync", rank))
+            g.edge(gpu_ends[j][1], nb, w, rank, {"host": w}, etype=WORK)
 
 
 def join(g: Graph, arrivals: dict, leaves: list) -> None:
@@ -211,8 +261,13 @@ def join(g: Graph, arrivals: dict, leaves: list) -> None:
             g.edge(n, j)
     for key, rank, nb, a, b, name in leaves:
         j, t = joins[key]
+        if b < t:  # returned before the last member arrived: an async launch, not a wait
+            na = next((n for r, n, _ in arrivals[key] if r == rank), None)
+            if na is not None:
+                g.edge(na, nb, b - a, rank, {"communication": b - a}, etype=WORK, label=name)
+            continue
         w = b - max(t, a)
-        g.edge(j, nb, w, rank, {"communication": w}, key=("coll", key), label=name)
+        g.edge(j, nb, w, rank, {"communication": w}, etype=COLL, inst=key, label=name)
 
 
 def rank_graph(trace, lo: int, hi: int, rank: int = 0) -> Graph:

@@ -7,22 +7,47 @@ edge's weight is at most the time between its ends, so the longest path is never
 wall time it covers; a join edge (arrival -> collective) carries no weight: the rank waited, and
 the path goes through the last rank to arrive instead.
 
-``longest_path`` is the critical path. ``replay`` recomputes it with changed weights (a rank's
+``Graph`` is built edge by edge (the profiler window's graph); ``Arrays`` holds a graph as numpy
+columns (the step graphs of the log, built vectorized). ``longest_path`` works on both: a
+frontier-at-a-time topological pass (numpy per frontier, not per edge), so a 1,024-rank step of
+60k edges costs tens of milliseconds. ``replay`` recomputes it with changed weights (a rank's
 excess work removed, a collective hidden): the graph's answer to "what would the step take".
 """
 
 from __future__ import annotations
 
-from collections import deque
+import numpy as np
 
 KINDS = ("compute", "host", "data", "communication", "idle")
+KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
+# edge types (Arrays.etype)
+DEP, WORK, COLL = 0, 1, 2
+
+
+class Arrays:
+    """A graph as numpy columns: node_ts, node_rank; per edge src, dst, weight, rank, parts
+    (E × len(KINDS) ns), etype (DEP / WORK / COLL), inst (collective instance code or -1),
+    label (a string per edge, or None)."""
+
+    def __init__(self, node_ts, node_rank, src, dst, weight, rank, parts, etype, inst, label=None):
+        self.node_ts = np.asarray(node_ts, np.int64)
+        self.node_rank = np.asarray(node_rank, np.int64)
+        self.src = np.asarray(src, np.int64)
+        self.dst = np.asarray(dst, np.int64)
+        self.weight = np.maximum(np.asarray(weight, np.int64), 0)
+        self.rank = np.asarray(rank, np.int64)
+        self.parts = np.asarray(parts, np.int64).reshape(len(self.src), len(KINDS))
+        self.etype = np.asarray(etype, np.int8)
+        self.inst = np.asarray(inst, np.int64)
+        self.label = label
+        self.inst_names: list = []
+
+    def __len__(self) -> int:
+        return len(self.node_ts)
 
 
 class Graph:
-    """Append-only DAG. ``key`` on an edge names what a change may target (e.g. ("coll", group,
-    ordinal) for a collective's transfer)."""
-
-    __slots__ = ("node_rank", "node_ts", "src", "dst", "weight", "rank", "parts", "key", "label")
+    """Append-only DAG built edge by edge; ``arrays()`` converts it for the path."""
 
     def __init__(self):
         self.node_rank: list[int] = []
@@ -32,7 +57,8 @@ class Graph:
         self.weight: list[int] = []
         self.rank: list[int] = []
         self.parts: list[dict | None] = []
-        self.key: list[tuple | None] = []
+        self.etype: list[int] = []
+        self.inst: list = []
         self.label: list[str | None] = []
 
     def node(self, rank: int, ts: int) -> int:
@@ -41,96 +67,118 @@ class Graph:
         return len(self.node_ts) - 1
 
     def edge(self, u: int, v: int, weight: int = 0, rank: int = -1, parts: dict | None = None,
-             key: tuple | None = None, label: str | None = None) -> int:
-        """A work edge when ``parts`` ({kind: ns}, summing to weight) is given, else a
-        dependency. Negative weights (clock noise) are clamped to 0."""
-        w = max(0, int(weight))
-        if parts is not None:
-            parts = {k: max(0, int(v)) for k, v in parts.items() if v > 0}
-            tot = sum(parts.values())
-            if tot != w and tot > 0:  # rescale rounding so the parts sum to the weight
-                f = w / tot
-                parts = {k: int(round(v * f)) for k, v in parts.items()}
+             etype: int = DEP, inst=None, label: str | None = None) -> int:
+        """A work edge when ``parts`` ({kind: ns}) is given (scaled to sum to the weight), else
+        a dependency. Negative weights (clock noise) are clamped to 0."""
         self.src.append(u)
         self.dst.append(v)
-        self.weight.append(w)
+        self.weight.append(max(0, int(weight)))
         self.rank.append(rank)
         self.parts.append(parts)
-        self.key.append(key)
+        self.etype.append(etype if parts is not None or etype != DEP else DEP)
+        self.inst.append(inst)
         self.label.append(label)
         return len(self.src) - 1
 
     def __len__(self) -> int:
         return len(self.node_ts)
 
+    def arrays(self) -> Arrays:
+        n = len(self.src)
+        parts = np.zeros((n, len(KINDS)), np.int64)
+        for e, p in enumerate(self.parts):
+            w = self.weight[e]
+            if p is None or not w:
+                continue
+            tot = sum(max(0, v) for v in p.values())
+            for k, v in p.items():
+                if v > 0 and tot:
+                    parts[e, KIND_INDEX[k]] = int(round(v * w / tot))
+        names = {}
+        inst = [-1 if x is None else names.setdefault(x, len(names)) for x in self.inst]
+        a = Arrays(self.node_ts, self.node_rank, self.src, self.dst, self.weight, self.rank, parts,
+                   self.etype, inst, self.label)
+        a.inst_names = list(names)
+        return a
 
-def longest_path(g: Graph, weights: list[int] | None = None) -> tuple[int, list[int]]:
-    """(length ns, edge ids along the path in order). Kahn's order; every node may start a path.
-    Raises ValueError on a cycle (a graph builder bug: edges must follow time or a join)."""
-    w = g.weight if weights is None else weights
-    n = len(g.node_ts)
+
+def _as_arrays(g) -> Arrays:
+    return g if isinstance(g, Arrays) else g.arrays()
+
+
+def longest_path(g, weights=None) -> tuple[int, np.ndarray]:
+    """(length ns, edge ids along the path in order). Every node may start a path. Raises
+    ValueError on a cycle (a builder bug: edges follow time or a join)."""
+    a = _as_arrays(g)
+    w = a.weight if weights is None else np.maximum(np.asarray(weights, np.int64), 0)
+    n, m = len(a.node_ts), len(a.src)
     if n == 0:
-        return 0, []
-    out_edges: list[list[int]] = [[] for _ in range(n)]
-    indeg = [0] * n
-    for e, (u, v) in enumerate(zip(g.src, g.dst)):
-        out_edges[u].append(e)
-        indeg[v] += 1
-    dist = [0] * n
-    pred = [-1] * n
-    q = deque(i for i in range(n) if indeg[i] == 0)
-    seen = 0
-    while q:
-        u = q.popleft()
-        seen += 1
-        du = dist[u]
-        for e in out_edges[u]:
-            v = g.dst[e]
-            d = du + w[e]
-            if d > dist[v] or (pred[v] < 0 and d >= dist[v]):
-                dist[v] = d
-                pred[v] = e
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                q.append(v)
-    if seen != n:
+        return 0, np.zeros(0, np.int64)
+    order = np.argsort(a.src, kind="stable")
+    starts = np.searchsorted(a.src[order], np.arange(n + 1))
+    indeg = np.bincount(a.dst, minlength=n).astype(np.int64)
+    dist = np.zeros(n, np.int64)
+    pred = np.full(n, -1, np.int64)
+    frontier = np.flatnonzero(indeg == 0)
+    done = 0
+    while len(frontier):
+        done += len(frontier)
+        lo, hi = starts[frontier], starts[frontier + 1]
+        cnt = hi - lo
+        if not cnt.sum():
+            break
+        idx = np.repeat(lo - np.cumsum(np.r_[0, cnt[:-1]]), cnt) + np.arange(cnt.sum())
+        es = order[idx]
+        dst = a.dst[es]
+        cand = dist[a.src[es]] + w[es]
+        # the best candidate per destination (ties: the later edge, so a chain is followed)
+        srt = np.lexsort((es, cand, dst))
+        last = np.r_[dst[srt][1:] != dst[srt][:-1], True]
+        bd, bc, be = dst[srt][last], cand[srt][last], es[srt][last]
+        better = (bc > dist[bd]) | ((bc == dist[bd]) & (pred[bd] < 0))
+        dist[bd[better]] = bc[better]
+        pred[bd[better]] = be[better]
+        np.subtract.at(indeg, dst, 1)
+        uniq = np.unique(dst)
+        frontier = uniq[indeg[uniq] == 0]
+    if done != n:
         raise ValueError("critical-path graph has a cycle")
-    end = max(range(n), key=lambda i: (dist[i], -i))
+    end = int(np.argmax(dist))
     path = []
     while pred[end] >= 0:
-        path.append(pred[end])
-        end = g.src[pred[end]]
+        path.append(int(pred[end]))
+        end = int(a.src[pred[end]])
     path.reverse()
-    return dist[max(range(n), key=lambda i: dist[i])], path
+    return int(dist.max()), np.asarray(path, np.int64)
 
 
-def attribute(g: Graph, path: list[int], weights: list[int] | None = None) -> dict:
+def attribute(g, path, weights=None) -> dict:
     """The path's time by rank and by kind (ns): {"by_rank": {rank: ns}, "by_kind": {kind: ns},
-    "by_rank_kind": {(rank, kind): ns}}."""
-    w = g.weight if weights is None else weights
-    by_rank: dict[int, int] = {}
-    by_kind: dict[str, int] = {}
-    both: dict[tuple, int] = {}
-    for e in path:
-        if not w[e]:
-            continue
-        parts = g.parts[e] or {"idle": g.weight[e]}
-        scale = w[e] / g.weight[e] if g.weight[e] else 0.0
-        r = g.rank[e]
-        for k, ns in parts.items():
-            ns = ns * scale
-            by_rank[r] = by_rank.get(r, 0) + ns
-            by_kind[k] = by_kind.get(k, 0) + ns
-            both[(r, k)] = both.get((r, k), 0) + ns
-    return {"by_rank": by_rank, "by_kind": by_kind, "by_rank_kind": both}
+    "by_rank_kind": {(rank, kind): ns}}. A replayed weight scales its edge's parts."""
+    a = _as_arrays(g)
+    path = np.asarray(path, np.int64)
+    if not len(path):
+        return {"by_rank": {}, "by_kind": {}, "by_rank_kind": {}}
+    parts = a.parts[path].astype(float)
+    if weights is not None:
+        w0 = a.weight[path].astype(float)
+        w1 = np.asarray(weights, float)[path]
+        parts *= np.where(w0 > 0, w1 / np.where(w0 > 0, w0, 1), 0)[:, None]
+    ranks = a.rank[path]
+    by_rank: dict = {}
+    both: dict = {}
+    for r in np.unique(ranks):
+        sub = parts[ranks == r].sum(axis=0)
+        if sub.sum() > 0:
+            by_rank[int(r)] = float(sub.sum())
+            for k, v in zip(KINDS, sub):
+                if v > 0:
+                    both[(int(r), k)] = float(v)
+    tot = parts.sum(axis=0)
+    return {"by_rank": by_rank, "by_kind": {k: float(v) for k, v in zip(KINDS, tot)},
+            "by_rank_kind": both}
 
 
-def replay(g: Graph, change) -> tuple[int, list[int]]:
-    """The longest path with ``change(edge_id, graph) -> new weight | None`` applied (None keeps
-    the weight). Returns (length ns, path)."""
-    w = list(g.weight)
-    for e in range(len(w)):
-        nw = change(e, g)
-        if nw is not None:
-            w[e] = max(0, int(nw))
-    return longest_path(g, w)
+def replay(g, weights) -> tuple[int, np.ndarray]:
+    """The longest path under other ``weights`` (same edges)."""
+    return longest_path(g, weights)

@@ -24,6 +24,7 @@ from trainprof.analyzers._align import align, align_traces
 EVENT_BYTES = 170  # JSON bytes per slice, as written (measured on reference runs: 150-190)
 HOST_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function")
 DIM_ORDER = ("dp", "pp", "cp", "ep", "tp")
+MAX_MEMORY_SAMPLES = 2000  # per rank: the allocator's counter, evenly thinned
 
 
 def _name(rank: int, coords: dict, host) -> str:
@@ -73,28 +74,45 @@ def build(run, steps: list[int] | None = None, ranks: list[int] | None = None,
         steps, step_why = sel.select_steps(all_steps, findings, profiled, _kept(run, all_steps))
     else:
         steps, step_why = [s for s in steps if s in set(all_steps)], "chosen with --steps"
-    m = {"slices": [], "flows": [], "counters": [], "instants": [], "processes": []}
+    for _ in range(3):  # the log's events of too many steps: fewer steps, said
+        m, windows = _core(run, al, ranks, steps, findings, critical)
+        n_core = len(m["slices"]) + len(m["flows"]) * 2 + len(m["instants"])
+        fit = max_bytes // EVENT_BYTES
+        if n_core <= fit or len(steps) <= 1:
+            break
+        keep = max(1, int(len(steps) * fit / n_core * 0.9))
+        step_why += f"; cut to {keep} steps by the size limit ({max_bytes / 2 ** 20:g} MB)"
+        steps = steps[:keep]
     budget = _Budget(max_bytes)
     rset, sset = set(ranks), set(steps)
-    windows = _windows(run, al, rset, sset)
-    _processes(m, run, ranks, al.info)
-    _steps_and_data(m, run, al, rset, sset)
-    _collectives(m, run, al, rset, sset)
-    _pipeline(m, run, al, rset, sset)
-    if critical:
-        _critical(m, run, rset, sset)
-    _findings(m, findings, windows, rset)
-    n_core = len(m["slices"]) + len(m["flows"]) * 2 + len(m["instants"])
     budget.take(n_core, "log events")
     if profiler:
-        _profiler(m, run, al, rset, sset, budget)
+        traces = _profiler(m, run, al, rset, sset, budget)
+        if critical and traces:
+            _critical_profiled(m, run, traces, sorted(sset & set(profiled)))
     m["meta"] = {
         "ranks": ranks, "ranks_selection": rank_why, "steps": steps, "steps_selection": step_why,
-        "world_size": run.world_size, "steps_in_run": len(all_steps),
+        "world_size": run.world_size, "steps_in_run": len(all_steps), "groups": m.pop("groups", []),
         "clock": {"how": al.how, "per_rank": {str(r): al.info.get(r, {}) for r in ranks}},
         "limit": {"max_bytes": max_bytes, "dropped": budget.dropped},
     }
     return m
+
+
+def _core(run, al, ranks, steps, findings, critical) -> tuple[dict, dict]:
+    """The always-on log's events of the chosen ranks and steps."""
+    m = {"slices": [], "flows": [], "counters": [], "instants": [], "processes": []}
+    rset, sset = set(ranks), set(steps)
+    windows = _windows(run, al, rset, sset)
+    _processes(m, run, ranks, al.info)
+    _steps_and_data(m, run, al, rset, sset)
+    groups = _collectives(m, run, al, rset, sset)
+    m["groups"] = groups
+    _pipeline(m, run, al, rset, sset)
+    if critical:
+        _critical(m, run, rset, sset)
+    _findings(m, findings, windows, rset)
+    return m, windows
 
 
 def _windows(run, al, rset, sset) -> dict:
@@ -147,10 +165,10 @@ def _collectives(m, run, al, rset, sset) -> None:
 
     df = coll._frame(run)
     if df.empty:
-        return
+        return []
     df = df[df["rank"].isin(list(rset)) & df["step"].isin(list(sset)) & df["end_ns"].notna()]
     if df.empty:
-        return
+        return []
     ranks = df["rank"].to_numpy(int)
     enq = df["enqueue_ns"].astype(np.int64).to_numpy().copy()
     end = df["end_ns"].astype(np.int64).to_numpy().copy()
@@ -158,8 +176,14 @@ def _collectives(m, run, al, rset, sset) -> None:
         sl = ranks == r
         enq[sl] = al(int(r), enq[sl])
         end[sl] = al(int(r), end[sl])
-    cols = {c: df[c].to_numpy() for c in ("pg", "seq", "op", "bytes", "blocked_ms", "step", "p2p",
-                                          "peer", "group", "ordinal", "mesh_dim")}
+    from trainprof.analyzers._cp_coarse import strs
+    from trainprof.rankranges import ranges
+
+    cols = {c: df[c].to_numpy() for c in ("seq", "bytes", "blocked_ms", "step", "p2p",
+                                          "peer", "ordinal", "mesh_dim")}
+    for c in ("pg", "op", "group"):
+        cols[c] = strs(df[c])
+    short: dict = {}
     inst: dict = {}
     for i in range(len(df)):
         r = int(ranks[i])
@@ -167,7 +191,14 @@ def _collectives(m, run, al, rset, sset) -> None:
         track = f"pg {cols['pg'][i]}" + (f" ({dim})" if isinstance(dim, str) else "")
         op = str(cols["op"][i])
         name = op if not cols["p2p"][i] else f"{op} {'→' if op == 'send' else '←'} {cols['peer'][i]}"
-        args = {"group": str(cols["group"][i]), "seq": int(cols["seq"][i]), "op": op,
+        gk = str(cols["group"][i])
+        if gk not in short:  # "pg:0,1,...,1023" -> "pg:0-1023"
+            pg, _, members = gk.partition(":")
+            try:
+                short[gk] = f"{pg}:{ranges(int(x) for x in members.split(','))}"
+            except ValueError:
+                short[gk] = gk
+        args = {"group": short[gk], "seq": int(cols["seq"][i]), "op": op,
                 "bytes": int(cols["bytes"][i] or 0),
                 "blocked_ms": round(float(cols["blocked_ms"][i] or 0.0), 3),
                 "step": int(cols["step"][i])}
@@ -185,6 +216,7 @@ def _collectives(m, run, al, rset, sset) -> None:
             {**sl[6], "last_to_arrive": True},)
         for _, idx in members[:-1]:
             m["flows"].append((idx, last))
+    return sorted(set(short.values()))
 
 
 def _pipeline(m, run, al, rset, sset) -> None:
@@ -233,16 +265,19 @@ def _findings(m, findings, windows, rset) -> None:
                                    "step": s, "message": str(f.get("message", ""))[:2000]}))
 
 
-def _profiler(m, run, al, rset, sset, budget) -> None:
+MAX_PATH_TRACES = 16  # ranks whose traces join in the profiled steps' path across ranks
+
+
+def _profiler(m, run, al, rset, sset, budget) -> dict:
+    """Each chosen rank's trace, one at a time; returns the first MAX_PATH_TRACES (for the path)."""
     try:
         paths = run.profiler_traces()
     except Exception:  # noqa: BLE001
-        return
+        return {}
     wanted = {r: p for r, p in paths.items() if r in rset}
-    if not wanted:
-        return
     from trainprof.trace import TraceError, load_trace
 
+    kept = {}
     for r, p in sorted(wanted.items()):
         try:
             t = load_trace(p, rank=r)
@@ -250,6 +285,24 @@ def _profiler(m, run, al, rset, sset, budget) -> None:
             run.problems.append(str(e))
             continue
         add_trace(m, r, t, lambda ns, r=r: al(r, ns), sset, budget)
+        if len(kept) < MAX_PATH_TRACES:
+            kept[r] = t
+    return kept
+
+
+def _critical_profiled(m, run, traces, steps) -> None:
+    from trainprof.analyzers import critical_path as cp
+
+    try:
+        per = cp.profiled_paths(run, traces, steps)
+    except Exception as e:  # noqa: BLE001 - the timeline stands without it
+        run.problems.append(f"timeline: profiled critical path not drawn: {type(e).__name__}: {e}")
+        return
+    for s, p in per.items():
+        for r, kind, a, b, label in p["rows"]:
+            if b > a:
+                m["slices"].append((r, "critical path (ops)", kind, "critical_path", a, b - a,
+                                    {"step": s, "kind": kind, **({"op": label} if label else {})}))
 
 
 def add_trace(m, r, t, shift, sset, budget, clip_steps: bool = True) -> None:
@@ -284,7 +337,7 @@ def add_trace(m, r, t, shift, sset, budget, clip_steps: bool = True) -> None:
         tot = np.asarray(mem["total_allocated"])
         lo, hi = int(ts.min()) if len(ts) else 0, int((ts + dur).max()) if len(ts) else 0
         idx = np.flatnonzero((mts >= lo) & (mts <= hi))
-        n = budget.take(len(idx), f"memory samples (rank {r})")
+        n = budget.take(min(len(idx), MAX_MEMORY_SAMPLES), f"memory samples (rank {r})")
         for i in idx[:: max(1, len(idx) // max(1, n))][:n]:
             m["counters"].append((r, "memory allocated (MB)", int(mts[i]),
                                   {"allocated": round(float(tot[i]) / 2 ** 20, 3)}))

@@ -23,7 +23,6 @@ from trainprof.findings import AnalyzerResult
 NAME = "critical_path"
 KINDS = _cp_graph.KINDS
 TOP_RANKS = 32  # job.by_rank lists at most this many ranks (the rest summed as "others")
-MAX_STEP_RECORDS = 3_000_000  # ranks × ops over all steps above which only every k-th step is built
 
 
 def _ms(ns) -> float:
@@ -31,40 +30,33 @@ def _ms(ns) -> float:
 
 
 def step_graphs(run) -> dict:
-    """{step: Graph} of every step of the log (cached per run)."""
+    """{step: graph (_cp_graph.Arrays)} of every step of the log (cached per run)."""
     return once(run, "analyzers.critical_path.graphs", _step_graphs)
 
 
 def _step_graphs(run) -> dict:
     al = align(run)
     prep = _cp_coarse.prepare(run, al)
-    steps = sorted({k for _, k in prep["steps"]})
-    ranks = list(run.ranks)
-    n_recs = sum(len(v) for v in prep["recs"].values())
-    every = max(1, int(np.ceil(n_recs / MAX_STEP_RECORDS)))
     out = {}
-    for i, s in enumerate(steps):
-        if every > 1 and i % every and s != steps[-1]:
-            continue
-        g = _cp_coarse.step_graph(prep, s, ranks)
+    for s in _cp_coarse.step_ids(prep):
+        g = _cp_coarse.step_graph(prep, s)
         if g is not None:
             out[s] = g
-    if every > 1:
-        run.problems.append(f"{NAME}: {n_recs} logged ops; the path was computed for every "
-                            f"{every}th step only")
     return out
 
 
 def _path_rows(g, path, weights=None) -> list[tuple]:
-    """(rank, kind, start ns, end ns) of the path's edges with weight (for the timeline)."""
+    """(rank, kind, start ns, end ns, label) of the path's edges with weight (the timeline's
+    highlighted track)."""
     w = g.weight if weights is None else weights
     rows = []
     for e in path:
         if not w[e]:
             continue
-        b = g.node_ts[g.dst[e]]
-        rows.append((g.rank[e], max(g.parts[e] or {"idle": 1}, key=(g.parts[e] or {"idle": 1}).get),
-                     b - w[e], b, g.label[e]))
+        b = int(g.node_ts[g.dst[e]])
+        kind = KINDS[int(np.argmax(g.parts[e]))] if g.parts[e].any() else "idle"
+        label = g.label[e] if g.label is not None else None
+        rows.append((int(g.rank[e]), kind, b - int(w[e]), b, label))
     return rows
 
 
@@ -141,7 +133,7 @@ def analyze(run) -> AnalyzerResult:
         al = align(run)
         wall = _wall(run, al)
         kept = _kept(run, per)
-        metrics["source"] = "always-on log: steps, collectives, data waits, pipeline spans"
+        metrics["source"] = "always-on log: steps, collectives (joined across their group), p2p pairs, data waits"
         metrics["job"] = _summarize(per, kept)
         metrics["job"]["steps_used"] = kept if len(kept) <= 64 else kept[:64]
         metrics["per_step"] = [_step_row(s, per[s], wall.get(s), s in kept) for s in sorted(per)]
@@ -227,8 +219,7 @@ def replay(run, change: dict, steps=None) -> dict:
         if s not in graphs or s not in per:
             continue
         g = graphs[s]
-        fn = _change_fn(g, change)
-        after, _ = _cp_graph.replay(g, fn)
+        after, _ = _cp_graph.longest_path(g, _changed(g, change))
         rows.append({"step": s, "before_ms": _ms(per[s]["length_ns"]), "after_ms": _ms(after)})
     if not rows:
         return {"steps": [], "before_ms": None, "after_ms": None, "saving_ms": None,
@@ -239,50 +230,164 @@ def replay(run, change: dict, steps=None) -> dict:
             "saving_ms": round(b - a, 3), "saving_share": round((b - a) / b, 4) if b else None}
 
 
-def _work_by_rank(g) -> dict:
-    tot: dict = {}
-    for e, k in enumerate(g.key):
-        if k and k[0] == "work":
-            tot[g.rank[e]] = tot.get(g.rank[e], 0) + g.weight[e]
-    return tot
-
-
-def _change_fn(g, change: dict):
+def _changed(g, change: dict) -> np.ndarray:
+    """The edge weights with ``change`` applied (see replay)."""
+    w = g.weight.astype(np.float64).copy()
+    work = g.etype == _cp_graph.WORK
     if "remove_excess" in change:
         r = int(change["remove_excess"])
-        tot = _work_by_rank(g)
-        others = [v for k, v in tot.items() if k != r]
-        if r not in tot or not others or tot[r] <= 0:
-            return lambda e, g: None
-        f = min(1.0, float(np.median(others)) / tot[r])
-        return lambda e, g: g.weight[e] * f if g.rank[e] == r and g.key[e] and g.key[e][0] == "work" else None
+        tot = np.bincount(g.rank[work] - g.rank[work].min(), weights=g.weight[work]) \
+            if work.any() else np.zeros(0)
+        lo = int(g.rank[work].min()) if work.any() else 0
+        mine = tot[r - lo] if 0 <= r - lo < len(tot) else 0.0
+        present = np.unique(g.rank[work])
+        others = [tot[x - lo] for x in present if x != r]
+        if mine > 0 and others:
+            f = min(1.0, float(np.median(others)) / mine)
+            sel = work & (g.rank == r)
+            w[sel] *= f
+        return w.astype(np.int64)
     if "scale" in change:
         c = change["scale"]
         r, kind, f = c.get("rank"), c.get("kind"), float(c.get("factor", 0.0))
-
-        def fn(e, g):
-            if not g.parts[e] or (r is not None and g.rank[e] != int(r)):
-                return None
-            if g.key[e] and g.key[e][0] == "coll" and kind != "communication":
-                return None
-            if kind is None:
-                return g.weight[e] * f
-            part = g.parts[e].get(kind, 0)
-            return g.weight[e] - part * (1 - f) if part else None
-        return fn
+        sel = (g.etype != _cp_graph.DEP) & ((g.rank == int(r)) if r is not None else True)
+        if kind is None:
+            w[sel & work] *= f
+        else:
+            part = g.parts[:, _cp_graph.KIND_INDEX[kind]].astype(np.float64)
+            w[sel] -= part[sel] * (1 - f)
+        return np.maximum(w, 0).astype(np.int64)
     if "hide_collective" in change:
         c = change["hide_collective"]
         grp, op = c.get("group"), c.get("op")
-
-        def hide(e, g):
-            k = g.key[e]
-            if not k or k[0] != "coll":
-                return None
-            inst = k[1]
-            if grp is not None and str(inst[1]) != str(grp) and not str(inst[1]).startswith(f"{grp}:"):
-                return None
-            if op is not None and g.label[e] != op:
-                return None
-            return 0
-        return hide
+        sel = g.etype == _cp_graph.COLL
+        if op is not None:
+            sel &= np.array([x == op for x in g.label], bool)
+        if grp is not None:
+            names = g.inst_names
+            ok = np.array([bool(names) and 0 <= i < len(names) and
+                           (str(names[i][1]) == str(grp) or str(names[i][1]).startswith(f"{grp}:"))
+                           for i in g.inst], bool)
+            sel &= ok
+        w[sel] = 0
+        return w.astype(np.int64)
     raise ValueError(f"unknown change {sorted(change)}; known: remove_excess, scale, hide_collective")
+
+
+# ----------------------------------------------------------------------- across ranks, profiled
+MATCH_SLACK_NS = 500_000  # a trace's collective op inside its log record, on one host's clock
+
+
+def _trace_comm_keys(trace, rows, rank, ops, shift) -> dict:
+    """Event row -> instance key of the collectives of ``rows`` that join across ranks: the
+    traces' own (process group, sequence number) on GPU collective kernels (NCCL), else the
+    host's c10d ops matched to this rank's log records (gloo) by time."""
+    comm = trace.tables.comm
+    ev = trace.tables.events
+    out: dict = {}
+    rowset = set(int(r) for r in rows)
+    if not comm.empty and "seq" in comm and "pg_name" in comm:
+        gpu = ev["is_gpu"]
+        for i in range(len(comm)):
+            row, s = int(comm["row"][i]), comm["seq"][i]
+            if row in rowset and gpu[row] and s is not None and int(s) >= 0:
+                out[row] = ("t", str(comm["pg_name"][i]), int(s))
+        if out:
+            return out
+    if ops is None:
+        return out
+    names = ev["name"]
+    m = ops["rank"] == rank
+    enq, end, inst, wait = ops["enq"][m], ops["end"][m], ops["inst"][m], ops["wait"][m]
+    if not len(enq):
+        return out
+    o = np.argsort(enq)
+    enq, end, inst, wait = enq[o], end[o], inst[o], wait[o]
+    used = np.zeros(len(enq), bool)
+    cand_rows = [int(x) for x in rows if not ev["is_gpu"][int(x)] and str(names[int(x)]).startswith("c10d::")]
+    cand_rows.sort(key=lambda x: int(ev["ts_ns"][x]))
+    for row in cand_rows:
+        a = int(shift(np.int64(ev["ts_ns"][row])))
+        b = int(shift(np.int64(ev["end_ns"][row])))
+        lo = np.searchsorted(enq, a - MATCH_SLACK_NS, "left")
+        hi = np.searchsorted(enq, a + MATCH_SLACK_NS, "right")
+        best, best_ov = -1, -1
+        for j in range(lo, hi):  # one log record per op, the one it overlaps most
+            if used[j]:
+                continue
+            ov = min(b, end[j]) - max(a, enq[j])
+            if ov > best_ov:
+                best, best_ov = j, ov
+        if best >= 0:
+            used[best] = True
+            out[row] = (("l", int(inst[best])), int(wait[best]), int(end[best]))
+    return out
+
+
+def _step_of_trace(run, al, rank, lo, hi, trace_inputs) -> int | None:
+    """The run's step a ProfilerStep window [lo, hi] (local ns) lies in (its midpoint)."""
+    if trace_inputs:
+        return None
+    mid = (lo + hi) // 2
+    for rec in run.stream(rank, "steps"):
+        a, b = rec.get("start_ns"), rec.get("end_ns")
+        if isinstance(a, int) and isinstance(b, int) and a <= mid <= b:
+            return rec.get("step")
+    return None
+
+
+def profiled_paths(run, traces: dict, steps) -> dict:
+    """{step: {"length_ns", "rows", "attr", "ranks"}}: the profiled steps' path across the ranks
+    of ``traces`` ({rank: Trace}) at the grain of ops and kernels, collectives joined."""
+    al = align(run)
+    prep = _cp_coarse.prepare(run, al) if not run.trace_inputs else {"ops": None}
+    out = {}
+    for s in steps:
+        g = _cp_graph.Graph()
+        arrivals: dict = {}
+        leaves: list = []
+        used = []
+        for r, t in sorted(traces.items()):
+            st = t.tables.steps
+            hit = [i for i in range(len(st)) if (
+                _step_of_trace(run, al, r, int(st["start_ns"][i]), int(st["end_ns"][i]), run.trace_inputs)
+                if not run.trace_inputs else int(st["step"][i])) == s]
+            if not hit:
+                continue
+            lo, hi = int(st["start_ns"][hit[0]]), int(st["end_ns"][hit[0]])
+            rows = _cp_fine.window_rows(t, lo, hi)
+            shift = (lambda ns, r=r: np.asarray(al(r, np.asarray(ns, np.int64)), np.int64)) \
+                if not run.trace_inputs else (lambda ns: np.asarray(ns, np.int64))
+            keys = _trace_comm_keys(t, rows, r, prep.get("ops"), shift)
+            _cp_fine.add_rank(g, r, t, rows, shift, keys, arrivals, leaves, clip=hi)
+            used.append(r)
+        if not used:
+            continue
+        base_edges = len(g.src)
+        _cp_fine.join(g, {k: v for k, v in arrivals.items() if len(v) > 1},
+                      [x for x in leaves if len(arrivals.get(x[0], ())) > 1])
+        _unjoined(g, arrivals, leaves)
+        a = g.arrays()
+        try:
+            length, path = _cp_graph.longest_path(a)
+        except ValueError:  # ops matched to the wrong records: each rank on its own
+            run.problems.append(f"{NAME}: step {s}: the traces' collectives could not be ordered "
+                                "across ranks; the profiled path is each rank's own")
+            for lst in (g.src, g.dst, g.weight, g.rank, g.parts, g.etype, g.inst, g.label):
+                del lst[base_edges:]
+            _unjoined(g, arrivals, leaves, force=True)
+            a = g.arrays()
+            length, path = _cp_graph.longest_path(a)
+        out[s] = {"length_ns": length, "rows": _path_rows(a, path), "attr": _cp_graph.attribute(a, path),
+                  "ranks": used}
+    return out
+
+
+def _unjoined(g, arrivals, leaves, force: bool = False) -> None:
+    """A collective only one rank of the window shows: its op stays that rank's own work."""
+    for key, rank, nb, a, b, name in leaves:
+        if force or len(arrivals.get(key, ())) <= 1:
+            n = next(x[1] for x in arrivals[key] if x[0] == rank) if len(arrivals[key]) else None
+            if n is None:
+                continue
+            g.edge(n, nb, b - a, rank, {"communication": b - a}, etype=_cp_graph.WORK, label=name)

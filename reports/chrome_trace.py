@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-TRACK_ORDER = ("critical path", "steps", "data", "pipeline")
+TRACK_ORDER = ("critical path", "critical path (ops)", "steps", "data", "pipeline")
 
 
 def _track_sort(name: str) -> tuple:
