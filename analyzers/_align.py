@@ -9,9 +9,11 @@ same moment (everyone leaves once the last one arrived and the transfer is done)
 on another host than rank 0, the median over the collectives it shares with already aligned ranks
 of (its end − the median end of the others) is an offset estimate whose spread is the ends' own
 spread. It is applied only where it helps: when the rank is on another host (one host, one wall
-clock), and clamped to the base estimate's uncertainty interval (the round trips bound the
-offset; the ends only choose within that bound). The residual uncertainty of a rank is then
-min(base uncertainty, the matched ends' median absolute deviation), 0 on rank 0's host.
+clock), when the shift exceeds three standard errors of that median (1.4826 × MAD / √n), and
+clamped to the base estimate's uncertainty interval (the round trips bound the offset; the ends
+only choose within that bound). The residual uncertainty of a rank is then min(base
+uncertainty, three standard errors) — the base uncertainty when the ends pulled against the
+bound — and 0 on rank 0's host.
 """
 
 from __future__ import annotations
@@ -109,16 +111,17 @@ def _refine(run, base, unc, info, shift, off_host) -> None:
         if len(d) < MIN_MATCHED:
             continue
         s = float(np.median(d))
-        mad = float(np.median(np.abs(d - s)))
+        # the median's standard error (the ends' own jitter, MAD-scaled, over √n matches)
+        se = 1.4826 * float(np.median(np.abs(d - s))) / np.sqrt(len(d))
         u = unc.get(r, 0.0)
         if info[r]["method"].startswith("none"):
             u = float("inf")  # no bound: the ends alone
         s_clamped = float(np.clip(s, -u, u))
-        if abs(s_clamped) < max(mad, 1.0):  # inside the ends' own spread: no help
+        if abs(s_clamped) < max(3 * se, 1_000.0):  # within the ends' own noise: no help
             info[r]["matched"] = int(len(d))
             continue
         shift[r] = int(round(s_clamped))
-        res = min(u, mad + abs(s - s_clamped))
+        res = u if s_clamped != s else min(u, 3 * se)
         info[r].update(method=info[r]["method"] + " + collective ends", matched=int(len(d)),
                        shift_us=round(s_clamped / 1e3, 1), uncertainty_us=round(res / 1e3, 1))
 

@@ -122,3 +122,47 @@ def write(model: dict, out: str | os.PathLike, gz: bool = False) -> dict:
     os.replace(tmp, out)
     return {"path": str(out), "bytes": out.stat().st_size, "json_bytes": len(data),
             "events": len(doc["traceEvents"])}
+
+
+def problems(doc: dict) -> list[str]:
+    """What is wrong with a Chrome trace document (empty when nothing): every event's ph, ts,
+    pid, tid (and dur for slices) of the right types, flow starts and finishes paired and bound
+    to a slice of their thread, slices of one thread nested."""
+    out: list[str] = []
+    ev = doc.get("traceEvents")
+    if not isinstance(ev, list):
+        return ["traceEvents is not a list"]
+    flows: dict = {}
+    by_thread: dict = {}
+    for i, e in enumerate(ev):
+        bad = [k for k, t in (("ph", str), ("name", str), ("pid", int), ("tid", int), ("ts", (int, float)))
+               if not isinstance(e.get(k), t)]
+        if e.get("ph") == "X" and not (isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0):
+            bad.append("dur")
+        if e.get("ph") not in ("X", "M", "C", "i", "s", "f"):
+            bad.append("ph")
+        if bad:
+            out.append(f"event {i}: bad {', '.join(bad)}: {str(e)[:200]}")
+            continue
+        if e["ph"] == "X":
+            by_thread.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+        elif e["ph"] in ("s", "f"):
+            flows.setdefault(e.get("id"), []).append(e)
+    for fid, pair in flows.items():
+        if sorted(x["ph"] for x in pair) != ["f", "s"]:
+            out.append(f"flow {fid}: {len(pair)} ends")
+            continue
+        for x in pair:
+            if not any(a <= x["ts"] <= b for a, b in by_thread.get((x["pid"], x["tid"]), ())):
+                out.append(f"flow {fid}: its {x['ph']} end is on no slice of pid {x['pid']} tid {x['tid']}")
+    for (pid, tid), sl in by_thread.items():
+        sl.sort(key=lambda ab: (ab[0], -ab[1]))
+        stack: list = []
+        for a, b in sl:
+            while stack and stack[-1] <= a + 1e-3:
+                stack.pop()
+            if stack and b > stack[-1] + 1e-3:
+                out.append(f"pid {pid} tid {tid}: slice at {a} µs overlaps its parent without nesting")
+                break
+            stack.append(b)
+    return out
