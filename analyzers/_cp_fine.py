@@ -2,10 +2,13 @@
 
 Per rank: every CPU thread's events cut into leaf segments (the innermost event at each moment;
 gaps between a thread's events are host time too) chained in time order; every GPU stream's
-kernels / memcpys / memsets in stream order (the gap between two is ``idle``); a kernel launch
-(runtime call with the kernel's correlation id) -> its kernel (the launch delay, ``idle``); a
-synchronizing runtime call (cudaDeviceSynchronize, cudaStreamSynchronize, cudaEventSynchronize,
-a synchronous cudaMemcpy) waits for the last GPU op that ended before it returned. Kinds: GPU
+kernels / memcpys / memsets in stream order; a kernel launch (runtime call with the kernel's
+correlation id) -> its kernel. A kernel launched before the previous op of its stream ended was
+queued: the gap after that op is GPU overhead (``idle``) and the launch edge carries nothing;
+otherwise the launch delay is (``idle``) and the stream's gap carries nothing (the GPU waited
+for the host). A synchronizing runtime call (cudaDeviceSynchronize, cudaStreamSynchronize,
+cudaEventSynchronize, a synchronous cudaMemcpy) is a wait: the host's time inside it carries
+nothing, its end follows the last GPU op that ended before it returned. Kinds: GPU
 kernels ``compute`` (NCCL / RCCL kernels ``communication``); CPU segments ``host`` when the rank
 has GPU work, ``compute`` on a CPU-only trace; the data loader's spans ``data``; collective
 CPU ops (c10d / gloo / record_param_comms) ``communication``.
@@ -18,6 +21,8 @@ side) does not wait for the join: it stays its rank's own work.
 """
 
 from __future__ import annotations
+
+import bisect
 
 import numpy as np
 
@@ -86,7 +91,7 @@ def _segments(starts, ends, order):
     stack: list = []  # (end, row)
     cursor = None
     for i in order:
-        s, e = int(starts[i]), int(ends[i])
+        s, e = starts[i], ends[i]
         while stack and stack[-1][0] <= s:
             pe, prow = stack.pop()
             if cursor is not None and pe > cursor:
@@ -124,28 +129,37 @@ def add_rank(g: Graph, rank: int, trace, rows: np.ndarray, shift, comm_keys: dic
     stream = ev["stream"][rows]
     corr = ev["correlation"][rows]
     has_gpu = bool(gpu.any())
-    names_l = [str(names[int(r)]) for r in rows]
-    cats_l = [str(cats[int(r)]) for r in rows]
+    names_l = names[rows].tolist()
+    cats_l = cats[rows].tolist()
+    ts_l, end_l, tid_l, corr_l = ts.tolist(), end.tolist(), tid.tolist(), corr.tolist()
+    gpu_l = gpu.tolist()
     comm_keys = comm_keys or {}
+    kinds: dict = {}
     waits: dict = {}  # tid -> [(a, b)] intervals inside joined collectives
     cuts: dict = {}  # tid -> moments a log record adds (its wait's start and its end)
     spans: dict = {}  # local row index -> (arrival, wait start, end) of a joined host op
+    spans_sync: list = []  # synchronizing runtime calls
     for k, r in enumerate(rows):
         if int(r) in comm_keys and not gpu[k]:
             key, ws, we = _key_times(comm_keys[int(r)])
-            a = int(ts[k])
-            ws = int(ts[k]) if ws is None else max(int(ws), a)
-            we = int(end[k]) if we is None else max(int(we), ws)
+            a = ts_l[k]
+            ws = ts_l[k] if ws is None else max(int(ws), a)
+            we = end_l[k] if we is None else max(int(we), ws)
             spans[k] = (a, ws, we)
-            waits.setdefault(int(tid[k]), []).append((ws, we))
-            cuts.setdefault(int(tid[k]), set()).update((ws, we))
+            waits.setdefault(tid_l[k], []).append((ws, we))
+            cuts.setdefault(tid_l[k], set()).update((ws, we))
+        elif has_gpu and not gpu[k] and names_l[k] in SYNC_CALLS:
+            # the host waits for the GPU: the last GPU op carries this time (_sync_edges)
+            waits.setdefault(tid_l[k], []).append((ts_l[k], end_l[k]))
+            spans_sync.append(k)
     node_at: dict = {}  # (tid, ts) -> node on that thread
     host_idx = np.flatnonzero(~gpu)
     for t in np.unique(tid[host_idx]) if len(host_idx) else ():
         idx = host_idx[tid[host_idx] == t]
         order = idx[np.lexsort((-(end[idx] - ts[idx]), ts[idx]))]
-        segs = _cut(_segments(ts, end, order), cuts.get(int(t)))
-        wv = sorted(waits.get(int(t), ()))
+        segs = _cut(_segments(ts_l, end_l, order.tolist()), cuts.get(int(t)))
+        wv = _merge(waits.get(int(t), ()))
+        wstarts = [x for x, _ in wv]
         prev = None
         for a, b, k in segs:
             na = node_at.get((int(t), a))
@@ -157,16 +171,23 @@ def add_rank(g: Graph, rank: int, trace, rows: np.ndarray, shift, comm_keys: dic
             if nb is None:
                 nb = node_at[(int(t), b)] = g.node(rank, b)
             prev = nb
-            if any(x <= a and b <= y for x, y in wv):
-                continue  # waiting inside a joined collective
-            kind = _kind_cpu(names_l[k], cats_l[k], has_gpu) if k >= 0 else "host"
+            j = bisect.bisect_right(wstarts, a) - 1
+            if j >= 0 and b <= wv[j][1]:
+                continue  # waiting inside a joined collective, or for the GPU
+            kind = kinds.get(k)
+            if kind is None:
+                kind = kinds[k] = _kind_cpu(names_l[k], cats_l[k], has_gpu) if k >= 0 else "host"
             g.edge(na, nb, b - a, rank, {kind: b - a}, etype=WORK,
                    label=names_l[k] if k >= 0 else None)
+    for k in spans_sync:  # the wait itself has no weight: the chain goes on through it
+        na, nb = node_at.get((tid_l[k], ts_l[k])), node_at.get((tid_l[k], end_l[k]))
+        if na is not None and nb is not None and na != nb:
+            g.edge(na, nb)
     # launches: correlation -> the runtime call's start node
     launch = {}
     for k in host_idx:
-        if corr[k] >= 0 and cats_l[k] in ("cuda_runtime", "cuda_driver"):
-            launch[int(corr[k])] = node_at.get((int(tid[k]), int(ts[k])))
+        if corr_l[k] >= 0 and cats_l[k] in ("cuda_runtime", "cuda_driver"):
+            launch[corr_l[k]] = node_at.get((tid_l[k], ts_l[k]))
     gpu_idx = np.flatnonzero(gpu)
     gpu_ends = []  # (end, end node)
     for s in np.unique(stream[gpu_idx]) if len(gpu_idx) else ():
@@ -174,17 +195,20 @@ def add_rank(g: Graph, rank: int, trace, rows: np.ndarray, shift, comm_keys: dic
         idx = idx[np.argsort(ts[idx], kind="stable")]
         prev_end = None
         for k in idx:
-            a, b = int(ts[k]), max(int(end[k]), int(ts[k]))
+            a, b = ts_l[k], max(end_l[k], ts_l[k])
             if prev_end is not None:
                 a = max(a, g.node_ts[prev_end])
                 b = max(a, b)
             na, nb = g.node(rank, a), g.node(rank, b)
+            ln = launch.get(corr_l[k])
+            # queued: launched before the previous op on the stream ended, so the stream's
+            # order (not the launch) made it wait; its gap is then GPU overhead
+            queued = prev_end is not None and (ln is None or g.node_ts[ln] < g.node_ts[prev_end])
             if prev_end is not None:
-                gap = a - g.node_ts[prev_end]
+                gap = a - g.node_ts[prev_end] if queued else 0
                 g.edge(prev_end, na, gap, rank, {"idle": gap}, etype=WORK)
-            ln = launch.get(int(corr[k]))
             if ln is not None:
-                delay = a - g.node_ts[ln]
+                delay = 0 if queued else a - g.node_ts[ln]
                 g.edge(ln, na, delay, rank, {"idle": delay}, etype=WORK)
             if int(rows[k]) in comm_keys:
                 key = _key_times(comm_keys[int(rows[k])])[0]
@@ -197,13 +221,23 @@ def add_rank(g: Graph, rank: int, trace, rows: np.ndarray, shift, comm_keys: dic
             prev_end = nb
     # CPU collective ops that join across ranks
     for k, (a, ws, we) in spans.items():
-        na = node_at.get((int(tid[k]), a))
-        nb = node_at.get((int(tid[k]), we))
+        na = node_at.get((tid_l[k], a))
+        nb = node_at.get((tid_l[k], we))
         if na is not None and nb is not None:
             key = _key_times(comm_keys[int(rows[k])])[0]
             arrivals.setdefault(key, []).append((rank, na, a))
             leaves.append((key, rank, nb, ws, we, names_l[k]))
     _sync_edges(g, rank, host_idx, names_l, tid, ts, end, node_at, gpu_ends)
+
+
+def _merge(iv) -> list:
+    out: list = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def _key_times(v) -> tuple:
@@ -237,7 +271,6 @@ def _sync_edges(g, rank, host_idx, names_l, tid, ts, end, node_at, gpu_ends) -> 
         return
     gpu_ends.sort()
     ends = [e for e, _ in gpu_ends]
-    import bisect
 
     for k in host_idx:
         if names_l[k] not in SYNC_CALLS:
@@ -276,3 +309,30 @@ def rank_graph(trace, lo: int, hi: int, rank: int = 0) -> Graph:
     rows = window_rows(trace, lo, hi)
     add_rank(g, rank, trace, rows, lambda a: np.asarray(a, np.int64), {}, {}, [], clip=hi)
     return g
+
+
+def single_chain(trace, lo: int, hi: int):
+    """A CPU-only window driven by one thread is one chain: its path is that thread's leaf
+    segments, no graph needed. Returns (length ns, {kind: ns}, {name: ns}) or None when the
+    window has GPU work or several driving threads."""
+    rows = window_rows(trace, lo, hi)
+    ev = trace.tables.events
+    if not len(rows) or ev["is_gpu"][rows].any() or len(np.unique(ev["tid"][rows])) != 1:
+        return None
+    ts = ev["ts_ns"][rows].tolist()
+    end = np.minimum(ev["end_ns"][rows], hi).tolist()
+    order = np.lexsort((-(np.asarray(end) - np.asarray(ts)), np.asarray(ts))).tolist()
+    names, cats = ev["name"][rows].tolist(), ev["cat"][rows].tolist()
+    by_kind: dict = {}
+    by_name: dict = {}
+    kinds: dict = {}
+    total = 0
+    for a, b, k in _segments(ts, end, order):
+        kind = kinds.get(k)
+        if kind is None:
+            kind = kinds[k] = _kind_cpu(names[k], cats[k], False) if k >= 0 else "host"
+        by_kind[kind] = by_kind.get(kind, 0) + (b - a)
+        if k >= 0:
+            by_name[names[k]] = by_name.get(names[k], 0) + (b - a)
+        total += b - a
+    return total, by_kind, by_name

@@ -114,6 +114,9 @@ def longest_path(g, weights=None) -> tuple[int, np.ndarray]:
     n, m = len(a.node_ts), len(a.src)
     if n == 0:
         return 0, np.zeros(0, np.int64)
+    ranks = max(1, len(np.unique(a.node_rank)))
+    if n / ranks > DEEP:  # long chains, few ranks (a profiled window): one edge at a time
+        return _longest_path_py(a, w)
     order = np.argsort(a.src, kind="stable")
     starts = np.searchsorted(a.src[order], np.arange(n + 1))
     indeg = np.bincount(a.dst, minlength=n).astype(np.int64)
@@ -150,6 +153,45 @@ def longest_path(g, weights=None) -> tuple[int, np.ndarray]:
         end = int(a.src[pred[end]])
     path.reverse()
     return int(dist.max()), np.asarray(path, np.int64)
+
+
+DEEP = 2000  # nodes per rank above which the frontier pass has too many, too small frontiers
+
+
+def _longest_path_py(a: Arrays, w) -> tuple[int, np.ndarray]:
+    n = len(a.node_ts)
+    src, dst, wl = a.src.tolist(), a.dst.tolist(), np.asarray(w).tolist()
+    out: list[list[int]] = [[] for _ in range(n)]
+    indeg = [0] * n
+    for e, v in enumerate(dst):
+        out[src[e]].append(e)
+        indeg[v] += 1
+    dist = [0] * n
+    pred = [-1] * n
+    stack = [i for i in range(n) if indeg[i] == 0]
+    seen = 0
+    while stack:
+        u = stack.pop()
+        seen += 1
+        du = dist[u]
+        for e in out[u]:
+            v = dst[e]
+            d = du + wl[e]
+            if d > dist[v] or (pred[v] < 0 and d >= dist[v]):
+                dist[v] = d
+                pred[v] = e
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                stack.append(v)
+    if seen != n:
+        raise ValueError("critical-path graph has a cycle")
+    end = max(range(n), key=dist.__getitem__)
+    path = []
+    while pred[end] >= 0:
+        path.append(pred[end])
+        end = src[pred[end]]
+    path.reverse()
+    return int(dist[max(range(n), key=dist.__getitem__)]), np.asarray(path, np.int64)
 
 
 def attribute(g, path, weights=None) -> dict:

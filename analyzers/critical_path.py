@@ -163,15 +163,19 @@ def trace_digest(run, rank, trace) -> dict:
     out = []
     for i in range(len(st)):
         lo, hi = int(st["start_ns"][i]), int(st["end_ns"][i])
-        g = _cp_fine.rank_graph(trace, lo, hi, rank)
-        length, path = _cp_graph.longest_path(g)
-        a = _cp_graph.attribute(g, path)
-        tops: dict = {}
-        for e in path:
-            if g.label[e] and g.weight[e]:
-                tops[g.label[e]] = tops.get(g.label[e], 0) + g.weight[e]
+        chain = _cp_fine.single_chain(trace, lo, hi)
+        if chain is not None:  # CPU-only, one driving thread: the path is its chain
+            length, kinds, tops = chain
+        else:
+            g = _cp_fine.rank_graph(trace, lo, hi, rank)
+            length, path = _cp_graph.longest_path(g)
+            kinds = _cp_graph.attribute(g, path)["by_kind"]
+            tops = {}
+            for e in path:
+                if g.label[e] and g.weight[e]:
+                    tops[g.label[e]] = tops.get(g.label[e], 0) + g.weight[e]
         out.append({"step": int(st["step"][i]), "length_ms": _ms(length), "span_ms": _ms(hi - lo),
-                    "by_kind_ms": {k: _ms(v) for k, v in a["by_kind"].items() if v},
+                    "by_kind_ms": {k: _ms(v) for k, v in kinds.items() if v},
                     "top": [{"name": n[:120], "ms": _ms(v)}
                             for n, v in sorted(tops.items(), key=lambda x: -x[1])[:5]]})
     return {"steps": out}
@@ -336,9 +340,10 @@ def _step_of_trace(run, al, rank, lo, hi, trace_inputs) -> int | None:
     return None
 
 
-def profiled_paths(run, traces: dict, steps) -> dict:
+def profiled_paths(run, traces: dict, steps, shifts: dict | None = None) -> dict:
     """{step: {"length_ns", "rows", "attr", "ranks"}}: the profiled steps' path across the ranks
-    of ``traces`` ({rank: Trace}) at the grain of ops and kernels, collectives joined."""
+    of ``traces`` ({rank: Trace}) at the grain of ops and kernels, collectives joined. Bare
+    traces: ``steps`` are ProfilerStep numbers, ``shifts`` {rank: ns to subtract}."""
     al = align(run)
     prep = _cp_coarse.prepare(run, al) if not run.trace_inputs else {"ops": None}
     out = {}
@@ -357,7 +362,8 @@ def profiled_paths(run, traces: dict, steps) -> dict:
             lo, hi = int(st["start_ns"][hit[0]]), int(st["end_ns"][hit[0]])
             rows = _cp_fine.window_rows(t, lo, hi)
             shift = (lambda ns, r=r: np.asarray(al(r, np.asarray(ns, np.int64)), np.int64)) \
-                if not run.trace_inputs else (lambda ns: np.asarray(ns, np.int64))
+                if not run.trace_inputs else \
+                (lambda ns, d=(shifts or {}).get(r, 0): np.asarray(ns, np.int64) - d)
             keys = _trace_comm_keys(t, rows, r, prep.get("ops"), shift)
             _cp_fine.add_rank(g, r, t, rows, shift, keys, arrivals, leaves, clip=hi)
             used.append(r)

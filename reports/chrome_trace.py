@@ -111,15 +111,31 @@ def render(model: dict) -> dict:
                           **model.get("meta", {})}}
 
 
+def _bytes(doc: dict) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), default=str).encode()
+
+
+def size(doc: dict) -> int:
+    """The document's size as written (uncompressed JSON bytes)."""
+    return len(_bytes(doc))
+
+
 def write(model: dict, out: str | os.PathLike, gz: bool = False) -> dict:
-    """Write the file (atomically: a temporary file renamed); returns {path, bytes, events}."""
-    doc = render(model)
-    data = json.dumps(doc, separators=(",", ":"), default=str).encode()
+    """Render and write (atomically: a temporary file renamed); returns {path, bytes, events}."""
+    return write_doc(render(model), out, gz)
+
+
+def write_doc(doc: dict, out: str | os.PathLike, gz: bool = False) -> dict:
+    data = _bytes(doc)
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(gzip.compress(data, 6) if gz else data)
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(gzip.compress(data, 6) if gz else data)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return {"path": str(out), "bytes": out.stat().st_size, "json_bytes": len(data),
             "events": len(doc["traceEvents"])}
 

@@ -29,8 +29,9 @@ def _findings(run: RunDir, analyze: bool) -> tuple[list[dict], str]:
 
 
 def make(inputs, out, steps=None, ranks=None, gz: bool = False, max_mb: float = DEFAULT_MAX_MB,
-         findings: bool = True) -> dict:
-    """Write the timeline; returns what was written and chosen (for the verb to print)."""
+         findings=True) -> dict:
+    """Write the timeline; returns what was written and chosen (for the verb to print).
+    ``findings``: True (summary.json, else an analysis now), False (none), or a list."""
     from trainprof.analyzers import _timeline
     from trainprof.reports import chrome_trace
 
@@ -39,10 +40,23 @@ def make(inputs, out, steps=None, ranks=None, gz: bool = False, max_mb: float = 
         from trainprof.rundir import RunDirError
 
         raise RunDirError(f"{run.path}: no rank data and no profiler trace: nothing to show")
-    found, source = _findings(run, findings) if not run.trace_inputs else ([], "none (plain traces)")
-    model = _timeline.build(run, steps=steps, ranks=ranks, findings=found,
-                            max_bytes=int(max_mb * (1 << 20)))
-    model["meta"]["findings"] = {"count": len(found), "source": source}
-    model["meta"]["problems"] = list(dict.fromkeys(run.problems))[:50]
-    info = chrome_trace.write(model, out, gz=gz)
+    if isinstance(findings, list):
+        found, source = findings, "given"
+    elif run.trace_inputs:
+        found, source = [], "none (plain traces)"
+    else:
+        found, source = _findings(run, findings)
+    limit = int(max_mb * (1 << 20))
+    budget = limit
+    for _ in range(4):  # the model's byte estimate is per event: render, and shrink if over
+        model = _timeline.build(run, steps=steps, ranks=ranks, findings=found, max_bytes=budget)
+        model["meta"]["findings"] = {"count": len(found), "source": source}
+        model["meta"]["problems"] = list(dict.fromkeys(run.problems))[:50]
+        model["meta"]["limit"]["max_bytes"] = limit
+        doc = chrome_trace.render(model)
+        size = chrome_trace.size(doc)
+        if size <= limit:
+            break
+        budget = int(budget * limit / size * 0.95)
+    info = chrome_trace.write_doc(doc, out, gz=gz)
     return {**info, "meta": model["meta"]}

@@ -74,8 +74,7 @@ def big(tmp_path_factory):
 
 def test_path_runs_through_the_straggler_and_timeline_is_bounded(big, tmp_path):
     from trainprof.analyzers import critical_path, stragglers
-    from trainprof.analyzers import _timeline
-    from trainprof.reports import chrome_trace
+    from trainprof.timeline import make
 
     run = RunDir(big)
     m = critical_path.analyze(run).metrics
@@ -86,10 +85,9 @@ def test_path_runs_through_the_straggler_and_timeline_is_bounded(big, tmp_path):
     r = critical_path.replay(run, {"remove_excess": STRAGGLER})
     assert 150 < r["saving_ms"] < 330, r
     findings = [f.to_dict() for f in stragglers.analyze(run).findings]
-    limit = 24 << 20
-    model = _timeline.build(run, findings=findings, max_bytes=limit)
-    out = chrome_trace.write(model, tmp_path / "t.json")
-    assert out["bytes"] <= limit
+    assert any(STRAGGLER in f["ranks"] for f in findings)
+    out = make(big, tmp_path / "t.json", findings=findings, max_mb=24)
+    assert out["bytes"] <= 24 << 20
     doc = json.loads((tmp_path / "t.json").read_text())
     check_chrome_trace(doc)
     meta = doc["otherData"]
