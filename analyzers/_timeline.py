@@ -185,6 +185,8 @@ def _collectives(m, run, al, rset, sset) -> None:
         cols[c] = strs(df[c])
     short: dict = {}
     inst: dict = {}
+    p2p: dict = {}
+    p2p_count: dict = {}
     for i in range(len(df)):
         r = int(ranks[i])
         dim = cols["mesh_dim"][i]
@@ -206,6 +208,14 @@ def _collectives(m, run, al, rset, sset) -> None:
         if not cols["p2p"][i] and int(cols["ordinal"][i]) >= 0:
             inst.setdefault((str(cols["group"][i]), int(cols["ordinal"][i])), []).append(
                 (int(enq[i]), len(m["slices"]) - 1))
+        elif cols["p2p"][i] and cols["peer"][i] is not None and cols["peer"][i] == cols["peer"][i]:
+            # the k-th send a->b and the k-th recv on b from a: an arrow send -> recv
+            peer = int(cols["peer"][i])
+            src, dst = (r, peer) if op == "send" else (peer, r)
+            c = (gk, op, src, dst)
+            k = p2p_count.get(c, 0)
+            p2p_count[c] = k + 1
+            p2p.setdefault((gk, src, dst, k), {})[op] = len(m["slices"]) - 1
     for members in inst.values():
         if len(members) < 2:
             continue
@@ -216,6 +226,9 @@ def _collectives(m, run, al, rset, sset) -> None:
             {**sl[6], "last_to_arrive": True},)
         for _, idx in members[:-1]:
             m["flows"].append((idx, last))
+    for pair in p2p.values():
+        if "send" in pair and "recv" in pair:
+            m["flows"].append((pair["send"], pair["recv"]))
     return sorted(set(short.values()))
 
 
