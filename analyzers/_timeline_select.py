@@ -17,28 +17,6 @@ MAX_STEPS = 24
 AROUND = 2
 
 
-def parse_spec(spec: str, what: str = "--ranks") -> list[int]:
-    """"0,3,8-15" -> [0, 3, 8, ..., 15]; ValueError naming the bad part."""
-    out: set[int] = set()
-    for part in str(spec).split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            if "-" in part:
-                a, b = (int(x) for x in part.split("-", 1))
-                if b < a or b - a > 1_000_000:
-                    raise ValueError
-                out.update(range(a, b + 1))
-            else:
-                out.add(int(part))
-        except ValueError:
-            raise ValueError(f"{what}: {part!r} is not a number or a range A-B") from None
-    if not out:
-        raise ValueError(f"{what}: {spec!r} names nothing")
-    return sorted(out)
-
-
 def finding_step(f: dict) -> int | None:
     """The step a finding is pinned to: its onset where the analysis knows it, else a step its
     evidence names."""

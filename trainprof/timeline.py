@@ -11,6 +11,28 @@ from trainprof.rundir import RunDir
 DEFAULT_MAX_MB = 100
 
 
+def parse_spec(spec: str, what: str = "--ranks") -> list[int]:
+    """"0,3,8-15" -> [0, 3, 8, ..., 15]; ValueError naming the bad part."""
+    out: set[int] = set()
+    for part in str(spec).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                a, b = (int(x) for x in part.split("-", 1))
+                if b < a or b - a > 1_000_000:
+                    raise ValueError
+                out.update(range(a, b + 1))
+            else:
+                out.add(int(part))
+        except ValueError:
+            raise ValueError(f"{what}: {part!r} is not a number or a range A-B") from None
+    if not out:
+        raise ValueError(f"{what}: {spec!r} names nothing")
+    return sorted(out)
+
+
 def _findings(run: RunDir, analyze: bool) -> tuple[list[dict], str]:
     """The run's findings: its summary.json when there is one (written by `trainprof analyze`),
     else an analysis now (nothing written) unless ``analyze`` is false."""

@@ -31,9 +31,8 @@ def timeline(inputs, out, steps, ranks, gz, max_mb, no_findings, max_input_mb):
 
     At more than 64 ranks or 40 steps a default selection is shown (culprits, their peers,
     one rank per host; the steps around findings), said on stderr and in the file."""
-    from trainprof.analyzers._timeline_select import parse_spec
     from trainprof.rundir import RunDirError
-    from trainprof.timeline import make
+    from trainprof.timeline import make, parse_spec
 
     apply_input_limit(max_input_mb)
     try:
@@ -46,6 +45,8 @@ def timeline(inputs, out, steps, ranks, gz, max_mb, no_findings, max_input_mb):
                     gz=gz, max_mb=max_mb, findings=not no_findings)
     except RunDirError as e:
         raise InputError(str(e)) from e
+    except OSError as e:  # the output cannot be written
+        raise click.ClickException(f"{out}: cannot write: {e.strerror or e}") from None
     meta = info["meta"]
     say = lambda s: click.echo(f"trainprof: {s}", err=True)  # noqa: E731
     say(f"timeline written: {info['path']} ({info['bytes'] / 1e6:.1f} MB, {info['events']} events)")
