@@ -6,8 +6,9 @@ Per rank and step: nodes at the step's start and end, at the end of its data wai
 logged op's enqueue, at the start of its wait (sync ops: the enqueue; async ops: end −
 blocked_ms) and at its end. Consecutive nodes are joined by a work edge unless the interval lies
 inside a wait (there the rank did nothing but wait for the others); its kinds: ``data`` for the
-data loader's wait (data.jsonl gives its length; it is placed at the step's start, where the
-batch is drawn), ``compute`` for the rest (the log cannot tell host work from compute: the
+data loader's wait (data.jsonl gives its length only: it is placed at the start of the first
+stretch of the rank's own work long enough to hold it, else at the step's start), ``compute``
+for the rest (the log cannot tell host work from compute: the
 profiled steps' path, from the traces, can). A collective instance (group, ordinal) is a join
 node at its last member's arrival: each member's enqueue -> join (no weight), join -> each
 member's end (``communication``: the time after the last arrival, or after the member started
@@ -132,6 +133,27 @@ def _codes(keys: list) -> tuple[np.ndarray, list]:
     return codes, list(index)
 
 
+def _place_data(prep, step, wr, ws, dw, epos, ta, tb):
+    """Where each rank's data wait lies (the log gives its length only): at the start of the
+    first stretch of the rank's own work long enough to hold it (the batch is drawn between
+    the ops around it: after the previous step's closing collectives, before the first
+    forward), else at the step's start. Per work edge: (data start, data end); also kept in
+    ``prep["data_at"][(rank, step)]``."""
+    start = ws.copy()
+    has = dw > 0
+    if has.any() and len(epos):
+        fits = (tb - ta) >= 0.9 * dw[epos]
+        fits &= has[epos]
+        idx = np.flatnonzero(fits)
+        if len(idx):
+            first_pos, first = np.unique(epos[idx], return_index=True)
+            start[first_pos] = ta[idx[first]]
+    at = prep.setdefault("data_at", {})
+    for i in np.flatnonzero(has):
+        at[(int(wr[i]), int(step))] = (int(start[i]), int(start[i] + dw[i]))
+    return start[epos], (start + dw)[epos]
+
+
 def step_ids(prep: dict) -> list[int]:
     w = prep.get("win") or {}
     return sorted({int(x) for x in w.get("step", ())})
@@ -172,7 +194,7 @@ def step_graph(prep: dict, step: int, ranks=None) -> Arrays | None:
     def key(rpos, ts):
         return rpos.astype(np.int64) * span + (ts - base)
 
-    pts = np.unique(np.concatenate([key(rank_pos, ws), key(rank_pos, we), key(rank_pos, wd),
+    pts = np.unique(np.concatenate([key(rank_pos, ws), key(rank_pos, we),
                                     key(pos, enq), key(pos, wait), key(pos, fin)]))
     n = len(pts)
     prank_pos = pts // span
@@ -186,8 +208,8 @@ def step_graph(prep: dict, step: int, ranks=None) -> Arrays | None:
     a_i = a_i[open_at[a_i] <= 0]
     b_i = a_i + 1
     ta, tb = pts_ts[a_i], pts_ts[b_i]
-    dend = wd[prank_pos[a_i]]
-    data = np.clip(np.minimum(tb, dend) - ta, 0, None)
+    dstart, dend = _place_data(prep, step, wr, ws, wd - ws, prank_pos[a_i], ta, tb)
+    data = np.clip(np.minimum(tb, dend) - np.maximum(ta, dstart), 0, None)
     parts_w = np.zeros((len(a_i), len(KINDS)), np.int64)
     parts_w[:, KIND_INDEX["data"]] = data
     parts_w[:, KIND_INDEX["compute"]] = (tb - ta) - data

@@ -138,6 +138,12 @@ def _processes(m, run, ranks, info) -> None:
 
 
 def _steps_and_data(m, run, al, rset, sset) -> None:
+    from trainprof.analyzers.critical_path import data_placement
+
+    try:
+        placed = data_placement(run)
+    except Exception:  # noqa: BLE001 - at the step's start then
+        placed = {}
     st = run.steps()
     data = {}
     d = run.frame("data")
@@ -155,9 +161,11 @@ def _steps_and_data(m, run, al, rset, sset) -> None:
                             {"step": k, "dur_ms": round((hi - lo) / 1e6, 3)}))
         w = data.get((r, k))
         if w:
-            m["slices"].append((r, "data", "data wait", "data", lo, int(w * 1e6),
+            a = placed.get((r, k), (lo,))[0]
+            m["slices"].append((r, "data", "data wait", "data", a, int(w * 1e6),
                                 {"step": k, "wait_ms": round(w, 3),
-                                 "placed": "at the step's start (the log records its length)"}))
+                                 "placed": "the log records its length only: at the first "
+                                           "stretch of the rank's own work that holds it"}))
 
 
 def _collectives(m, run, al, rset, sset) -> None:

@@ -34,9 +34,19 @@ def step_graphs(run) -> dict:
     return once(run, "analyzers.critical_path.graphs", _step_graphs)
 
 
+def prepared(run) -> dict:
+    """The step graphs' aligned inputs (cached per run)."""
+    return once(run, "analyzers.critical_path.prep", lambda run: _cp_coarse.prepare(run, align(run)))
+
+
+def data_placement(run) -> dict:
+    """(rank, step) -> (start, end) aligned ns where the step graphs placed the data wait."""
+    step_graphs(run)
+    return prepared(run).get("data_at", {})
+
+
 def _step_graphs(run) -> dict:
-    al = align(run)
-    prep = _cp_coarse.prepare(run, al)
+    prep = prepared(run)
     out = {}
     for s in _cp_coarse.step_ids(prep):
         g = _cp_coarse.step_graph(prep, s)
@@ -345,7 +355,7 @@ def profiled_paths(run, traces: dict, steps, shifts: dict | None = None) -> dict
     of ``traces`` ({rank: Trace}) at the grain of ops and kernels, collectives joined. Bare
     traces: ``steps`` are ProfilerStep numbers, ``shifts`` {rank: ns to subtract}."""
     al = align(run)
-    prep = _cp_coarse.prepare(run, al) if not run.trace_inputs else {"ops": None}
+    prep = prepared(run) if not run.trace_inputs else {"ops": None}
     out = {}
     for s in steps:
         g = _cp_graph.Graph()
