@@ -26,7 +26,7 @@ import bisect
 
 import numpy as np
 
-from trainprof.analyzers._cp_graph import COLL, WORK, Graph
+from trainprof.analyzers._cp_graph import COLL, WORK, Graph, uniq
 
 SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
               "cudaMemcpy", "hipDeviceSynchronize", "hipStreamSynchronize", "hipMemcpy")
@@ -73,7 +73,7 @@ def window_rows(trace, lo: int, hi: int) -> np.ndarray:
         vals, cnt = np.unique(tid[host], return_counts=True)
         main = {int(vals[np.argmax(cnt)])} if len(vals) else set()
     launch = np.asarray(ev["cat"].isin(["cuda_runtime", "cuda_driver"])) & host
-    main |= {int(x) for x in np.unique(tid[launch])}
+    main |= {int(x) for x in uniq(tid[launch])}
     host &= np.isin(tid, list(main))
     corr = ev["correlation"]
     launch_ts = {}
@@ -154,7 +154,7 @@ def add_rank(g: Graph, rank: int, trace, rows: np.ndarray, shift, comm_keys: dic
             spans_sync.append(k)
     node_at: dict = {}  # (tid, ts) -> node on that thread
     host_idx = np.flatnonzero(~gpu)
-    for t in np.unique(tid[host_idx]) if len(host_idx) else ():
+    for t in uniq(tid[host_idx]) if len(host_idx) else ():
         idx = host_idx[tid[host_idx] == t]
         order = idx[np.lexsort((-(end[idx] - ts[idx]), ts[idx]))]
         segs = _cut(_segments(ts_l, end_l, order.tolist()), cuts.get(int(t)))
@@ -190,7 +190,7 @@ def add_rank(g: Graph, rank: int, trace, rows: np.ndarray, shift, comm_keys: dic
             launch[corr_l[k]] = node_at.get((tid_l[k], ts_l[k]))
     gpu_idx = np.flatnonzero(gpu)
     gpu_ends = []  # (end, end node)
-    for s in np.unique(stream[gpu_idx]) if len(gpu_idx) else ():
+    for s in uniq(stream[gpu_idx]) if len(gpu_idx) else ():
         idx = gpu_idx[stream[gpu_idx] == s]
         idx = idx[np.argsort(ts[idx], kind="stable")]
         prev_end = None
@@ -317,7 +317,7 @@ def single_chain(trace, lo: int, hi: int):
     window has GPU work or several driving threads."""
     rows = window_rows(trace, lo, hi)
     ev = trace.tables.events
-    if not len(rows) or ev["is_gpu"][rows].any() or len(np.unique(ev["tid"][rows])) != 1:
+    if not len(rows) or ev["is_gpu"][rows].any() or len(uniq(ev["tid"][rows])) != 1:
         return None
     ts = ev["ts_ns"][rows].tolist()
     end = np.minimum(ev["end_ns"][rows], hi).tolist()

@@ -19,6 +19,12 @@ from __future__ import annotations
 import numpy as np
 
 KINDS = ("compute", "host", "data", "communication", "idle")
+
+
+def uniq(a) -> np.ndarray:
+    """np.unique; with counts asked, numpy does not import numpy.ma (the bare-trace analysis
+    stays on plain numpy: tests/test_startup.py)."""
+    return np.unique(a, return_counts=True)[0]
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 # edge types (Arrays.etype)
 DEP, WORK, COLL = 0, 1, 2
@@ -114,7 +120,7 @@ def longest_path(g, weights=None) -> tuple[int, np.ndarray]:
     n, m = len(a.node_ts), len(a.src)
     if n == 0:
         return 0, np.zeros(0, np.int64)
-    ranks = max(1, len(np.unique(a.node_rank)))
+    ranks = max(1, len(uniq(a.node_rank)))
     if n / ranks > DEEP:  # long chains, few ranks (a profiled window): one edge at a time
         return _longest_path_py(a, w)
     order = np.argsort(a.src, kind="stable")
@@ -142,8 +148,8 @@ def longest_path(g, weights=None) -> tuple[int, np.ndarray]:
         dist[bd[better]] = bc[better]
         pred[bd[better]] = be[better]
         np.subtract.at(indeg, dst, 1)
-        uniq = np.unique(dst)
-        frontier = uniq[indeg[uniq] == 0]
+        touched = uniq(dst)
+        frontier = touched[indeg[touched] == 0]
     if done != n:
         raise ValueError("critical-path graph has a cycle")
     end = int(np.argmax(dist))
@@ -209,7 +215,7 @@ def attribute(g, path, weights=None) -> dict:
     ranks = a.rank[path]
     by_rank: dict = {}
     both: dict = {}
-    for r in np.unique(ranks):
+    for r in uniq(ranks):
         sub = parts[ranks == r].sum(axis=0)
         if sub.sum() > 0:
             by_rank[int(r)] = float(sub.sum())

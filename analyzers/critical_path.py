@@ -137,7 +137,7 @@ def _summarize(per: dict, steps: list[int]) -> dict:
 
 
 def analyze(run) -> AnalyzerResult:
-    per = paths(run)
+    per = paths(run) if not run.trace_inputs else {}  # bare traces have no log
     metrics: dict = {}
     if per:
         al = align(run)
