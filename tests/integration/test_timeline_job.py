@@ -85,7 +85,8 @@ def test_critical_path_in_summary_and_report(strag4, tmp_path):
     s = json.loads((tmp_path / "summary.json").read_text())
     cp = s["metrics"]["critical_path"]
     job = cp["job"]
-    assert job["by_rank"][0]["rank"] == STRAGGLER and job["by_rank"][0]["share"] > 0.4, job["by_rank"]
+    # its 300 ms are >= 30 % of an ~800-1000 ms path; measured 0.42 (next: its stage peer, 0.37)
+    assert job["by_rank"][0]["rank"] == STRAGGLER and job["by_rank"][0]["share"] > 0.3, job["by_rank"]
     assert set(job["by_kind"]) == {"compute", "host", "data", "communication", "idle"}
     assert abs(sum(job["by_kind"].values()) - 1) < 0.01
     assert job["by_kind"]["compute"] > job["by_kind"]["data"]
