@@ -16,19 +16,26 @@ def _steps_chart(per_step: list) -> str:
         return ""
     steps = [int(r["step"]) for r in rows]
     top = max(max(r["length_ms"], r.get("wall_ms") or 0) for r in rows)
-    p = svg.Plot((steps[0] - 0.5, steps[-1] + 0.5), (0, top * 1.05 or 1), width=860, height=240,
-                 title="Critical path per step by kind (line: the step's wall time, first start to last end)",
-                 xlabel="step", ylabel="ms", grid="y")
+    kept = [max(r["length_ms"], r.get("wall_ms") or 0) for r in rows if r.get("analysed")]
+    title = "Critical path per step by kind (line: the step's wall time, first start to last end)"
+    if kept and top > 3 * max(kept):  # set-up and profiler steps: keep the axis on the others
+        title += f"\nsteps not analysed (·) run off the scale, up to {kit.fmt_ms(top)}"
+        top = 1.5 * max(kept)
+    p = svg.Plot((steps[0] - 0.5, steps[-1] + 0.5), (0, top * 1.05 or 1), width=860, height=260,
+                 title=title, xlabel="step", ylabel="ms", grid="y")
     for r in rows:
         s, y = int(r["step"]), 0.0
         for kind, colour in COLOURS.items():
             v = float((r.get("by_kind_ms") or {}).get(kind) or 0.0)
             if v > 0:
-                p.rect(s - 0.4, s + 0.4, y, y + v, colour, f"step {s} — {kind}: {kit.fmt_ms(v)}")
+                hi = min(y + v, top * 1.05)
+                if hi > y:
+                    p.rect(s - 0.4, s + 0.4, y, hi, colour, f"step {s} — {kind}: {kit.fmt_ms(v)}")
                 y += v
         if not r.get("analysed"):
-            p.text(s, y, "·", anchor="middle")
-    walls = [(int(r["step"]), r.get("wall_ms")) for r in rows if isinstance(r.get("wall_ms"), (int, float))]
+            p.text(s, min(y, top), "·", anchor="middle")
+    walls = [(int(r["step"]), min(r["wall_ms"], top * 1.05)) for r in rows
+             if isinstance(r.get("wall_ms"), (int, float))]
     if walls:
         p.line([s for s, _ in walls], [w for _, w in walls], "#1c7ed6", tip="wall time of the step")
     for kind, colour in COLOURS.items():
@@ -72,7 +79,7 @@ def render(metrics: dict, summary: dict) -> str:
                 rows.append(f"<tr><td>{r['rank']}</td><td>{s['step']}</td><td>{kit.fmt_ms(s['length_ms'])}</td>"
                             f"<td>{kit.esc(kinds)}</td><td>{kit.esc(top)}</td></tr>")
         parts.append("<h3>Profiled steps, each rank on its own (ops, kernels, launches)</h3>"
-                     "<table><tr><th>rank</th><th>step</th><th>path</th><th>by kind</th>"
+                     "<table><tr><th>rank</th><th>ProfilerStep</th><th>path</th><th>by kind</th>"
                      "<th>longest on the path</th></tr>" + "".join(rows[:64]) + "</table>")
     parts.append(kit.para(
         "The longest chain of dependent work through a step: each rank's work between its "
