@@ -188,7 +188,22 @@ def add_rank(g: Graph, rank: int, trace, rows: np.ndarray, shift, comm_keys: dic
     for k in host_idx:
         if corr_l[k] >= 0 and cats_l[k] in ("cuda_runtime", "cuda_driver"):
             launch[corr_l[k]] = node_at.get((tid_l[k], ts_l[k]))
-    gpu_idx = np.flatnonzero(gpu)
+    gpu_ends = _add_streams(g, rank, np.flatnonzero(gpu), stream, ts, ts_l, end_l, corr_l, launch,
+                            rows, comm_keys, arrivals, leaves, names_l)
+    # CPU collective ops that join across ranks
+    for k, (a, ws, we) in spans.items():
+        na = node_at.get((tid_l[k], a))
+        nb = node_at.get((tid_l[k], we))
+        if na is not None and nb is not None:
+            key = _key_times(comm_keys[int(rows[k])])[0]
+            arrivals.setdefault(key, []).append((rank, na, a))
+            leaves.append((key, rank, nb, ws, we, names_l[k]))
+    _sync_edges(g, rank, host_idx, names_l, tid, ts, end, node_at, gpu_ends)
+
+
+def _add_streams(g, rank, gpu_idx, stream, ts, ts_l, end_l, corr_l, launch, rows, comm_keys,
+                 arrivals, leaves, names_l) -> list:
+    """Each GPU stream's ops in order, with their launches; returns [(end, end node)]."""
     gpu_ends = []  # (end, end node)
     for s in uniq(stream[gpu_idx]) if len(gpu_idx) else ():
         idx = gpu_idx[stream[gpu_idx] == s]
@@ -219,15 +234,7 @@ def add_rank(g: Graph, rank: int, trace, rows: np.ndarray, shift, comm_keys: dic
                 g.edge(na, nb, b - a, rank, {kind: b - a}, etype=WORK, label=names_l[k])
             gpu_ends.append((b, nb))
             prev_end = nb
-    # CPU collective ops that join across ranks
-    for k, (a, ws, we) in spans.items():
-        na = node_at.get((tid_l[k], a))
-        nb = node_at.get((tid_l[k], we))
-        if na is not None and nb is not None:
-            key = _key_times(comm_keys[int(rows[k])])[0]
-            arrivals.setdefault(key, []).append((rank, na, a))
-            leaves.append((key, rank, nb, ws, we, names_l[k]))
-    _sync_edges(g, rank, host_idx, names_l, tid, ts, end, node_at, gpu_ends)
+    return gpu_ends
 
 
 def _merge(iv) -> list:
