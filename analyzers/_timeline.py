@@ -305,7 +305,13 @@ def _profiler(m, run, al, rset, sset, budget) -> dict:
         except TraceError as e:
             run.problems.append(str(e))
             continue
-        add_trace(m, r, t, lambda ns, r=r: al(r, ns), sset, budget)
+        # the trace numbers its own ProfilerSteps: those lying in the chosen steps of the run
+        from trainprof.analyzers.critical_path import _step_of_trace
+
+        st = t.tables.steps
+        tsteps = {int(st["step"][i]) for i in range(len(st))
+                  if _step_of_trace(run, al, r, int(st["start_ns"][i]), int(st["end_ns"][i]), False) in sset}
+        add_trace(m, r, t, lambda ns, r=r: al(r, ns), tsteps, budget)
         if len(kept) < MAX_PATH_TRACES:
             kept[r] = t
     return kept
@@ -320,10 +326,24 @@ def _critical_profiled(m, run, traces, steps, shifts=None) -> None:
         run.problems.append(f"timeline: profiled critical path not drawn: {type(e).__name__}: {e}")
         return
     for s, p in per.items():
-        for r, kind, a, b, label in p["rows"]:
-            if b > a:
-                m["slices"].append((r, "critical path (ops)", kind, "critical_path", a, b - a,
-                                    {"step": s, "kind": kind, **({"op": label} if label else {})}))
+        for r, kind, a, b, label, n in _merged(p["rows"]):
+            m["slices"].append((r, "critical path (ops)", kind, "critical_path", a, b - a,
+                                {"step": s, "kind": kind, "ops": n, **({"op": label} if label else {})}))
+
+
+def _merged(rows) -> list:
+    """Consecutive path pieces of one rank and kind as one slice (the longest piece's op named,
+    the count of pieces kept): a profiled step's path has thousands of tiny ops."""
+    out: list = []
+    for r, kind, a, b, label in rows:
+        if b <= a:
+            continue
+        if out and out[-1][0] == r and out[-1][1] == kind and a - out[-1][3] <= 1000:
+            pr, pk, pa, pb, pl, pn, pw = out[-1]
+            out[-1] = (pr, pk, pa, b, label if (b - a) > pw else pl, pn + 1, max(pw, b - a))
+        else:
+            out.append((r, kind, a, b, label, 1, b - a))
+    return [x[:6] for x in out]
 
 
 def add_trace(m, r, t, shift, sset, budget, clip_steps: bool = True) -> None:
