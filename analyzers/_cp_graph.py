@@ -23,8 +23,10 @@ KINDS = ("compute", "host", "data", "communication", "idle")
 
 def uniq(a) -> np.ndarray:
     """np.unique; with counts asked, numpy does not import numpy.ma (the bare-trace analysis
-    stays on plain numpy: tests/test_startup.py)."""
+    stays on plain numpy: tests/unit/trainprof/test_startup.py)."""
     return np.unique(a, return_counts=True)[0]
+
+
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 # edge types (Arrays.etype)
 DEP, WORK, COLL = 0, 1, 2

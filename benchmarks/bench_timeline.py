@@ -26,8 +26,8 @@ def main() -> None:
     ap.add_argument("--max-mb", type=float, default=100)
     a = ap.parse_args()
     from trainprof.analyzers import critical_path, stragglers
-    from trainprof.rundir import RunDir
-    from trainprof.timeline import make
+    from trainprof.analysis.run import RunDir
+    from trainprof.analysis.timeline import make
 
     print("ranks  path_s  timeline_s  file_MB  events  top_rank(share)  rss_MB")
     for n in (int(x) for x in a.ranks.split(",")):

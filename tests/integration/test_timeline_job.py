@@ -15,7 +15,7 @@ import pytest
 
 from helpers import run_cli
 from trainprof.reports.chrome_trace import problems
-from trainprof.rundir import RunDir
+from trainprof.analysis.run import RunDir
 
 pytestmark = pytest.mark.multiproc
 STRAGGLER = 1

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainprof.rundir import RunDir
+from trainprof.analysis.run import RunDir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 from synth_run import synthesize  # noqa: E402
@@ -75,7 +75,7 @@ def big(tmp_path_factory):
 
 def test_path_runs_through_the_straggler_and_timeline_is_bounded(big, tmp_path):
     from trainprof.analyzers import critical_path
-    from trainprof.timeline import make
+    from trainprof.analysis.timeline import make
 
     run = RunDir(big)
     m = critical_path.analyze(run).metrics

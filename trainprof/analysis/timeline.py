@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainprof.rundir import RunDir
+from trainprof.analysis.run import RunDir
 
 DEFAULT_MAX_MB = 100
 
@@ -45,7 +45,7 @@ def _findings(run: RunDir, analyze: bool) -> tuple[list[dict], str]:
             run.problems.append(f"{p}: not read ({e}); findings computed again")
     if not analyze:
         return [], "not shown (--no-findings)"
-    from trainprof.analysis import analyze as run_analysis
+    from trainprof.analysis.runner import analyze as run_analysis
 
     return run_analysis(run).get("findings") or [], "computed now (no summary.json)"
 
@@ -59,7 +59,7 @@ def make(inputs, out, steps=None, ranks=None, gz: bool = False, max_mb: float = 
 
     run = RunDir(inputs)
     if not run.ranks and not run.trace_inputs:
-        from trainprof.rundir import RunDirError
+        from trainprof.rundir.files import RunDirError
 
         raise RunDirError(f"{run.path}: no rank data and no profiler trace: nothing to show")
     if isinstance(findings, list):
