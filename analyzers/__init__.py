@@ -11,9 +11,9 @@ import importlib
 
 # Order matters only for the report's section order. Modules not present in this build are
 # skipped silently.
-ANALYZER_MODULES = ("step_time", "comm_compute", "collectives", "stragglers", "slow_steps",
+ANALYZER_MODULES = ("step_time", "whole_run", "comm_compute", "collectives", "stragglers", "slow_steps",
                     "trace_stragglers",
-                    "pipeline", "critical_path",
+                    "pipeline", "expert_balance", "critical_path",
                     "nan_origin", "hang", "memory", "fragmentation", "roofline", "ops", "launch",
                     "uneven_steps")
 

@@ -48,11 +48,13 @@ reported there.
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 
 from trainprof._lazy import pd
 from trainprof.analyzers import _lateness
+from trainprof.analyzers import _straggler_episodes as _episodes
 from trainprof.analyzers._memo import once
 from trainprof.analyzers import _straggler_cause as cause
 from trainprof.findings import AnalyzerResult, Finding
@@ -80,6 +82,7 @@ P2P_OPS = ("send", "recv", "isend", "irecv")
 MAX_PEER_EVIDENCE = 32  # per-peer entries kept in a finding's evidence (largest first; the
                         # count and median say what the rest are: summary.json at 1,000+ ranks)
 SCHED_FIELDS = cause.SCHED_FIELDS
+MAX_EPISODES = 8     # straggler episodes of one rank reported (the first ones)
 
 
 def _kept(run, steps):
@@ -185,17 +188,44 @@ def loo_median(v: np.ndarray) -> np.ndarray:
     return (pick(lo) + pick(hi)) / 2.0
 
 
+def grouped_loo_median(keys, v: np.ndarray) -> np.ndarray:
+    """loo_median within each group of equal ``keys`` (arrays of one length), vectorized: in a
+    group sorted by value, the median of the others of the element at position k picks from the
+    sorted values skipping k. NaN for a group of one."""
+    v = np.asarray(v, dtype=float)
+    out = np.full(v.size, np.nan)
+    if v.size == 0:
+        return out
+    order = np.lexsort((v,) + tuple(np.asarray(k) for k in reversed(keys)))
+    sk = [np.asarray(k)[order] for k in keys]
+    new = np.ones(v.size, bool)
+    new[1:] = np.any([k[1:] != k[:-1] for k in sk], axis=0)
+    start = np.maximum.accumulate(np.where(new, np.arange(v.size), 0))
+    gid = np.cumsum(new) - 1
+    n = np.bincount(gid)[gid]
+    pos = np.arange(v.size) - start
+    s = v[order]
+    m = n - 1
+    odd = m % 2 == 1
+    lo = np.where(odd, (m - 1) // 2, np.maximum(m // 2 - 1, 0))
+    hi = np.where(odd, lo, m // 2)
+
+    def other(j):
+        return s[np.minimum(start + j + (j >= pos), v.size - 1)]
+
+    med = (other(lo) + other(hi)) / 2.0
+    out[order] = np.where(m >= 1, med, np.nan)
+    return out
+
+
 def _residuals(t: pd.DataFrame, groups: dict[int, str]) -> pd.DataFrame:
     """Per (rank, step): excess = own − median own of the rank's other peers in that step."""
     t = t.copy()
     t["group"] = t["rank"].map(groups)
     t["step_med"] = t["step"].map(t.groupby("step")["dur_ms"].median())
-    t["peer_own_ms"] = np.nan
-    t["peer_busy_ms"] = np.nan
-    for _, g in t.groupby(["group", "step"]):
-        if len(g) >= 2:
-            t.loc[g.index, "peer_own_ms"] = loo_median(g["own_ms"].to_numpy())
-            t.loc[g.index, "peer_busy_ms"] = loo_median(g["busy_ms"].to_numpy())
+    keys = [pd.factorize(t["group"])[0], t["step"].to_numpy()]
+    t["peer_own_ms"] = grouped_loo_median(keys, t["own_ms"].to_numpy(float))
+    t["peer_busy_ms"] = grouped_loo_median(keys, t["busy_ms"].to_numpy(float))
     t["excess_ms"] = t["own_ms"] - t["peer_own_ms"]
     t["rel_excess"] = t["excess_ms"] / t["step_med"]
     return t
@@ -322,6 +352,36 @@ def analyze(run) -> AnalyzerResult:
     return once(run, "analyzers.stragglers", _analyze)
 
 
+def _over_steps(p: dict, per_rank: list[dict], k, ep: dict, cols) -> tuple[dict, list[dict]]:
+    """Rank ``p``'s record and its peers' with their medians taken over the episode's steps
+    only (the cause and the waits of a straggler for part of the run are those of its
+    episode)."""
+    sub = k[k["step"].isin(ep["steps"])]
+    med = sub.assign(data_share=sub["data_ms"] / sub["dur_ms"]).groupby("rank")[
+        list(cols) + ["data_share"]].median()
+
+    def over(q: dict) -> dict:
+        if q["rank"] not in med.index:
+            return q
+        m = med.loc[q["rank"]]
+        out = {**q, "own_ms": float(m["own_ms"]), "busy_ms": float(m["busy_ms"]),
+               "blocked_ms": float(m["blocked_ms"]), "p2p_ms": float(m["p2p_ms"]),
+               "data_wait_ms": float(m["data_ms"]), "data_share": float(m["data_share"]),
+               "step_ms": float(m["dur_ms"]), "peer_own_ms": _f(m["peer_own_ms"]),
+               "peer_busy_ms": _f(m["peer_busy_ms"]), "rel_excess": _f(m["rel_excess"])}
+        for c in SCHED_FIELDS:
+            if c in q and c in m.index:
+                out[c] = _f(m[c])
+        return out
+
+    size = {"excess_ms": ep["excess_ms"], "score": ep["score"]} if ep["signal"] == "own_time" \
+        else {"late_ms": ep["excess_ms"], "late_score": ep["score"]}
+    me = {**over(p), **size, "signal": ep["signal"],
+          "straggling_steps": ep["steps"], "steps": len(ep["steps"]), "episode": ep}
+    peers = [over(q) for q in per_rank if q["group"] == p["group"] and q["rank"] != p["rank"]]
+    return me, peers
+
+
 def capped_waits(by_rank: dict) -> dict:
     """A finding's per-peer waits: every entry up to MAX_PEER_EVIDENCE, else the largest ones,
     with ``waits_caused_count`` / ``waits_caused_median_ms`` over all of them."""
@@ -352,16 +412,28 @@ def waits_or_problem(run, analyzer: str) -> dict | None:
 def waits_for_stragglers(run) -> dict:
     """What exposed-communication judgments leave out: ``{"late": [ranks late for the others:
     chronic stragglers and input-starved ranks], "wait_ms": {rank: ms per step (median over the
-    analysed steps) it waits in collectives for them}}``; empty lists/dicts when there is none."""
+    analysed steps) it waits in collectives for them}}``; empty lists/dicts when there is none.
+    A straggler for part of the run (an episode, ``evidence.episode``) counts where its waits
+    fall: with a profiler window (the figures exposed_comm judges), at its per-step rate when
+    the window is inside the episode and not at all otherwise; without one (the collective
+    log's whole-run figures), spread over the analysed steps."""
     late: set[int] = set()
     wait: dict[int, float] = {}
     res = analyze(run)
     full = _full_waits(run)
+    window = [s for s in (res.metrics.get("excluded_steps") or {}).get("profiler") or []]
+    n_kept = max(1, len(res.metrics.get("steps_analysed") or ()))
     for f in res.findings:
         ev = f.evidence or {}
         who = tuple(ev.get("late_for_input") or ([ev["rank"]] if "rank" in ev else []))
+        ep = ev.get("episode")
+        key = (f.kind, who) + ((ep["first"] if ep else None,) if f.kind == "straggler" else ())
         # the evidence keeps the largest waits only: the whole table from this analysis
-        caused = full.get((f.kind, who)) or ev.get("waits_caused_ms") or {}
+        caused = full.get(key) or ev.get("waits_caused_ms") or {}
+        if ep and window:
+            caused = caused if _episodes.overlaps(ep, window) else {}
+        elif ep:
+            caused = {q: v * ep["steps"] / n_kept for q, v in caused.items()}
         if not caused:
             continue
         late.update(who)
@@ -438,21 +510,10 @@ def _analyze(run) -> AnalyzerResult:
         if data_med >= DATA_MIN_MS and step_ms and rec["data_share"] >= DATA_SHARE:
             starving.append(rec)
 
-    findings, input_late, ops_ms = [], {}, None
-    for p in per_rank:
-        if p["status"] != "chronic":
-            continue
-        peers = [q for q in per_rank if q["group"] == p["group"] and q["rank"] != p["rank"]]
-        size = p["excess_ms"] if p["signal"] == "own_time" else p["late_ms"]
-        if ops_ms is None and has_sched:
-            ops_ms = _trace_ops_ms(run)
-        why = cause.explain(p, peers, size, ops_ms)
-        waits = _caused(fr, p["rank"], kept, size)
-        if why["cause"] == "input" and p["rank"] in {q["rank"] for q in starving}:
-            input_late[p["rank"]] = waits  # reported with the data starvation it is
-            continue
-        findings.append(_straggler_finding(p, peers, size, why, waits, kept))
-        _full_waits(run)[("straggler", (p["rank"],))] = dict(waits["by_rank"])
+    episodes = _episodes.find_both(k, step_ms, noise, late_noise, sys.modules[__name__])
+    _mark_episodic(per_rank, episodes, kept)
+    findings, input_late = _straggler_findings(run, per_rank, episodes, k, kept, cols, fr,
+                                               starving, has_sched)
 
     if starving:
         findings.append(_starvation_finding(starving, per_rank, input_late))
@@ -471,6 +532,7 @@ def _analyze(run) -> AnalyzerResult:
                        "data_share": DATA_SHARE, "data_min_ms": DATA_MIN_MS},
         "per_rank": per_rank,
         "chronic": [p["rank"] for p in per_rank if p["status"] == "chronic"],
+        "episodic": [p["rank"] for p in per_rank if p["status"] == "episodic"],
         "transient": [p["rank"] for p in per_rank if p["status"] == "transient"],
         "steps": shown,
         "busy_ms_by_rank": _matrix(t, "busy_ms", shown),
@@ -486,6 +548,49 @@ def _analyze(run) -> AnalyzerResult:
     if has_sched:
         metrics["cpu_wait_ms_by_rank"] = _matrix(t, "cpu_wait_ms", shown)
     return AnalyzerResult(metrics=metrics, findings=findings)
+
+
+def _mark_episodic(per_rank: list[dict], episodes: dict, kept) -> None:
+    """Each rank's episodes in its record; a rank slow for part of the run (and a chronic one
+    that turned slow after the run's first steps) becomes ``episodic``."""
+    for p in per_rank:
+        eps = episodes.get(p["rank"], [])
+        p["episodes"] = [{x: e[x] for x in ("first", "last", "excess_ms", "score", "signal")}
+                         for e in eps]
+        if not eps or (p["status"] == "chronic" and not _episodes.started_late(eps, kept)):
+            continue  # (a chronic straggler slow from the start: the whole run is its stretch)
+        p.update(status="episodic", signal=eps[0]["signal"],  # slow for part of the run (onset)
+                 straggling_steps=[s for e in eps for s in e["steps"]])
+        p["straggling_frac"] = len(p["straggling_steps"]) / p["steps"] if p["steps"] else 0.0
+
+
+def _straggler_findings(run, per_rank, episodes, k, kept, cols, fr, starving, has_sched):
+    """(straggler findings with onset / end, {rank: waits} of stragglers late for input): one
+    per chronic straggler, one per episode of the others (the cause and waits over its steps)."""
+    findings, input_late, ops_ms = [], {}, None
+    for p in per_rank:
+        if p["status"] not in ("chronic", "episodic"):
+            continue
+        for ep in ([None] if p["status"] == "chronic" else episodes[p["rank"]][:MAX_EPISODES]):
+            q, peers = _over_steps(p, per_rank, k, ep, cols) if ep else (
+                p, [q for q in per_rank if q["group"] == p["group"] and q["rank"] != p["rank"]])
+            size = q["excess_ms"] if q["signal"] == "own_time" else q["late_ms"]
+            if ops_ms is None and has_sched:
+                ops_ms = _trace_ops_ms(run)
+            why = cause.explain(q, peers, size, ops_ms)
+            steps = ep["steps"] if ep else kept
+            waits = _caused(fr, p["rank"], steps, size)
+            if why["cause"] == "input" and p["rank"] in {x["rank"] for x in starving}:
+                input_late[p["rank"]] = waits  # reported with the data starvation it is
+                continue
+            f = _straggler_finding(q, peers, size, why, waits, steps)
+            _episodes.stamp(f, run, p, ep, kept)
+            if ep:
+                _episodes.judge_cause(f, p, ep, why)
+            findings.append(f)
+            _full_waits(run)[("straggler", (p["rank"],), ep["first"] if ep else None)] = \
+                dict(waits["by_rank"])
+    return findings, input_late
 
 
 def _trace_ops_ms(run) -> dict[int, float]:
@@ -517,9 +622,13 @@ def _straggler_finding(p, peers, size, why, waits, kept) -> Finding:
         what = (f"it issues its collectives {cause.ms(size)} ms after its peers (median per step, "
                 f"score {p['late_score']:.1f})")
     wait_text = _waits_text(waits, p["rank"])
-    msg = (f"rank {p['rank']} ({_coords_text(p['coords'])}, host {p['host']}) is a chronic "
-           f"straggler: {what} in {len(p['straggling_steps'])} of {p['steps']} analysed steps "
-           f"(peer group {p['group']}: {_ranks_text(ranks)}); {why['text']}"
+    ep = p.get("episode")
+    kind = (f"a straggler from step {ep['first']}" + (f" to step {ep['last']}" if ep.get("over")
+                                                       else " on") if ep else "a chronic straggler")
+    msg = (f"rank {p['rank']} ({_coords_text(p['coords'])}, host {p['host']}) is {kind}: "
+           f"{what} in {len(p['straggling_steps'])} of {p['steps']} analysed steps "
+           + ("of that stretch " if ep else "")
+           + f"(peer group {p['group']}: {_ranks_text(ranks)}); {why['text']}"
            + (f"; {wait_text}" if wait_text else
               "; the waits it causes are not in the collective log (async collectives: its peers "
               "wait on the device or at their next synchronization)")
@@ -536,6 +645,10 @@ def _straggler_finding(p, peers, size, why, waits, kept) -> Finding:
           "data_wait_ms": p["data_wait_ms"], "cause": why["cause"], "cause_parts": why["parts"],
           "waiters": waits["waiters"], "waiters_wait_ms": waits["wait_ms"],
           **capped_waits(waits["by_rank"]), "waits_caused_by_op_ms": waits["ops"]}
+    if ep:  # straggling for part of the run: its stretch (onset / end on the finding)
+        ev["episode"] = {"first": ep["first"], "last": ep["last"], "steps": len(ep["steps"]),
+                         "excess_ms": ep["excess_ms"], "score": ep["score"]}
+        ev["straggling_steps"] = _episodes.compact(p["straggling_steps"])
     for c in SCHED_FIELDS:
         if c in p:
             ev[c] = p[c]

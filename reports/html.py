@@ -114,6 +114,9 @@ def _header(summary: dict) -> str:
               if isinstance(run.get("profiled"), Mapping) else None),
              ("device", run.get("device")), ("backend", run.get("backend")),
              ("exit code", exit_s), ("torch", run.get("torch_version")),
+             # a snapshot of a run not (cleanly) over: trainprof/rundir/state.py
+             ("run", f"{run['state']}: a snapshot at step {run.get('last_step')}"
+              if run.get("state") in ("running", "stopped") else None),
              ("started", _get(run, "start_time", "iso") if isinstance(run.get("start_time"), Mapping)
               else run.get("start_time")),
              ("trainprof", summary.get("trainprof_version"))]

@@ -167,6 +167,11 @@ def render_terminal(summary, report_path=None, console=None) -> None:
     prof = run.get("profiled")  # --profile-ranks: a subset recorded the profiler window
     if isinstance(prof, Mapping) and prof.get("text") and prof.get("count") != prof.get("of"):
         console.print(escape(str(prof["text"])))
+    if run.get("state") in ("running", "stopped"):  # a snapshot of a run not (cleanly) over
+        live = run.get("live") if isinstance(run.get("live"), Mapping) else {}
+        console.print(f"[bold yellow]run {escape(str(run['state']))}[/bold yellow]: a snapshot at "
+                      f"step {escape(str(run.get('last_step')))}" + (
+                          f" ({escape(str(live['why']))})" if live.get("why") else ""))
     partial = run.get("partial")
     if isinstance(partial, Mapping):
         console.print(f"[bold yellow]partial run[/bold yellow]: {escape(partial_text(partial))}; "

@@ -5,7 +5,8 @@ summary.json (schema documented in docs/summary.md)::
     {"schema_version": 1, "trainprof_version": "...",
      "run": {"dir", "world_size", "mesh": {"dp", "pp", "tp"}, "command", "exit_code", ...},
      "metrics": {"<analyzer>": {...}, ...},
-     "findings": [{"kind", "severity", "ranks", "message", "evidence": {...}, "analyzer"}],
+     "findings": [{"kind", "severity", "ranks", "message", "evidence": {...}, "analyzer",
+                   "onset": {"step", "time"}, "end": {"step", "time"}}],  (onset/end: when known)
      "problems": ["<file>: what is wrong", ...],
      "errors": [{"analyzer", "error"}]}
 """
@@ -23,7 +24,8 @@ KINDS = (
     "straggler", "nan_origin", "loss_spike", "hang", "rank_failure", "desync", "pipeline_bubble",
     "stage_imbalance",
     "exposed_comm", "fragmentation", "memory", "roofline", "data_starvation", "host_stall",
-    "device_starved", "uneven_steps", "slow_steps", "no_communication",
+    "device_starved", "uneven_steps", "slow_steps", "no_communication", "expert_imbalance",
+    "throughput_drop", "memory_growth",
 )
 
 
@@ -35,6 +37,9 @@ class Finding:
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
     analyzer: str = ""
+    # when it started and, once over, ended: {"step": N, "time": ISO-8601 or None} (docs/onsets.md)
+    onset: dict | None = None
+    end: dict | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -44,7 +49,11 @@ class Finding:
         self.ranks = sorted(int(r) for r in self.ranks)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        for k in ("onset", "end"):  # only findings that start and stop carry them
+            if d.get(k) is None:
+                d.pop(k, None)
+        return d
 
 
 @dataclass

@@ -11,7 +11,7 @@ it needs. Digests already current are kept. Exit status 0 when every trace of th
 digested, 1 when some could not be (each said on stderr), 2 when RUN_DIR cannot be read.
 
 (``--pool FILE`` is internal: the fresh single-threaded process in which a process with
-threads, such as the launcher, runs its digest pool; trainprof/analysis/digest.py pool_in_child.)
+threads, such as the launcher, runs its digest pool; trainprof/analysis/pool.py pool_in_child.)
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _env_int(name: str, default: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 2 and argv[0] == "--pool":  # trainprof.analysis.digest.pool_in_child's process
+    if len(argv) == 2 and argv[0] == "--pool":  # trainprof.analysis.pool.pool_in_child's process
         from trainprof.analysis import digest
 
         return digest.pool_child_main(argv[1])

@@ -66,6 +66,22 @@ def run_info(run: RunDir) -> dict:
     }
 
 
+def live_state(run: RunDir) -> dict:
+    """run.state ("running", "ended", "stopped": trainprof/rundir/state.py) and the last step seen,
+    for a run directory (a run in progress is analyzed as a snapshot)."""
+    if run.trace_inputs or run.snapshot_only:
+        return {}
+    try:
+        from trainprof.rundir.state import state
+
+        st = state(run.path, run.launcher)
+    except Exception as e:  # noqa: BLE001 - the state is a note, never a reason to fail
+        run.problems.append(f"run state unknown: {type(e).__name__}: {e}")
+        return {}
+    return {"state": st["state"], "last_step": st["last_step"],
+            "live": {k: st[k] for k in ("why", "last_progress", "heartbeat_age_s")}}
+
+
 def _group_sizes(run: RunDir) -> dict:
     """Without a DeviceMesh: the layout the probes' process-group labels give (plain DDP)."""
     try:
@@ -107,12 +123,14 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
             timings[mod.NAME] = round(time.perf_counter() - t0, 4)
         if result.metrics:
             metrics[mod.NAME] = result.metrics
+        _stamp_onsets(run, result.findings)
         for f in result.findings:
             f.analyzer = f.analyzer or mod.NAME
             findings.append(f.to_dict())
     findings = withhold_window(metrics, findings)
     findings.sort(key=lambda f: (SEVERITY_ORDER.get(f["severity"], 9), f["kind"], f["ranks"]))
     info = run_info(run)
+    info.update(live_state(run))
     for name, rs in info.get("probes_off", {}).items():  # absent data must not read as "nothing found"
         run.problems.append(f"probe {name} was left out (TRAINPROF_PROBES_OFF) on {len(rs)} of "
                             f"{len(run.ranks)} rank{'s' * (len(run.ranks) != 1)}: analyses that need "
@@ -145,6 +163,16 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
     }
 
 
+def _stamp_onsets(run: RunDir, found) -> None:
+    """onset / end on findings whose analyzer names their steps (analyzers/_onset.py)."""
+    try:
+        from trainprof.analyzers._onset import stamp_findings
+
+        stamp_findings(run, found)
+    except Exception as e:  # noqa: BLE001 - a finding without its onset is still a finding
+        run.problems.append(f"onsets: {type(e).__name__}: {e}")
+
+
 # analyzers whose figures come from the profiled window alone (withheld with comm_compute's
 # when that window holds no training step)
 WINDOW_ANALYZERS = ("comm_compute", "ops", "roofline", "launch", "trace_stragglers")
@@ -158,7 +186,7 @@ RUN_DIR_ANALYSES = (("step time", "step timings (steps.jsonl)"),
 INTER_RANK_ANALYSES = ("stragglers over every step", "collective desync / mismatch")
 _LABELS = {"comm_compute": "communication vs compute", "trace_stragglers": "stragglers in the "
            "profiled steps", "launch": "kernel launch", "step_time": "step time",
-           "nan_origin": "NaN origin"}
+           "nan_origin": "NaN origin", "whole_run": "whole run over time"}
 
 
 def withhold_window(metrics: dict, findings: list[dict]) -> list[dict]:
@@ -243,6 +271,10 @@ def window_unreached(run: RunDir) -> str | None:
         return None  # a window reached but not written is lost_traces' to say
     first, last = windows[0]
     n = max(recorded)
+    if n == 0:  # no window of steps can be reached: there are none
+        return (f"the profiler window, steps {first}-{last}, was never reached: the job recorded "
+                "no step (neither an optimizer step nor a `trainprof.step()` marker closed one); "
+                "mark the loop's steps with `trainprof.step()` to profile them")
     rerun = "0-0" if n == 1 else f"1-{min(n - 1, 2)}"  # steps the job does run
     return (f"the profiler window, steps {first}-{last}, was never reached: the job recorded "
             f"{n} step{'s' * (n != 1)}; rerun with `trainprof wrap --profile-steps {rerun}`")

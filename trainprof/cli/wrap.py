@@ -35,9 +35,13 @@ from trainprof.launch.launcher import (HANG_EXIT_CODE, HangPolicy, JobResult, La
 @click.option("--on-hang", type=click.Choice(["dump", "kill"]), default=None,
               help=f"With --hang-timeout: dump and keep waiting (default), or dump and terminate "
                    f"the job, exiting with code {HANG_EXIT_CODE}.")
+@click.option("--analyze-every", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="MIN", help="Refresh summary.json and report.html every MIN minutes while "
+                                  "the job runs (a low-priority background analysis), so that a "
+                                  "job killed at its time limit still leaves a recent one.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def wrap(out, force, no_analyze, profile_steps, profile_ranks, job_id, hang_timeout, on_hang,
-         cmd):
+         analyze_every, cmd):
     """Run CMD with trainprof's probes in every worker process.
 
     \b
@@ -85,12 +89,22 @@ def wrap(out, force, no_analyze, profile_steps, profile_ranks, job_id, hang_time
 
     settings, before = check_before_start(out, force, job_id=job_id_of(cmd, explicit=job_id),
                                           profile_ranks=profile_ranks)
+    live = None
+    if analyze_every is not None:
+        from trainprof.launch.live_analysis import PeriodicAnalysis
+
+        live = PeriodicAnalysis(out, analyze_every * 60).start()
     try:
         result = run_job(cmd, out, profile_steps=profile_steps, hang=hang, settings=settings,
                          before=before, config={"profile_ranks": settings.get(
-                             "TRAINPROF_PROFILE_RANKS") or "auto"})
+                             "TRAINPROF_PROFILE_RANKS") or "auto",
+                             **({"analyze_every_min": analyze_every} if live else {})})
     except LaunchError as e:
         raise click.ClickException(str(e)) from e
+    finally:
+        if live is not None:
+            live.stop()
+            _say(live.summary())
     finish(out, result, analyze=not no_analyze)
 
 

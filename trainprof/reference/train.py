@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -106,6 +107,49 @@ def main(argv=None, on_step=None) -> int:
 
     assert coords_of(rank) == {"dp": dp_rank, "pp": pp_rank, "tp": tp_rank}, "unexpected mesh layout"
 
+    st = _build_stages(cfg, device, mesh, fault_list, injector, world, coords_of, pp_rank)
+    layout, my_stages, modules = st.layout, st.my_stages, st.modules
+    if rank == 0:
+        _write_injected(fault_list, layout, world, cfg, coords_of)
+        if cfg.loss_file:
+            open(cfg.loss_file, "w").close()  # one run per loss file
+    import trainprof
+
+    trainprof.set_run_info(
+        model="trainprof.reference", tokens_per_step=cfg.global_batch * cfg.seq_len,
+        n_params=st.n_params, n_params_non_embedding=st.n_params_ne, layers=st.n_layers, hidden=cfg.hidden,
+        heads=cfg.heads, seq_len=cfg.seq_len, vocab=cfg.vocab, micro_batches=cfg.micro_batches,
+        global_batch=cfg.global_batch, schedule=cfg.schedule if cfg.pp > 1 else None,
+        dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, virtual_stages=cfg.virtual_stages, dtype=cfg.dtype,
+        dp_mode=cfg.dp_mode, activation_checkpointing=False, optimizer="adamw",
+        stage_layers=[len(x) for x in layout], stage_layer_ids=layout, my_stages=my_stages,
+        stage_params=st.stage_params,
+        param_dtype="fp32", tp_plan="attn.q/k/v,mlp.up colwise; attn.o,mlp.down rowwise")
+
+    _train(cfg, modules, my_stages, st.n_stages, mesh, device, dp_rank, injector, st.step_ref,
+           on_step, rank, world)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+@dataclasses.dataclass
+class _Stages:
+    """This rank's pipeline stages, built and parallelized, and the model facts run_info records."""
+    layout: list
+    my_stages: list
+    n_stages: int
+    modules: list
+    step_ref: list
+    stage_params: list
+    n_params: int
+    n_params_ne: int
+    n_layers: int
+
+
+def _build_stages(cfg, device, mesh, fault_list, injector, world, coords_of, pp_rank) -> _Stages:
+    """The full model built once (seeded), cut into pipeline stages (an injected imbalance adds
+    layers to its stage), this rank's stages kept and parallelized (TP, FSDP), NaN faults hooked."""
     n_stages = cfg.pp * cfg.virtual_stages
     extra = {}
     for f in fault_list:
@@ -141,24 +185,15 @@ def main(argv=None, on_step=None) -> int:
             apply_fsdp(m, mesh["dp"])
     step_ref = [0]
     injector.install_nan_hooks(stage_named, step_ref)  # validated above: the module is here
+    return _Stages(layout, my_stages, n_stages, modules, step_ref, stage_params, n_params, n_params_ne,
+                   n_layers)
 
-    if rank == 0:
-        _write_injected(fault_list, layout, world, cfg, coords_of)
-        if cfg.loss_file:
-            open(cfg.loss_file, "w").close()  # one run per loss file
-    import trainprof
 
-    trainprof.set_run_info(
-        model="trainprof.reference", tokens_per_step=cfg.global_batch * cfg.seq_len,
-        n_params=n_params, n_params_non_embedding=n_params_ne, layers=n_layers, hidden=cfg.hidden,
-        heads=cfg.heads, seq_len=cfg.seq_len, vocab=cfg.vocab, micro_batches=cfg.micro_batches,
-        global_batch=cfg.global_batch, schedule=cfg.schedule if cfg.pp > 1 else None,
-        dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, virtual_stages=cfg.virtual_stages, dtype=cfg.dtype,
-        dp_mode=cfg.dp_mode, activation_checkpointing=False, optimizer="adamw",
-        stage_layers=[len(x) for x in layout], stage_layer_ids=layout, my_stages=my_stages,
-        stage_params=stage_params,
-        param_dtype="fp32", tp_plan="attn.q/k/v,mlp.up colwise; attn.o,mlp.down rowwise")
 
+def _train(cfg, modules, my_stages, n_stages, mesh, device, dp_rank, injector, step_ref, on_step,
+           rank, world) -> None:
+    """The training loop: cfg.steps optimizer steps, each ending with two world-group
+    collectives (the loss, then per-rank stats) that rank 0 prints."""
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
     is_first = 0 in my_stages
@@ -212,9 +247,6 @@ def main(argv=None, on_step=None) -> int:
             if cfg.loss_file:
                 with open(cfg.loss_file, "a") as fh:
                     fh.write(json.dumps({"step": step, "loss": loss_value}) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 def _stage_params(full, layout, n_stages) -> list[dict]:
