@@ -110,12 +110,15 @@ def test_path_through_the_heavy_stage_and_the_slow_loader(reference_run):
     per = critical_path.paths(run)
     steps = critical_path._kept(run, per)
     assert steps
+    heavy = light = 0.0
     for s in steps:
         rk = per[s]["attr"]["by_rank_kind"]
-        assert rk.get((0, "data"), 0) >= 250e6, (s, rk)  # the slow loader, on the path
-        heavy = sum(v for (r, k), v in rk.items() if r in (2, 3) and k == "compute")
-        light = sum(v for (r, k), v in rk.items() if r in (0, 1) and k == "compute")
-        assert heavy > light, (s, rk)
+        assert rk.get((0, "data"), 0) >= 250e6, (s, rk)  # the slow loader, on the path each step
+        heavy += sum(v for (r, k), v in rk.items() if r in (2, 3) and k == "compute")
+        light += sum(v for (r, k), v in rk.items() if r in (0, 1) and k == "compute")
+    # the heavy stage's compute leads over the run (11x in one measured run; in another, under a
+    # load average of 20, one step of five had it 7 % below the light stage's)
+    assert heavy > 1.5 * light, (heavy, light)
     # what-if: without rank 0's data wait the step is shorter by about it
     r = critical_path.replay(run, {"scale": {"rank": 0, "kind": "data", "factor": 0.0}})
     assert 200 < r["saving_ms"] < 400, r
