@@ -13,7 +13,7 @@ import importlib
 # skipped silently.
 ANALYZER_MODULES = ("step_time", "whole_run", "comm_compute", "collectives", "stragglers", "slow_steps",
                     "trace_stragglers",
-                    "pipeline", "expert_balance",
+                    "pipeline", "expert_balance", "critical_path",
                     "nan_origin", "hang", "memory", "fragmentation", "roofline", "ops", "launch",
                     "gpu_overview", "uneven_steps")
 

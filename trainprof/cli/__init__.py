@@ -10,7 +10,7 @@ import click
 
 from trainprof import __version__
 
-VERBS = ("wrap", "analyze", "watch", "compare", "hang", "demo")  # trainprof.cli.<verb> defines <verb>
+VERBS = ("wrap", "analyze", "watch", "compare", "hang", "demo", "timeline")  # trainprof.cli.<verb> defines <verb>
 
 
 class _Verbs(click.Group):

@@ -1,0 +1,239 @@
+"""The step graph from the always-on log, for every step: each rank's step as a chain of work
+between its collectives, collectives as joins across their group, p2p send -> recv as a join
+of the two sides.
+
+Per rank and step: nodes at the step's start and end, at the end of its data wait, at each
+logged op's enqueue, at the start of its wait (sync ops: the enqueue; async ops: end −
+blocked_ms) and at its end. Consecutive nodes are joined by a work edge unless the interval lies
+inside a wait (there the rank did nothing but wait for the others); its kinds: ``data`` for the
+data loader's wait (data.jsonl gives its length only: it is placed at the start of the first
+stretch of the rank's own work long enough to hold it, else at the step's start), ``compute``
+for the rest (the log cannot tell host work from compute: the
+profiled steps' path, from the traces, can). A collective instance (group, ordinal) is a join
+node at its last member's arrival: each member's enqueue -> join (no weight), join -> each
+member's end (``communication``: the time after the last arrival, or after the member started
+waiting, whichever is later). The k-th send a->b and the k-th recv on b from a are one join of
+two. Built with numpy, one step at a time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from trainprof.analyzers._cp_graph import COLL, DEP, KIND_INDEX, KINDS, WORK, Arrays
+
+
+def prepare(run, al) -> dict:
+    """Aligned inputs of the step graphs: per-(rank, step) step windows and data waits, and the
+    log's ops as arrays sorted by step."""
+    from trainprof.analyzers import collectives as coll
+
+    out = {"win": {}, "ops": None, "inst_names": []}
+    steps = run.steps()
+    if steps.empty:
+        return out
+    s = steps.drop_duplicates(["rank", "step"], keep="last").dropna(subset=["start_ns", "end_ns"])
+    r_ = s["rank"].to_numpy(np.int64)
+    k_ = s["step"].to_numpy(np.int64)
+    a_ = s["start_ns"].to_numpy(np.int64).copy()
+    b_ = s["end_ns"].to_numpy(np.int64).copy()
+    _align_cols(al, r_, a_, b_)
+    dw = np.zeros(len(s))
+    d = run.frame("data")
+    if not d.empty and {"rank", "step", "wait_ms"} <= set(d.columns):
+        w = d[["rank", "step", "wait_ms"]].dropna().groupby(["rank", "step"])["wait_ms"].sum()
+        idx = dict(zip(zip(w.index.get_level_values(0).astype(int), w.index.get_level_values(1).astype(int)),
+                       w.to_numpy(float)))
+        dw = np.array([idx.get((int(x), int(y)), 0.0) for x, y in zip(r_, k_)])
+    out["win"] = {"rank": r_, "step": k_, "start": a_, "end": np.maximum(b_, a_),
+                  "dend": np.minimum(np.maximum(b_, a_), a_ + (dw * 1e6).astype(np.int64))}
+    df = coll._frame(run)
+    if df.empty:
+        return out
+    df = df[df["end_ns"].notna().to_numpy() & df["step"].notna().to_numpy()]
+    if df.empty:
+        return out
+    ranks = df["rank"].to_numpy(np.int64)
+    enq = df["enqueue_ns"].astype(np.int64).to_numpy().copy()
+    end = df["end_ns"].astype(np.int64).to_numpy().copy()
+    _align_cols(al, ranks, enq, end)
+    blocked = (np.nan_to_num(df["blocked_ms"].astype(float).to_numpy()) * 1e6).astype(np.int64)
+    wait = np.maximum(enq, end - blocked)
+    inst, names = _instances(df, ranks)
+    step = df["step"].astype(np.int64).to_numpy()
+    keep = inst >= 0
+    o = np.argsort(step[keep], kind="stable")
+    out["ops"] = {"rank": ranks[keep][o], "step": step[keep][o], "enq": enq[keep][o],
+                  "wait": wait[keep][o], "end": end[keep][o], "inst": inst[keep][o],
+                  "op": strs(df["op"])[keep][o]}
+    out["inst_names"] = names
+    return out
+
+
+def _align_cols(al, ranks, *cols) -> None:
+    for r in np.unique(ranks):
+        m = ranks == r
+        for c in cols:
+            c[m] = al(int(r), c[m])
+
+
+def strs(col) -> np.ndarray:
+    """A string column as an object array (categorical: through its codes, never astype(str),
+    which costs seconds on a million rows)."""
+    if hasattr(col, "cat"):
+        cats = np.asarray(col.cat.categories.astype(object))
+        codes = col.cat.codes.to_numpy()
+        out = cats[np.clip(codes, 0, None)] if len(cats) else np.full(len(codes), None, object)
+        return np.where(codes >= 0, out, None)
+    return col.to_numpy(object)
+
+
+def _instances(df, ranks) -> tuple[np.ndarray, list]:
+    """An instance code per record (-1: not joinable) and each code's name."""
+    p2p = df["p2p"].to_numpy(bool)
+    gcol = df["group"]
+    gcode = gcol.cat.codes.to_numpy().astype(np.int64) if hasattr(gcol, "cat") else \
+        np.unique(gcol.to_numpy(object).astype(str), return_inverse=True)[1]
+    gnames = strs(gcol)
+    ordinal = df["ordinal"].to_numpy().astype(np.int64)
+    inst = np.full(len(df), -1, np.int64)
+    names: list = []
+    c = ~p2p & (ordinal >= 0) & (gcode >= 0)
+    if c.any():
+        combo = gcode[c] * (int(ordinal.max()) + 1) + ordinal[c]
+        uniq, first, codes = np.unique(combo, return_index=True, return_inverse=True)
+        inst[c] = codes
+        gn, od = gnames[c][first], ordinal[c][first]
+        names.extend(("c", str(a), int(b)) for a, b in zip(gn, od))
+    rows_p = np.flatnonzero(p2p)
+    if len(rows_p):
+        peer = df["peer"].to_numpy(object)
+        op = strs(df["op"])
+        keys, rows, count = [], [], {}
+        for i in rows_p:
+            pv = peer[i]
+            if pv is None or (isinstance(pv, float) and np.isnan(pv)):
+                continue
+            src, dst = (int(ranks[i]), int(pv)) if op[i] == "send" else (int(pv), int(ranks[i]))
+            ck = (gnames[i], op[i], src, dst)
+            k = count.get(ck, 0)
+            count[ck] = k + 1
+            keys.append((str(gnames[i]), src, dst, k))
+            rows.append(i)
+        if rows:
+            codes, uniq = _codes(keys)
+            inst[np.asarray(rows)] = codes + len(names)
+            names.extend(("p",) + u for u in uniq)
+    return inst, names
+
+
+def _codes(keys: list) -> tuple[np.ndarray, list]:
+    index: dict = {}
+    codes = np.fromiter((index.setdefault(k, len(index)) for k in keys), np.int64, len(keys))
+    return codes, list(index)
+
+
+def _place_data(prep, step, wr, ws, dw, epos, ta, tb):
+    """Where each rank's data wait lies (the log gives its length only): at the start of the
+    first stretch of the rank's own work long enough to hold it (the batch is drawn between
+    the ops around it: after the previous step's closing collectives, before the first
+    forward), else at the step's start. Per work edge: (data start, data end); also kept in
+    ``prep["data_at"][(rank, step)]``."""
+    start = ws.copy()
+    has = dw > 0
+    if has.any() and len(epos):
+        fits = (tb - ta) >= 0.9 * dw[epos]
+        fits &= has[epos]
+        idx = np.flatnonzero(fits)
+        if len(idx):
+            first_pos, first = np.unique(epos[idx], return_index=True)
+            start[first_pos] = ta[idx[first]]
+    at = prep.setdefault("data_at", {})
+    for i in np.flatnonzero(has):
+        at[(int(wr[i]), int(step))] = (int(start[i]), int(start[i] + dw[i]))
+    return start[epos], (start + dw)[epos]
+
+
+def step_ids(prep: dict) -> list[int]:
+    w = prep.get("win") or {}
+    return sorted({int(x) for x in w.get("step", ())})
+
+
+def step_graph(prep: dict, step: int, ranks=None) -> Arrays | None:
+    """The graph of one step (over ``ranks``, default every rank with a step record)."""
+    w = prep["win"]
+    if not w:
+        return None
+    sel = w["step"] == step
+    if ranks is not None:
+        sel &= np.isin(w["rank"], list(ranks))
+    if not sel.any():
+        return None
+    wr, ws, we, wd = w["rank"][sel], w["start"][sel], w["end"][sel], w["dend"][sel]
+    order = np.argsort(wr, kind="stable")
+    wr, ws, we, wd = wr[order], ws[order], we[order], wd[order]
+    ops = prep["ops"]
+    if ops is not None:
+        lo, hi = np.searchsorted(ops["step"], [step, step + 1])
+        o = {k: v[lo:hi] for k, v in ops.items()}
+        m = np.isin(o["rank"], wr)
+        o = {k: v[m] for k, v in o.items()}
+    else:
+        o = {"rank": np.zeros(0, np.int64), "enq": np.zeros(0, np.int64), "wait": np.zeros(0, np.int64),
+             "end": np.zeros(0, np.int64), "inst": np.zeros(0, np.int64), "op": np.zeros(0, object)}
+    # clip each op into its rank's step window
+    pos = np.searchsorted(wr, o["rank"])
+    lo_, hi_ = ws[pos], we[pos]
+    enq, wait, fin = (np.clip(o[k], lo_, hi_) for k in ("enq", "wait", "end"))
+    wait = np.maximum(wait, enq)
+    fin = np.maximum(fin, wait)
+    base = int(min(ws.min(), enq.min() if len(enq) else ws.min()))
+    span = int(max(we.max(), fin.max() if len(fin) else we.max())) - base + 1
+    rank_pos = np.arange(len(wr))
+
+    def key(rpos, ts):
+        return rpos.astype(np.int64) * span + (ts - base)
+
+    pts = np.unique(np.concatenate([key(rank_pos, ws), key(rank_pos, we),
+                                    key(pos, enq), key(pos, wait), key(pos, fin)]))
+    n = len(pts)
+    prank_pos = pts // span
+    pts_ts = pts % span + base
+    node_rank = wr[prank_pos]
+    # chain edges between consecutive points of a rank, unless inside a wait
+    same = prank_pos[1:] == prank_pos[:-1]
+    a_i = np.flatnonzero(same)
+    wk, fk = np.sort(key(pos, wait)), np.sort(key(pos, fin))
+    open_at = np.searchsorted(wk, pts, "right") - np.searchsorted(fk, pts, "right")
+    a_i = a_i[open_at[a_i] <= 0]
+    b_i = a_i + 1
+    ta, tb = pts_ts[a_i], pts_ts[b_i]
+    dstart, dend = _place_data(prep, step, wr, ws, wd - ws, prank_pos[a_i], ta, tb)
+    data = np.clip(np.minimum(tb, dend) - np.maximum(ta, dstart), 0, None)
+    parts_w = np.zeros((len(a_i), len(KINDS)), np.int64)
+    parts_w[:, KIND_INDEX["data"]] = data
+    parts_w[:, KIND_INDEX["compute"]] = (tb - ta) - data
+    # joins
+    n_ops = len(enq)
+    arr_node = np.searchsorted(pts, key(pos, enq))
+    fin_node = np.searchsorted(pts, key(pos, fin))
+    uniq, inv = np.unique(o["inst"], return_inverse=True)
+    t_j = np.full(len(uniq), np.iinfo(np.int64).min)
+    np.maximum.at(t_j, inv, enq)
+    j_node = n + np.arange(len(uniq))
+    comm = np.clip(fin - np.maximum(t_j[inv], wait), 0, None)
+    parts_c = np.zeros((n_ops, len(KINDS)), np.int64)
+    parts_c[:, KIND_INDEX["communication"]] = comm
+    src = np.concatenate([a_i, arr_node, j_node[inv]])
+    dst = np.concatenate([b_i, j_node[inv], fin_node])
+    weight = np.concatenate([tb - ta, np.zeros(n_ops, np.int64), comm])
+    rank = np.concatenate([node_rank[a_i], o["rank"], o["rank"]])
+    parts = np.concatenate([parts_w, np.zeros((n_ops, len(KINDS)), np.int64), parts_c])
+    etype = np.concatenate([np.full(len(a_i), WORK), np.full(n_ops, DEP), np.full(n_ops, COLL)])
+    inst = np.concatenate([np.full(len(a_i), -1), np.full(n_ops, -1), o["inst"]])
+    label = np.concatenate([np.full(len(a_i), None, object), np.full(n_ops, None, object),
+                            np.asarray(o["op"], object)])
+    g = Arrays(np.concatenate([pts_ts, t_j]), np.concatenate([node_rank, np.full(len(uniq), -1)]),
+               src, dst, weight, rank, parts, etype, inst, label)
+    g.inst_names = prep.get("inst_names", [])
+    return g
