@@ -55,6 +55,8 @@ def run_info(run: RunDir) -> dict:
         **({"probes_off": off} if off else {}),
         # --profile-ranks: which ranks recorded the profiler window (the others on purpose)
         **({"profiled": prof} if (prof := run.profiled()) else {}),
+        # bounded capture: which steps are kept at which resolution (docs/run-directory.md)
+        **({"resolution": res} if not run.trace_inputs and (res := run.resolution()) else {}),
         # the launchers of a multi-node job (RUN/nodes/*.json, or several run directories)
         **({"nodes": _nodes(launcher["nodes"])} if launcher.get("nodes") else {}),
         # ranks of the job without files: job-level figures are partial (or withheld)

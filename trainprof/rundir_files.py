@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 from trainprof import rundir_schema, safeio
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: bounded capture (compact tables, rings); 1 still read
 MANIFEST = "manifest.json"
 RANKS_DIR = "ranks"
 PROFILER_DIR = "profiler"

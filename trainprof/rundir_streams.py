@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from itertools import chain
 from operator import itemgetter
+import os
 from pathlib import Path
 
 import numpy as np
@@ -491,6 +492,18 @@ class NoRecords:
 NO_RECORDS = NoRecords()
 
 
+def _read_ring(run, r: int, name: str, exists):
+    """(records, columns) of a rank's stream: ``<name>.prev.jsonl`` (the older half of a
+    bounded capture's ring, when there is one) then ``<name>.jsonl``."""
+    p = run.stream_path(r, name)
+    prev = p.with_name(f"{name}.prev.jsonl")
+    got = _read(p, run.problems, name) if exists(p, run._problems_of(r)) else ([], None)
+    if not (os.path.lexists(prev) and exists(prev, run._problems_of(r))):
+        return got
+    recs = _read(prev, run.problems, name)[0] + got[0]
+    return recs, (_columns(recs) if recs else None)
+
+
 def build_frame(run, name: str):
     """All ranks' records of stream ``name`` as one DataFrame with a ``rank`` column, as
     ``pd.DataFrame([{"rank": r, **rec} for r in run.ranks for rec in run.stream(r, name)])``
@@ -506,8 +519,7 @@ def build_frame(run, name: str):
         if recs is not None:
             cols = _columns(recs)
         else:
-            p = run.stream_path(r, name)
-            recs, cols = _read(p, run.problems, name) if _exists(p, run._problems_of(r)) else ([], None)
+            recs, cols = _read_ring(run, r, name, _exists)
         tails.put(r, recs[-1] if recs else None)
         if recs:
             b.add(r, len(recs), cols)

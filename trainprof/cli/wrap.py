@@ -35,9 +35,13 @@ from trainprof.launcher import (HANG_EXIT_CODE, HangPolicy, JobResult, LaunchErr
 @click.option("--on-hang", type=click.Choice(["dump", "kill"]), default=None,
               help=f"With --hang-timeout: dump and keep waiting (default), or dump and terminate "
                    f"the job, exiting with code {HANG_EXIT_CODE}.")
+@click.option("--budget-mb", default=None, metavar="MB",
+              help="Always-on data kept per rank (TRAINPROF_BUDGET_MB, default 256, at least 1): "
+                   "compact records of every step, a ring of recent per-collective detail, older "
+                   "steps folded into blocks when it would be exceeded (docs/run-directory.md).")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def wrap(out, force, no_analyze, profile_steps, profile_ranks, job_id, hang_timeout, on_hang,
-         cmd):
+         budget_mb, cmd):
     """Run CMD with trainprof's probes in every worker process.
 
     \b
@@ -84,7 +88,7 @@ def wrap(out, force, no_analyze, profile_steps, profile_ranks, job_id, hang_time
     from trainprof.nodes import job_id_of
 
     settings, before = check_before_start(out, force, job_id=job_id_of(cmd, explicit=job_id),
-                                          profile_ranks=profile_ranks)
+                                          profile_ranks=profile_ranks, budget_mb=budget_mb)
     try:
         result = run_job(cmd, out, profile_steps=profile_steps, hang=hang, settings=settings,
                          before=before, config={"profile_ranks": settings.get(
@@ -100,7 +104,8 @@ class Refused(click.ClickException):
 
 
 def check_before_start(out: Path, force: bool, job_id: str | None = None,
-                       profile_ranks: str | None = None) -> tuple[dict, set]:
+                       profile_ranks: str | None = None,
+                       budget_mb: str | None = None) -> tuple[dict, set]:
     """Validate every TRAINPROF_* setting and the run directory before the job starts.
     Returns (canonical settings for the job's environment, paths already in out: a
     trainprof.outdir.Prepared, which also says whether this launcher joined another node's run
@@ -113,11 +118,15 @@ def check_before_start(out: Path, force: bool, job_id: str | None = None,
     environ = dict(os.environ)
     if profile_ranks is not None:
         environ["TRAINPROF_PROFILE_RANKS"] = profile_ranks
+    if budget_mb is not None:
+        environ["TRAINPROF_BUDGET_MB"] = str(budget_mb)
     try:
         settings = validated_env(environ)
     except SettingsError as e:
         problems = [p.replace("TRAINPROF_PROFILE_RANKS=", "--profile-ranks ")
                     if profile_ranks is not None else p for p in e.problems]
+        problems = [p.replace("TRAINPROF_BUDGET_MB=", "--budget-mb ")
+                    if budget_mb is not None else p for p in problems]
         raise Refused("; ".join(problems)) from e
     try:
         before = prepare_run_dir(out, force, job_id=job_id)

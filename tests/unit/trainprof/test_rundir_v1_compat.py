@@ -1,0 +1,47 @@
+"""A run directory of schema version 1 (every step in JSONL, no compact tables; captured with
+trainprof before the bounded format, tests/fixtures/rundir_v1) is still read, and analyzes to
+the same metrics and findings as it did then (tests/fixtures/rundir_v1.expected.json)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "rundir_v1"
+EXPECTED = FIXTURE.with_name("rundir_v1.expected.json")
+VOLATILE = {"seconds", "analyzer_seconds", "generated_at"}
+
+
+def _strip(x):
+    if isinstance(x, dict):
+        return {k: _strip(v) for k, v in x.items() if k not in VOLATILE}
+    if isinstance(x, list):
+        return [_strip(v) for v in x]
+    if isinstance(x, float):
+        return round(x, 6)
+    return x
+
+
+def test_v1_run_directory_analyzes_as_before(tmp_path):
+    from trainprof.analysis import analyze
+    from trainprof.rundir import RunDir
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(FIXTURE, run_dir)
+    run = RunDir(run_dir)
+    assert run.resolution() is None  # no compact tables: every step at full detail
+    doc = analyze(run)
+    want = json.loads(EXPECTED.read_text())
+    assert _strip(doc["metrics"]) == _strip(want["metrics"])
+    assert _strip(doc["findings"]) == _strip(want["findings"])
+    assert doc["problems"] == want["problems"]
+    # the per-step series of the old format, summed from its collective log
+    series = run.step_series()
+    assert sorted(series["rank"].unique()) == [0, 1] and len(series) == 80
+    coll = run.collectives()
+    by_hand = coll[coll["rank"] == 1].groupby("step")["blocked_ms"].sum()
+    got = series[series["rank"] == 1].set_index("step")["blocked_ms"]
+    common = by_hand.index.intersection(got.index)  # (the barrier after the last step has none)
+    assert len(common) == 40
+    assert abs(got.loc[common] - by_hand.loc[common]).max() < 1e-9
