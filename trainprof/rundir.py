@@ -618,6 +618,9 @@ class RunDir(RunDirInputs, RunDirTraces):
             df = self.frame("collectives")
             if "replay" in df.columns:
                 df = df[df["replay"].ne(True)].reset_index(drop=True)
+            from trainprof import rundir_series
+
+            df = rundir_series.common_detail(self, df)  # rings: the steps every rank holds
             self._cache[key] = df
         return self._cache[key]
 

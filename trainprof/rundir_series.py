@@ -301,6 +301,33 @@ def blocks(run):
     return out
 
 
+def common_detail(run, df):
+    """The collective detail of the steps every rank's ring holds whole: a ring rotated (its
+    ``.prev`` file exists) starts wherever its rank's budget ran out, maybe mid-step, and the
+    ranks' rings start at different steps; analyzers match the members of a collective by
+    counting the group's collectives from the first record, so every rank must start at the
+    same step. Records before the latest of the ranks' first whole steps are dropped (not
+    for a run without compact tables: every record of every step is there)."""
+    if df.empty or "step" not in df.columns or not any_compact(run):
+        return df
+    firsts = []
+    for r in run.ranks:
+        sub = df.loc[df["rank"] == r, "step"] if "rank" in df.columns else df["step"]
+        steps = pd.to_numeric(sub, errors="coerce").dropna()
+        if not len(steps):
+            continue
+        rotated = run.rank_file(r, "collectives.prev.jsonl") is not None
+        firsts.append(int(steps.min()) + (1 if rotated else 0))
+    if not firsts:
+        return df
+    start = max(firsts)
+    step = pd.to_numeric(df["step"], errors="coerce")
+    keep = (step >= start).to_numpy()
+    if keep.all():
+        return df
+    return df[keep].reset_index(drop=True)
+
+
 def detail_steps(run, rank: int, stream: str = "collectives") -> tuple | None:
     """(first, last) step of a rank's per-record detail of ``stream`` (the ring), or None."""
     steps = [x.get("step") for x in run.stream(rank, stream)]

@@ -1,0 +1,57 @@
+"""summary.json stays a few MB at any run length: per-step series in the analyzers' metrics
+are downsampled past MAX_POINTS entries.
+
+Within one analyzer's metrics, every list of the same length L > MAX_POINTS is a per-step
+series aligned with the others of that length (``steps_analysed``, ``step_ms_by_rank[r]``,
+``per_step``, ...), so one choice of indices is applied to all of them, keeping them aligned:
+the last RECENT_POINTS entries (the recent steps, every one) and every k-th of the older ones.
+The analyzer's metrics then say so under ``series_resolution`` ({"length": L, "kept": n,
+"every": k, "recent_full": RECENT_POINTS}); figures computed by the analyzers (medians,
+findings) come from every step, only the series written out are thinned.
+"""
+
+from __future__ import annotations
+
+import math
+
+MAX_POINTS = 3000
+RECENT_POINTS = 1000
+
+
+def bound_metrics(metrics: dict, max_points: int = MAX_POINTS, recent: int = RECENT_POINTS) -> None:
+    """Downsample, in place, every analyzer's long per-step lists (see the module doc)."""
+    for name, m in metrics.items():
+        if not isinstance(m, dict):
+            continue
+        lengths = set()
+        _lengths(m, max_points, lengths)
+        if not lengths:
+            continue
+        picks = {L: _pick(L, max_points, recent) for L in lengths}
+        _apply(m, picks)
+        m["series_resolution"] = [{"length": L, "kept": len(p[0]), "every": p[1],
+                                   "recent_full": min(recent, L)} for L, p in sorted(picks.items())]
+
+
+def _lengths(x, limit: int, out: set) -> None:
+    if isinstance(x, dict):
+        for v in x.values():
+            _lengths(v, limit, out)
+    elif isinstance(x, list) and len(x) > limit:
+        out.add(len(x))
+
+
+def _pick(n: int, limit: int, recent: int) -> tuple[list[int], int]:
+    recent = min(recent, limit // 2)
+    old = n - recent
+    every = max(1, math.ceil(old / max(1, limit - recent)))
+    return list(range(0, old, every)) + list(range(old, n)), every
+
+
+def _apply(x, picks: dict) -> None:
+    if isinstance(x, dict):
+        for k, v in x.items():
+            if isinstance(v, list) and len(v) in picks:
+                x[k] = [v[i] for i in picks[len(v)][0]]
+            else:
+                _apply(v, picks)
