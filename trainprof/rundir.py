@@ -559,6 +559,11 @@ class RunDir(RunDirInputs, RunDirTraces):
     def _ring_records(self, rank: int, name: str, read_records) -> list[dict]:
         """A stream's records: ``<name>.prev.jsonl`` (the older half of a ring, bounded
         capture) then ``<name>.jsonl``."""
+        if name == "collectives":  # bounded capture: the newest detail (rundir_series.py)
+            from trainprof import rundir_series
+
+            if rundir_series.has_compact(self, rank):
+                return rundir_series.ring_tail(self, rank, name)[0]
         out: list[dict] = []
         for p in (self.rank_path(rank) / f"{name}.prev.jsonl", self.stream_path(rank, name)):
             if p.name.endswith(".prev.jsonl") and not os.path.lexists(p):

@@ -208,13 +208,13 @@ def _dtype(fields):
                                 "f": "f4", "d": "f8"}[c]) for n, c in fields])
 
 
-def read_table(path: Path, expect: str | None = None, max_bytes: int | None = None):
-    """(numpy records, torn: bool) of a table file; CompactError naming the file when its
-    header is not a compact table's. A partial last record (a writer killed mid-write) is
-    dropped and ``torn`` says so."""
+def read_table(path: Path, expect: str | None = None, last: int | None = None, fileobj=None):
+    """(numpy records, torn: bool) of a table file — only its ``last`` records when given;
+    CompactError naming the file when its header is not a compact table's. A partial last
+    record (a writer killed mid-write) is dropped and ``torn`` says so."""
     import numpy as np
 
-    with open(path, "rb") as f:
+    with (fileobj if fileobj is not None else open(path, "rb")) as f:
         head = f.read(HEADER_SIZE)
         if len(head) < HEADER_SIZE or not head.startswith(MAGIC):
             raise CompactError(f"{path}: not a trainprof compact table (bad header)")
@@ -229,7 +229,11 @@ def read_table(path: Path, expect: str | None = None, max_bytes: int | None = No
             raise CompactError(f"{path}: header record size {size} != its fields' {dt.itemsize}")
         if expect is not None and doc.get("table") != expect:
             raise CompactError(f"{path}: table {doc.get('table')!r}, expected {expect!r}")
-        data = f.read() if max_bytes is None else f.read(max_bytes)
+        if last is not None:
+            total = os.fstat(f.fileno()).st_size - HEADER_SIZE
+            skip = max(0, total // size - last)
+            f.seek(HEADER_SIZE + skip * size)
+        data = f.read()
     n = len(data) // size
     return np.frombuffer(data, dtype=dt, count=n), len(data) != n * size
 

@@ -35,32 +35,73 @@ def any_compact(run) -> bool:
     return run._cache[key]
 
 
+# Analysis reads at most this many (rank, step) rows at full resolution, the most recent steps
+# of every rank (a window of ANALYSIS_ROWS / ranks steps, at least MIN_WINDOW): the analysis of
+# a run of any length and width takes bounded time and memory; older steps are read from the
+# blocks the probes folded, and full-resolution steps between those and the window stay on
+# disk (resolution() says which).
+ANALYSIS_ROWS = 2_000_000
+MIN_WINDOW = 1000
+
+
+def window_steps(run) -> int:
+    n = sum(1 for r in run.ranks if has_compact(run, r)) or 1
+    return max(MIN_WINDOW, ANALYSIS_ROWS // n)
+
+
 def table(run, rank: int, name: str) -> tuple:
-    """(full-resolution rows, block rows) of a rank's compact table (empty arrays when absent);
-    full rows that blocks already cover (a fold killed before it replaced the file) are
-    dropped; a torn last record is dropped silently, a bad file is a problem."""
+    """(full-resolution rows of the analysis window, block rows) of a rank's compact table
+    (empty arrays when absent); full rows that blocks already cover (a fold killed before it
+    replaced the file) are dropped; a torn last record is dropped silently, a bad file is a
+    problem."""
     key = f"series:table:{name}:{rank}"
     if key in run._cache:
         return run._cache[key]
     f = fmt.TABLES[name]
+    win = window_steps(run)
+    first = _window_first(run, rank, win) if name != "steps" else None
     out = []
     for blocks in (False, True):
-        p = fmt.table_path(run.rank_path(rank), name, blocks)
-        arr = np.zeros(0, fmt._dtype(f.block_fields if blocks else f.fields))
-        if run.rank_file(rank, f"{fmt.COMPACT_DIR}/{p.name}") is not None:
-            try:
-                from trainprof import safeio
-
-                safeio.open_regular(p)  # refuses links and files over the input limit
-                arr, _torn = fmt.read_table(p, expect=name)
-            except (OSError, ValueError, safeio.InputRefused) as e:
-                run.problems.append(str(e) if str(p) in str(e) else f"{p}: {e}")
+        arr = _read(run, rank, f, name, blocks, None if blocks else win, first)
         out.append(arr)
     rows, blk = out
     if len(blk) and len(rows):
         rows = rows[rows["step"] > blk["step_last"].max()]
+    if name == "steps" and len(rows):
+        run._cache[f"series:first:{rank}"] = int(rows["step"].min())
     run._cache[key] = (rows, blk)
     return rows, blk
+
+
+def _window_first(run, rank: int, win: int):
+    k = f"series:first:{rank}"
+    if k not in run._cache:
+        table(run, rank, "steps")
+    return run._cache.get(k)
+
+
+def _read(run, rank, f, name, blocks, win, first):
+    from trainprof import safeio
+
+    p = fmt.table_path(run.rank_path(rank), name, blocks)
+    empty = np.zeros(0, fmt._dtype(f.block_fields if blocks else f.fields))
+    if run.rank_file(rank, f"{fmt.COMPACT_DIR}/{p.name}") is None:
+        return empty
+    last = None if win is None else (win if name == "steps" else win * 4)
+    while True:
+        try:
+            fd, _size = safeio.open_regular(p)  # refuses links to devices, fifos
+            arr, _torn = fmt.read_table(p, expect=name, last=last, fileobj=open(fd, "rb"))
+        except (OSError, ValueError) as e:
+            run.problems.append(str(e) if str(p) in str(e) else f"{p}: {e}")
+            return empty
+        if last is None or first is None or not len(arr) or arr["step"].min() < first \
+                or len(arr) < last:
+            break
+        last *= 4  # several rows a step (one per group and kind): read further back
+    if first is not None and len(arr) and not blocks:
+        arr = arr[arr["step"] >= first]
+    return arr
 
 
 def keys(run, rank: int) -> dict[int, tuple[str, str]]:
@@ -328,6 +369,53 @@ def common_detail(run, df):
     return df[keep].reset_index(drop=True)
 
 
+# Per-collective detail the analysis reads, over all ranks: each rank's newest
+# DETAIL_BYTES / ranks bytes of its ring (at least MIN_DETAIL_BYTES).
+DETAIL_BYTES = 64 << 20
+MIN_DETAIL_BYTES = 256 << 10
+
+
+def ring_tail(run, rank: int, name: str):
+    """(records, columns) of the newest bytes of a rank's ring (``<name>.prev.jsonl`` then
+    ``<name>.jsonl``), whole lines only; a malformed line is skipped and reported."""
+    from trainprof import rundir_streams as rs
+    from trainprof import safeio
+
+    n = sum(1 for r in run.ranks if has_compact(run, r)) or 1
+    budget = max(MIN_DETAIL_BYTES, DETAIL_BYTES // n)
+    chunks = []
+    for p in (run.stream_path(rank, name),
+              run.rank_path(rank) / f"{name}.prev.jsonl"):
+        if budget <= 0 or not p.exists():
+            continue
+        try:
+            fd, size = safeio.open_regular(p)
+        except (OSError, safeio.InputRefused) as e:
+            run.problems.append(str(e) if str(p) in str(e) else f"{p}: {e}")
+            continue
+        with open(fd, "rb") as f:
+            start = max(0, size - budget)
+            f.seek(start)
+            data = f.read(size - start)
+        if start > 0:
+            data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
+        budget -= len(data)
+        chunks.insert(0, data)
+    data = b"".join(chunks)
+    recs = rs._parse(data) if data else []
+    if recs is None:  # a bad line somewhere: the line-by-line reader skips and says why
+        from trainprof.rundir import iter_jsonl
+
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(suffix=f"-{name}.jsonl") as tmp:
+            tmp.write(data)
+            tmp.flush()
+            recs = list(iter_jsonl(tmp.name, None, name))
+        run.problems.append(f"{run.stream_path(rank, name)}: malformed records skipped")
+    return recs, (rs._columns(recs) if recs else None)
+
+
 def detail_steps(run, rank: int, stream: str = "collectives") -> tuple | None:
     """(first, last) step of a rank's per-record detail of ``stream`` (the ring), or None."""
     steps = [x.get("step") for x in run.stream(rank, stream)]
@@ -342,7 +430,7 @@ def resolution(run) -> dict | None:
     "text": "..."}; the detail is the per-collective ring the post-mortems read."""
     if not any_compact(run):
         return None
-    bl, full, det, spb = [], [], [], set()
+    bl, full, det, spb, gap = [], [], [], set(), []
     short = 0
     for r in run.ranks:
         if not has_compact(run, r):
@@ -353,6 +441,9 @@ def resolution(run) -> dict | None:
             spb |= {int(x) for x in np.unique(b["n"])[-3:]}
         if len(rows):
             full.append((int(rows["step"].min()), int(rows["step"].max())))
+            after = bl[-1][1] + 1 if len(b) else 0
+            if full[-1][0] > after:  # full rows on disk before the analysis window
+                gap.append((after, full[-1][0] - 1))
         d = detail_steps(run, r)
         if d:
             det.append(d)
@@ -364,6 +455,11 @@ def resolution(run) -> dict | None:
         a, z = min(x[0] for x in bl), max(x[1] for x in bl)
         out["blocks"] = {"steps": [a, z], "steps_per_block": max(spb) if spb else None}
         parts.append(f"steps {a}-{z} in blocks of up to {max(spb)} steps (min/median/max/sum)")
+    if gap:
+        a, z = min(x[0] for x in gap), max(x[1] for x in gap)
+        out["not_analysed"] = {"steps": [a, z], "window_steps": window_steps(run)}
+        parts.append(f"steps {a}-{z} kept every step on disk but outside the analysis window "
+                     f"(the last {window_steps(run)} steps of each rank)")
     if full:
         a, z = min(x[0] for x in full), max(x[1] for x in full)
         out["full"] = {"steps": [a, z]}

@@ -497,6 +497,11 @@ def _read_ring(run, r: int, name: str, exists):
     bounded capture's ring, when there is one) then ``<name>.jsonl``."""
     p = run.stream_path(r, name)
     prev = p.with_name(f"{name}.prev.jsonl")
+    if name == "collectives":  # bounded capture: the analysis reads the ring's newest bytes
+        from trainprof import rundir_series
+
+        if rundir_series.has_compact(run, r):
+            return rundir_series.ring_tail(run, r, name)
     got = _read(p, run.problems, name) if exists(p, run._problems_of(r)) else ([], None)
     if not (os.path.lexists(prev) and exists(prev, run._problems_of(r))):
         return got
