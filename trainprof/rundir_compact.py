@@ -135,37 +135,48 @@ def device_row(rec: dict) -> tuple | None:
 
 def collective_rows(recs: list, key_of) -> list[tuple]:
     """Per (step, pg, op) sums of finished collective-log records (NaN-replay ones left out);
-    ``key_of(pg, op)`` gives the key id."""
+    ``key_of(pg, op)`` gives the key id. Runs on the flushing thread for every record: flat."""
     acc: dict = {}
+    get = acc.get
     for r in recs:
-        step, enq = r.get("step"), r.get("enqueue_ns")
-        if not isinstance(step, int) or not isinstance(enq, int) or r.get("replay"):
+        try:
+            step, enq = r["step"], r["enqueue_ns"]
+            if type(step) is not int or type(enq) is not int or r.get("replay"):
+                continue
+            k = (step, r["pg"], r["op"])
+            end = r.get("end_ns")
+            wall = (end - enq) / 1e6 if type(end) is int else None
+            b = r.get("blocked_ms") or 0.0
+            dev = r.get("device_ms")
+            nb = r.get("bytes") or 0
+        except (KeyError, TypeError):
             continue
-        k = (step, r.get("pg"), r.get("op"))
-        end = r.get("end_ns")
-        wall = (end - enq) / 1e6 if isinstance(end, int) else NAN
-        b = _f(r.get("blocked_ms"))
-        b = 0.0 if b != b else b
-        dev = r.get("device_ms")
-        a = acc.get(k)
+        a = get(k)
         if a is None:
-            acc[k] = [1, _i(r.get("seq"), 0), _i(r.get("bytes"), 0), b, b, wall, wall,
-                      _f(dev), enq, 0.0]
+            acc[k] = [1, r.get("seq") or 0, nb, b, b, wall or 0.0, wall or 0.0, wall is not None,
+                      dev, enq, 0]
             continue
         a[0] += 1
-        a[2] += _i(r.get("bytes"), 0)
+        a[2] += nb
         a[3] += b
-        a[4] = max(a[4], b)
-        if wall == wall:
-            a[5] = wall if a[5] != a[5] else a[5] + wall
-            a[6] = wall if a[6] != a[6] else max(a[6], wall)
-        if isinstance(dev, (int, float)):
-            a[7] = float(dev) if a[7] != a[7] else a[7] + dev
-        a[9] += (enq - a[8]) / 1e6
+        if b > a[4]:
+            a[4] = b
+        if wall is not None:
+            a[5] += wall
+            if wall > a[6]:
+                a[6] = wall
+            a[7] = True
+        if dev is not None:
+            a[8] = dev if a[8] is None else a[8] + dev
+        a[10] += enq - a[9]
     rows = []
     for (step, pg, op), a in acc.items():
-        rows.append((step, key_of(str(pg), str(op)), a[0], a[1], a[2], a[3], a[4], a[5], a[6],
-                     a[7], a[8], a[9] / a[0]))
+        try:
+            rows.append((step, key_of(str(pg), str(op)), a[0], int(a[1]), int(a[2]), float(a[3]),
+                         float(a[4]), float(a[5]) if a[7] else NAN, float(a[6]) if a[7] else NAN,
+                         float(a[8]) if a[8] is not None else NAN, a[9], a[10] / a[0] / 1e6))
+        except (TypeError, ValueError):
+            continue
     return rows
 
 
