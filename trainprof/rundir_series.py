@@ -121,7 +121,7 @@ def _steps_columns(rows) -> dict:
     if prof.any():
         cols["profiled"] = np.where(prof, True, np.nan).astype(object)
     for c in ("probe_overhead_ms", "cpu_ms", "cpu_wait_ms"):
-        x = rows[c].astype(np.float64)
+        x = _f32(rows[c])
         if np.isfinite(x).any():
             cols[c] = x
     for c in ("nvcsw", "nivcsw"):
@@ -131,12 +131,18 @@ def _steps_columns(rows) -> dict:
     return cols
 
 
+def _f32(x):
+    """float32 ms values as float64 without float32's tail digits (0.0208589993 -> 0.020859)."""
+    x = x.astype(np.float64)
+    return np.round(x, 6) if x.dtype.kind == "f" else x
+
+
 def _plain_columns(rows, name: str) -> dict:
     cols = {}
     for n, _ in fmt.TABLES[name].fields:
         x = rows[n]
         if x.dtype.kind == "f":
-            cols[n] = x.astype(np.float64)
+            cols[n] = _f32(x)
         elif n != "step" and (x < 0).any():
             cols[n] = np.where(x < 0, np.nan, x.astype(np.float64))
         else:
@@ -147,11 +153,15 @@ def _plain_columns(rows, name: str) -> dict:
 def stream_frame(run, name: str):
     """The frame of a compact-backed stream over every rank: compact rows where a rank has
     them (plus its ring's records of later steps), the JSONL records elsewhere."""
+    from trainprof.rundir_streams import Tails
+
     parts = []
+    tails = run._cache.setdefault("tails:" + name, Tails())  # each rank's last record (stream_tail)
     for r in run.ranks:
         rows, _ = table(run, r, name) if has_compact(run, r) else (None, None)
         if rows is None:
             recs = run.stream_once(r, name)
+            tails.put(r, recs[-1] if recs else None)
             if recs:
                 parts.append(pd.DataFrame(recs).assign(rank=r))
             continue
@@ -163,12 +173,26 @@ def stream_frame(run, name: str):
         if tail:  # steps closed after the tables' last flush (a kill -9 right after a step)
             df = pd.concat([df, pd.DataFrame(tail)], ignore_index=True)
         if name == "steps" and len(rows) == 0 and not tail:
+            tails.put(r, None)
             continue
+        tails.put(r, _last_record(df))
         parts.append(df.assign(rank=r))
     if not parts:
         return pd.DataFrame()
     df = pd.concat(parts, ignore_index=True, sort=False)
     return df[["rank"] + [c for c in df.columns if c != "rank"]]
+
+
+def _last_record(df) -> dict | None:
+    if not len(df):
+        return None
+    row = df.iloc[-1].to_dict()
+    out = {}
+    for k, v in row.items():
+        if v is None or (isinstance(v, float) and v != v):
+            continue
+        out[k] = v.item() if hasattr(v, "item") else v
+    return out
 
 
 # --------------------------------------------------------------------------- collectives per step
