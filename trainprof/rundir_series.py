@@ -40,7 +40,7 @@ def any_compact(run) -> bool:
 # a run of any length and width takes bounded time and memory; older steps are read from the
 # blocks the probes folded, and full-resolution steps between those and the window stay on
 # disk (resolution() says which).
-ANALYSIS_ROWS = 2_000_000
+ANALYSIS_ROWS = 1_000_000
 MIN_WINDOW = 1000
 
 
@@ -226,8 +226,10 @@ def collective_steps(run):
                                                  "device_ms", "seq_first", "enqueue_first_ns",
                                                  "enqueue_mean_ms")})
         df.insert(0, "rank", r)
-        df.insert(2, "pg", [names.get(int(i), ("?", "?"))[0] for i in k])
-        df.insert(3, "op", [names.get(int(i), ("?", "?"))[1] for i in k])
+        ids = sorted(set(names) | set(np.unique(k).tolist()))
+        code = np.searchsorted(ids, k)
+        df.insert(2, "pg", np.array([names.get(i, ("?", "?"))[0] for i in ids], dtype=object)[code])
+        df.insert(3, "op", np.array([names.get(i, ("?", "?"))[1] for i in ids], dtype=object)[code])
         # one (step, pg, op) may have come in two flushes (ops finished after the boundary)
         parts.append(_merge_rows(df))
     if old:

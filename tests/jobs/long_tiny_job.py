@@ -1,5 +1,5 @@
-"""Many tiny training steps on gloo (the bounded-capture test): a 2-layer model, one all_reduce
-of its gradients and one of a scalar a step, an optimizer step as the boundary."""
+"""Many tiny training steps on gloo (the bounded-capture test): a linear model, two all_reduces,
+a broadcast and a barrier a step (3 kinds), an optimizer step as the boundary."""
 
 import argparse
 
@@ -23,6 +23,8 @@ for step in range(a.steps):
     dist.all_reduce(flat)
     loss_t.fill_(float(loss))
     dist.all_reduce(loss_t)
+    dist.broadcast(loss_t, src=0)
+    dist.barrier()
     opt.step()
     opt.zero_grad(set_to_none=False)
 if dist.get_rank() == 0:
