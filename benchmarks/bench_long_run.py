@@ -9,7 +9,6 @@ steps x 8 ranks and 100,000 steps x 1,024 ranks each <= 60 s and <= 2 GB.
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import shutil
 import subprocess
