@@ -112,9 +112,10 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
             f.analyzer = f.analyzer or mod.NAME
             findings.append(f.to_dict())
     findings = withhold_window(metrics, findings)
-    from trainprof.summary_bound import bound_metrics
+    from trainprof.summary_bound import bound_findings, bound_metrics
 
     bound_metrics(metrics)  # per-step series past a few thousand steps: thinned, said so
+    bound_findings(findings)
     findings.sort(key=lambda f: (SEVERITY_ORDER.get(f["severity"], 9), f["kind"], f["ranks"]))
     info = run_info(run)
     for name, rs in info.get("probes_off", {}).items():  # absent data must not read as "nothing found"

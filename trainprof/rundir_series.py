@@ -41,7 +41,7 @@ def any_compact(run) -> bool:
 # blocks the probes folded, and full-resolution steps between those and the window stay on
 # disk (resolution() says which).
 ANALYSIS_ROWS = 1_000_000
-MIN_WINDOW = 1000
+MIN_WINDOW = 200
 
 
 def window_steps(run) -> int:

@@ -64,3 +64,20 @@ def _apply(x, picks: dict) -> None:
                 x[k] = [v[i] for i in picks[len(v)][0]]
             else:
                 _apply(v, picks)
+
+
+EVIDENCE_POINTS = 1000
+
+
+def bound_findings(findings: list[dict], limit: int = MAX_POINTS) -> None:
+    """A finding's evidence list of more than ``limit`` entries (the steps a chronic straggler
+    was slow in, over a run of 100,000s of steps) keeps its first EVIDENCE_POINTS entries and
+    says how many there were (``<key>_total``)."""
+    for f in findings:
+        ev = f.get("evidence")
+        if not isinstance(ev, dict):
+            continue
+        for k, v in list(ev.items()):
+            if isinstance(v, list) and len(v) > limit:
+                ev[k] = v[:EVIDENCE_POINTS]
+                ev[f"{k}_total"] = len(v)
