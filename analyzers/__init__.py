@@ -1,6 +1,6 @@
 """Analyzers: pure functions from a run directory to metrics and findings, one module per concern.
 
-Each module exposes ``NAME`` and ``analyze(run: trainprof.rundir.RunDir) -> AnalyzerResult``.
+Each module exposes ``NAME`` and ``analyze(run: trainprof.analysis.run.RunDir) -> AnalyzerResult``.
 They read only what the run directory holds (never probe internals, never the fault-injection
 ground truth) and share one parse of every file through the RunDir cache.
 """

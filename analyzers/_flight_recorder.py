@@ -10,7 +10,7 @@ A dump is a pickle (``torch._C._distributed_c10d._dump_fr_trace``) or JSON
               retired, time_created_ns, is_p2p, timeout_ms, frames[{name, filename, line}]}]}
 
 Someone hands you a dump from a broken job: unpickling it must not run code nor exhaust memory.
-The data-only unpickler (trainprof/safepickle.py) accepts only the opcodes of plain data (dict,
+The data-only unpickler (trainprof/formats/safepickle.py) accepts only the opcodes of plain data (dict,
 list, tuple, str, bytes, numbers, None, bool, set); any global (``os.system``, a class, a
 reduce, ``bytearray(2_000_000_000)``), and shared references expanding beyond what a real dump
 holds, are refused with an error naming the file. Only a regular file within the input limit
@@ -26,7 +26,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainprof import safeio, safepickle
+from trainprof import safeio
+from trainprof.formats import safepickle
 
 FILES = ("flight-recorder.pkl", "flight-recorder.json")
 P2P_OPS = {"send", "recv", "isend", "irecv", "batch_isend_irecv", "sendrecv"}

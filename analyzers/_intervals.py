@@ -63,7 +63,12 @@ def subtract(a: Set, b: Set) -> Set:
 
 
 def clip(a: Set, lo: int, hi: int) -> Set:
-    s, e = np.maximum(a[0], lo), np.minimum(a[1], hi)
+    """a within [lo, hi). The pieces that reach into it are found by binary search (a set's
+    starts and ends are both sorted): clipping to every profiled step costs steps x log(size),
+    not steps x size."""
+    i = int(np.searchsorted(a[1], lo, side="right"))
+    j = int(np.searchsorted(a[0], hi, side="left"))
+    s, e = np.maximum(a[0][i:j], lo), np.minimum(a[1][i:j], hi)
     keep = e > s
     return s[keep], e[keep]
 

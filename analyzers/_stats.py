@@ -1,6 +1,6 @@
 """np.median and np.percentile (linear interpolation) without their first call's import of
 numpy.ma (tens of ms of a traces-only analysis that otherwise imports nothing it does not use).
-Same float arithmetic as numpy's: tests/test_launch.py checks them against numpy."""
+Same float arithmetic as numpy's: tests/unit/trainprof/test_launch.py checks them against numpy."""
 
 from __future__ import annotations
 

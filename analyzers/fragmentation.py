@@ -41,7 +41,7 @@ def _mib(x) -> str:
 
 # --------------------------------------------------------------------------- snapshots
 def snapshot_metrics(snap) -> dict:
-    """Numbers of one snapshot (trainprof.snapshot.Snapshot); see the module docstring."""
+    """Numbers of one snapshot (trainprof.formats.snapshot.Snapshot); see the module docstring."""
     reserved = allocated = requested_known = size_known = free = split_free = 0
     pools: dict[str, dict] = {}
     for seg in snap.segments:

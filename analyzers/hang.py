@@ -40,11 +40,13 @@ from trainprof.analyzers import _fatal_stacks as fatal
 from trainprof.analyzers import _flight_recorder as fr
 from trainprof.analyzers import _hang_ledger as led
 from trainprof.findings import AnalyzerResult, Finding
-from trainprof import worker_exits
-from trainprof.rundir import RunDirError, rank_dir, read_json
+from trainprof.rankranges import rank_list
+from trainprof.rundir import worker_exits
+from trainprof.rundir.files import HANG_DUMP, RunDirError, rank_dir, read_json
+from trainprof.wording import ranks_phrase
 
 NAME = "hang"
-DUMP = "hang-dump.json"       # written by probes/hang_watchdog.py
+DUMP = HANG_DUMP  # written by probes/hang_watchdog.py
 HEARTBEAT, HEARTBEAT_PREV = "heartbeat", "heartbeat.prev"
 MIN_STALL_S = 5.0
 MIN_LEAD_S = 2.0   # a heartbeat must stop this long before the others' to single its rank out
@@ -786,7 +788,11 @@ def postmortem(run) -> dict | None:
                             "inflight": cmp.get("inflight", {})} if fr_dumps else None,
     }
     pm["kind"] = kind_of(pm)
-    pm["message"] = _message(pm)
+    if pm["recovered"]:  # which rank stalled, where, for how long (analyzers/_stall.py)
+        from trainprof.analyzers import _stall
+
+        pm["stall"] = _stall.describe(run, views)
+    pm["message"] = pm["stall"]["text"] if pm.get("stall") else _message(pm)
     return pm
 
 
@@ -932,14 +938,11 @@ def _culprit_alive(views, desync, missing, stacks, hung) -> dict | None:
 
 
 def _ranks(rs) -> str:
-    rs = sorted(rs)
-    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
-        return f"{rs[0]}-{rs[-1]}"
-    return ",".join(str(r) for r in rs)
+    return rank_list(sorted(rs))
 
 
 def _rank_s(rs) -> str:
-    return f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)}"
+    return ranks_phrase(sorted(rs))
 
 
 def _message(pm) -> str:
@@ -1002,9 +1005,13 @@ def _message(pm) -> str:
 def finding(pm) -> Finding:
     c = pm["culprit"]
     ranks = c["ranks"] if c else [r["rank"] for r in pm["ranks"] if r["state"] != "exited"]
+    if pm.get("stall"):
+        ranks = pm["stall"]["ranks"]
     severity = "warning" if pm["recovered"] else ("critical" if pm["hung"] else "error")
     evidence = {k: pm[k]
                 for k in ("culprit", "desync", "never_arrived", "detected_by", "stalled_s", "died")}
+    if pm.get("stall"):
+        evidence["stall"] = pm["stall"]
     evidence["failures"] = {str(r["rank"]): r["failure"] for r in pm["ranks"] if r.get("failure")}
     keys = ("ranks", "majority", "frame", "user_frame", "code", "in_collective")
     evidence["stack_groups"] = [{k: g[k] for k in keys} for g in pm["stack_groups"]]

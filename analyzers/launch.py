@@ -25,12 +25,15 @@ cross-checks. Definitions and the differences from HTA: docs/launch.md.
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._stats import median, percentiles
 from trainprof.analyzers._kernel_ops import LAUNCHED, launch_calls
 from trainprof.findings import AnalyzerResult, Finding
+from trainprof.trace.threads import main_thread
 
 NAME = "launch"
 KERNEL_WAIT_NS = 30_000        # HTA's consecutive_kernel_delay default: 30 in the trace's µs
@@ -106,18 +109,6 @@ def _stats_us(ns: np.ndarray) -> dict:
     return {"mean_us": _us(ns.mean()), "p50_us": _us(p[0]), "p95_us": _us(p[1]), "max_us": _us(ns.max())}
 
 
-def _main_tid(ev) -> int | None:
-    """The thread with the most host ProfilerStep spans (the GPU timeline repeats them as
-    gpu_user_annotation), else the most cpu_ops; the smallest tid on ties; None when neither."""
-    m = ev["name"].startswith("ProfilerStep#") & ~ev["is_gpu"]
-    if not m.any():
-        m = ev["cat"].eq("cpu_op")
-    if not m.any():
-        return None
-    tids, counts = np.unique(ev["tid"][m], return_counts=True)
-    return int(tids[np.argmax(counts)])
-
-
 def _host_steps(trace) -> list[dict]:
     """Per profiled step: host span, time in the data loader (main thread) and in blocking
     synchronizations, from the host events."""
@@ -125,7 +116,7 @@ def _host_steps(trace) -> list[dict]:
     step = ev["step"]
     s_all, e_all = ev["ts_ns"], ev["end_ns"]
     name = ev["name"]
-    data_m = ~ev["is_gpu"] & name.startswith(DATA_PREFIX) & (ev["tid"] == _main_tid(ev))
+    data_m = ~ev["is_gpu"] & name.startswith(DATA_PREFIX) & (ev["tid"] == main_thread(ev))
     data = iv.union(s_all[data_m], e_all[data_m])
     rt = ev["cat"].isin(["cuda_runtime", "cuda_driver"])
     sync_m = rt & name.isin(SYNC_CALLS)
@@ -135,13 +126,14 @@ def _host_steps(trace) -> list[dict]:
         sync_m |= rt & name.eq("cudaMemcpyAsync") & np.isin(ev["correlation"], pageable)
     sync = iv.union(s_all[sync_m], e_all[sync_m])
     steps = trace.tables.steps
+    calls = collections.Counter(np.asarray(step)[np.asarray(sync_m)].tolist())  # one pass, not one per step
     out = []
     for st, lo, hi in zip(steps["step"].tolist(), steps["start_ns"].tolist(),
                           steps["end_ns"].tolist()):
         out.append({"step": st, "host_ns": hi - lo,
                     "data_ns": iv.length(iv.clip(data, lo, hi)),
                     "sync_ns": iv.length(iv.clip(sync, lo, hi)),
-                    "sync_calls": int((sync_m & (step == st)).sum())})
+                    "sync_calls": calls.get(st, 0)})
     return out
 
 

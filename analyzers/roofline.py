@@ -16,7 +16,7 @@ Step time is step_time's job median (slowest rank per step, warm-up and profiler
 excluded). HFU (hardware FLOPs utilization) adds the recomputed forward under activation
 checkpointing (run_info activation_checkpointing: full recompute = one more forward,
 2·N + 4·L·H·Q·T per token); without checkpointing HFU = MFU.
-Peaks: analyzers/_devices.py (datasheet by device name, dense, in the job's compute dtype;
+Peaks: trainprof/devices.py (datasheet by device name, dense, in the job's compute dtype;
 calibration for CPUs and unknown devices). CPU ranks sharing a host share its cores: the host's
 peak is the calibrated per-thread matmul rate × min(threads of all its ranks, cores), its
 bandwidth the calibrated copy rate; each rank gets an equal share.
@@ -28,7 +28,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from trainprof.analyzers import _devices
+from trainprof import devices as _devices
 from trainprof.analyzers._stats import median
 from trainprof.analyzers._kernel_ops import kernel_external_ids
 from trainprof.analyzers._opcost import select_ops

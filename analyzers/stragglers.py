@@ -56,6 +56,7 @@ from trainprof.analyzers import _lateness
 from trainprof.analyzers._memo import once
 from trainprof.analyzers import _straggler_cause as cause
 from trainprof.findings import AnalyzerResult, Finding
+from trainprof.wording import ranks_phrase
 
 NAME = "stragglers"
 SCORE = 1.5          # E / scale for a chronic straggler (clean runs measured ≤ 1.1, injected
@@ -342,16 +343,8 @@ def _coords_text(c: dict) -> str:
 
 
 def _ranks_text(rs) -> str:
-    """'rank 2', 'ranks 0, 1, 3', 'ranks 0–699, 701–1023' (runs of 3 or more as a range)."""
-    rs = sorted(set(rs))
-    parts, i = [], 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        parts += [f"{rs[i]}–{rs[j]}"] if j - i >= 2 else [str(x) for x in rs[i:j + 1]]
-        i = j + 1
-    return f"rank{'s' if len(rs) > 1 else ''} {', '.join(parts)}"
+    """'rank 2', 'ranks 0, 1, 3', 'ranks 0–699, 701–1023' (trainprof.wording.ranks_phrase)."""
+    return ranks_phrase(sorted(set(rs)))
 
 
 def _waits_text(w: dict, late_rank: int) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from trainprof._lazy import pd
 from trainprof.findings import AnalyzerResult, Finding
-from trainprof import worker_exits
+from trainprof.rundir import worker_exits
 from trainprof.rankranges import ranges
 
 NAME = "uneven_steps"

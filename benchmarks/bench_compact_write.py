@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trainprof.probes import compact  # noqa: E402
-from trainprof.rundir import JsonlWriter  # noqa: E402
+from trainprof.rundir.files import JsonlWriter  # noqa: E402
 
 SRC = ROOT / "tests" / "fixtures" / "rundir_v1" / "ranks" / "rank-00000"
 

@@ -35,7 +35,7 @@ STREAMS = ("steps.jsonl", "memory.jsonl", "collectives.jsonl", "groups.jsonl", "
 
 def synth_run(out: Path, n: int, src: Path) -> Path:
     """``n`` ranks made of ``src``'s rank 0 (meta.json rewritten, streams and trace copied)."""
-    from trainprof.rundir import profiler_trace_path
+    from trainprof.rundir.files import profiler_trace_path
 
     out.mkdir(parents=True)
     man = json.loads((src / "manifest.json").read_text())
@@ -58,13 +58,13 @@ def child(mode: str, run_dir: str) -> None:
     """Runs in its own process: the measured work, then its rusage as one JSON line."""
     t0 = time.perf_counter()
     if mode == "analyze":
-        from trainprof.analysis import analyze_and_write
+        from trainprof.analysis.runner import analyze_and_write
 
         s, _, _ = analyze_and_write(run_dir, report=False)
         extra = {"errors": len(s["errors"]), "ranks": s["metrics"].get("comm_compute", {})
                  .get("job", {}).get("ranks")}
     else:  # every trace parsed and held at once
-        from trainprof.rundir import RunDir
+        from trainprof.analysis.run import RunDir
 
         extra = {"traces": len(RunDir(run_dir).traces())}
     wall = time.perf_counter() - t0

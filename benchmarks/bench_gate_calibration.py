@@ -119,7 +119,7 @@ def _load(pool: Path, prefix: str) -> list[tuple[str, dict]]:
 
 
 def _gate(bases, cands, settings):
-    from trainprof.regression import compare_runs, overall_verdict
+    from trainprof.gate.regression import compare_runs, overall_verdict
 
     results, _ = compare_runs([s for _, s in bases], [s for _, s in cands], settings)
     code, _ = overall_verdict(results)
@@ -128,13 +128,13 @@ def _gate(bases, cands, settings):
 
 
 def _median_step(runs) -> float:
-    from trainprof.regression import step_samples
+    from trainprof.gate.regression import step_samples
 
     return statistics.median(statistics.median(step_samples(s)) for _, s in runs)
 
 
 def _median_cpu(runs) -> float | None:
-    from trainprof.regression import cpu_time_value
+    from trainprof.gate.regression import cpu_time_value
 
     vals = [cpu_time_value(s) for _, s in runs]
     return statistics.median(vals) if vals and None not in vals else None
@@ -212,7 +212,7 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def evaluate(a) -> int:
-    from trainprof.regression import Settings
+    from trainprof.gate.regression import Settings
 
     pool = Path(a.pool)
     settings = Settings(thresholds=dict(f.rsplit(":", 1) for f in a.fail_on))

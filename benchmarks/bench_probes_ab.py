@@ -41,6 +41,7 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=10, help="timed steps per block")
     ap.add_argument("--rounds", type=int, default=30, help="on/off block pairs")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each block")
+    ap.add_argument("--json", help="also write the wall-time result to this file (one rank)")
     ap.add_argument("ref", nargs=argparse.REMAINDER, help="-- reference args (dp/pp/tp must stay 1)")
     a = ap.parse_args()
     ref_args = [x for x in a.ref if x != "--"]
@@ -119,8 +120,20 @@ def main() -> int:
                         blocks["on"].append(block(a.block, "on"))
                 else:
                     blocks["off"].append(block(a.block, "off"))
+        import glob
+
+        # evidence that the "on" blocks ran the probes: the step records their sessions wrote
+        step_records = sum(1 for f in glob.glob(os.path.join(root, "run*", "ranks", "*", "steps.jsonl"))
+                           for _ in open(f))
     dist.destroy_process_group()
-    _report(f"reference 1 rank on {dev} ({' '.join(ref_args) or 'defaults'})", a, blocks)
+    res = _report(f"reference 1 rank on {dev} ({' '.join(ref_args) or 'defaults'})", a, blocks)
+    if a.json:
+        import json
+
+        with open(a.json, "w") as f:
+            json.dump({**res, "device": str(dev), "ref_args": ref_args, "rounds": a.rounds,
+                       "block": a.block, "warmup": a.warmup, "step_records_on": step_records,
+                       "probes_off": os.environ["TRAINPROF_PROBES_OFF"]}, f, indent=1)
     # CPU time is blind to time the process waited for a CPU (neighbours on a shared host)
     _report("CPU time per step (process, all threads)", a, {k: cpu[k] for k in ("on", "off")},
             unit="CPU ms")
@@ -135,7 +148,7 @@ def _probes_env() -> None:
     os.environ["TRAINPROF_PROBES_OFF"] = ",".join(sorted(off))
 
 
-def _report(title: str, a, blocks: dict, unit: str = "ms") -> None:
+def _report(title: str, a, blocks: dict, unit: str = "ms") -> dict:
     med = {k: statistics.median([t for b in v for t in b]) for k, v in blocks.items()}
     # paired: each round's on-block against its adjacent off-block, then the median over rounds
     ratios = [statistics.median(on) / statistics.median(off)
@@ -153,6 +166,9 @@ def _report(title: str, a, blocks: dict, unit: str = "ms") -> None:
     print(f"  per-round on/off ratios: {' '.join(f'{r:.3f}' for r in ratios)}")
     print(f"  probe overhead {over:+.2f} % (median of paired rounds; 95 % bootstrap interval "
           f"{lo:+.2f} .. {hi:+.2f} %), pooled medians {med['on'] - med['off']:+.3f} {unit}/step")
+    return {"overhead_pct": over, "ci95_pct": [lo, hi], "ratios": ratios,
+            "median_ms": {"on": med["on"], "off": med["off"]},
+            "steps_timed": {k: sum(len(b) for b in v) for k, v in blocks.items()}}
 
 
 def mesh_main(a, ref_args) -> int:

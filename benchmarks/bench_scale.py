@@ -6,7 +6,7 @@
 
 For each N: benchmarks/synth_run.py writes an N-rank run directory (8 ranks per host, ±3 %
 step jitter, ``--traces`` ranks keep a profiler trace), then ``trainprof analyze --no-report``
-runs on it as a subprocess, after ``python -m trainprof.reduce`` built the trace digests as
+runs on it as a subprocess, after ``python -m trainprof.analysis.reduce`` built the trace digests as
 each node's ``wrap`` does at the end of a job (timed apart; ``--no-reduce``: analyze builds
 them) (and, with ``--report``, ``trainprof analyze`` with the HTML report)
 under ``/usr/bin/time -v`` where present (else getrusage(RUSAGE_CHILDREN) of a fresh child).
@@ -69,7 +69,7 @@ def run_one(n: int, a, work: Path) -> dict:
     out = {"ranks": n, "synth_s": synth_s,
            "input_mb": sum(f.stat().st_size for f in run.rglob("*") if f.is_file()) / 2 ** 20}
     if not a.no_reduce:  # what each node's wrap does at the end of the job: the trace digests
-        m = measure([sys.executable, "-m", "trainprof.reduce", str(run)])
+        m = measure([sys.executable, "-m", "trainprof.analysis.reduce", str(run)])
         out["reduce"] = {"wall_s": m["wall_s"], "rss_mb": m["rss_mb"], "rc": m["rc"]}
     modes = [("no_report", ["--no-report"])] + ([("report", [])] if a.report else [])
     for name, extra in modes:
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the synthesized runs")
     ap.add_argument("--no-reduce", action="store_true",
                     help="leave the trace digests to analyze (default: built first by "
-                         "python -m trainprof.reduce, as wrap does at the end of a job)")
+                         "python -m trainprof.analysis.reduce, as wrap does at the end of a job)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     a = ap.parse_args(argv)
     work = a.work or Path(tempfile.mkdtemp(prefix="trainprof-bench-scale-"))

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from trainprof.analyzers.comm_compute import rank_breakdown
-from trainprof.trace import _cpus, _decode, _frames, load_traces, parse_trace
+from trainprof.settings import available_cpus as _cpus
+from trainprof.trace import _decode, _frames, load_traces, parse_trace
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/hta/df_index_resolver/df_index_resolver.json.gz"
 

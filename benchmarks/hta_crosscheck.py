@@ -69,7 +69,7 @@ print("HTA-RESULT " + json.dumps(out))
 
 
 # Real traces changed the way other real traces differ, each exercising one of HTA's rules
-# (tests/test_hta_numbers.py builds the same ones): name -> (fixture, change)
+# (tests/unit/analyzers/test_hta_numbers.py builds the same ones): name -> (fixture, change)
 def _drop(doc, pred):
     doc["traceEvents"] = [e for e in doc["traceEvents"] if not pred(e)]
     return doc

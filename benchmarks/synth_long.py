@@ -32,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainprof import rundir_compact as fmt  # noqa: E402
+from trainprof.rundir import compact as fmt  # noqa: E402
 from trainprof.probes import compact  # noqa: E402
 
 DEFAULT_SOURCE = ROOT / "tests" / "fixtures" / "rundir_v1"

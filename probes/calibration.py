@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 
+from trainprof import settings
 from trainprof.probes import runtime
 
 BUDGET_S = 0.15       # per measurement (matmul, copy), at most
@@ -74,10 +75,10 @@ def measure(device: str = "cpu", budget_s: float = BUDGET_S) -> dict:
 
 
 def _needed(session, device: str) -> bool:
-    if os.environ.get(ENV, "1") == "0" or int(session.meta.get("local_rank") or 0) != 0:
+    if not settings.value(ENV) or int(session.meta.get("local_rank") or 0) != 0:
         return False
     if device.startswith("cuda"):
-        from trainprof.analyzers._devices import lookup
+        from trainprof.devices import lookup
 
         return lookup(session.meta.get("device_name")) is None  # known GPUs use the datasheet
     return True

@@ -24,6 +24,7 @@ import threading
 import time
 from datetime import timedelta
 
+from trainprof import settings
 from trainprof.probes import runtime
 
 REF_RANK = 0
@@ -194,7 +195,7 @@ class ClockProbe:
             if self.started or not self._init_dist():
                 return
             self.started = True
-        timeout = float(os.environ.get(ENV_START_TIMEOUT, 60))
+        timeout = settings.value(ENV_START_TIMEOUT)
         stop = Stop()
         atexit.register(stop.set)
         threading.Thread(target=self._run, args=("start", timeout, None, stop), daemon=True,
@@ -211,7 +212,7 @@ class ClockProbe:
 
         if heartbeat_exit.failure() is not None:
             return  # dying of an error: peers may be gone, and must not wait for this one
-        budget = float(os.environ.get(ENV_END_TIMEOUT, 5))
+        budget = settings.value(ENV_END_TIMEOUT)
         self._run("end", budget, budget)
 
     def _run(self, phase, timeout_s, deadline_s, stop: Stop | None = None) -> None:

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 
+from trainprof import settings
 from trainprof.probes import runtime
 
 try:  # the per-op hot path in C (setup.py builds it where a compiler is; optional)
@@ -763,7 +764,7 @@ def _install_patches():
     if _patched:
         return
     _patched = True
-    _C_ON = _fast is not None and os.environ.get(ENV_PY, "") not in ("1", "true", "yes")
+    _C_ON = _fast is not None and not settings.value(ENV_PY)
     if _C_ON:
         _busy, _set_busy = _fast.busy, _fast.set_busy
     from torch._C._distributed_c10d import ProcessGroup, Work

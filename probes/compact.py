@@ -3,7 +3,7 @@
 Each rank's always-on data stays within ``TRAINPROF_BUDGET_MB`` (wrap --budget-mb; default
 256 MB, a week at one step a second) whatever the run's length:
 
-* every step keeps compact fixed-width records (trainprof/rundir_compact.py): its timings, data
+* every step keeps compact fixed-width records (trainprof/rundir/compact.py): its timings, data
   wait, memory, and per (process group, collective kind) sums of the collective log, appended
   to ``ranks/rank-N/compact/<table>.bin`` by the probes' ticker thread right after each step
   boundary (the job's thread only hands the records over);
@@ -25,9 +25,9 @@ import json
 import os
 import threading
 
-from trainprof import rundir_compact as fmt
+from trainprof.rundir import compact as fmt
 from trainprof.probes import runtime
-from trainprof.rundir import JsonlWriter, dumps_compact
+from trainprof.rundir.files import JsonlWriter, dumps_compact
 
 ENV_BUDGET = "TRAINPROF_BUDGET_MB"
 DEFAULT_BUDGET_MB = 256.0
@@ -304,7 +304,7 @@ class CompactStore:
         self._state()
 
     def _state(self) -> None:
-        from trainprof.rundir import write_json_atomic
+        from trainprof.rundir.files import write_json_atomic
 
         write_json_atomic(self.dir / STATE, {
             "budget_bytes": self.budget, "steps_per_block": self.steps_per_block,

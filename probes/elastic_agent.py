@@ -27,7 +27,7 @@ import sys
 import time
 
 from trainprof.probes import runtime
-from trainprof.worker_exits import STREAM
+from trainprof.rundir.worker_exits import STREAM
 
 MODULE = "torch.distributed.elastic.multiprocessing.api"
 _patched = False
@@ -125,7 +125,7 @@ def record(t_ns: int, before: dict, ctx) -> None:
         run_dir = os.environ.get(runtime.ENV_RUN_DIR)
         if not run_dir:
             return
-        from trainprof.rundir import dumps_compact
+        from trainprof.rundir.files import dumps_compact
 
         rows = []
         for lr, w in sorted(before.items()):

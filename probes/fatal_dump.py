@@ -24,8 +24,8 @@ import os
 import threading
 
 from trainprof.probes import runtime
+from trainprof.rundir.files import FATAL_STACKS
 
-FILE = "fatal-stacks.txt"
 PREV = "fatal-stacks.prev.txt"  # the dump of the rank's previous process (a restart)
 HEADER = "# trainprof fatal-stacks v1 pid={pid} main_thread=0x{ident:016x}\n"
 
@@ -93,7 +93,7 @@ def _unlink(path) -> None:
 
 
 def attach(session) -> None:
-    fd = FatalDump(session.dir / FILE)
+    fd = FatalDump(session.dir / FATAL_STACKS)
     try:
         if not fd.start():
             return

@@ -28,10 +28,10 @@ import time
 import traceback
 from pathlib import Path
 
+from trainprof import settings
 from trainprof.probes import runtime
+from trainprof.rundir.files import HANG_DUMP, HANG_TRIGGER
 
-TRIGGER = "hang-trigger.json"
-DUMP = "hang-dump.json"
 FR_PICKLE = "flight-recorder.pkl"
 FR_JSON = "flight-recorder.json"
 ENV_POLL = "TRAINPROF_HANG_POLL_S"
@@ -138,9 +138,9 @@ def flight_recorder_dump(dir_: Path) -> dict:
 class Watchdog:
     def __init__(self, session):
         self.session = session
-        self.trigger_path = Path(session.run_dir) / TRIGGER
+        self.trigger_path = Path(session.run_dir) / HANG_TRIGGER
         try:
-            self.poll = max(0.05, float(os.environ.get(ENV_POLL, "1")))
+            self.poll = max(0.05, settings.value(ENV_POLL))
         except ValueError:
             self.poll = 1.0
         self._seen = self._stat()
@@ -181,7 +181,7 @@ class Watchdog:
 
     def dump(self, trigger: dict | None = None) -> Path:
         from trainprof.probes.heartbeat import compact, inflight_records
-        from trainprof.rundir import write_json_atomic
+        from trainprof.rundir.files import write_json_atomic
 
         s = self.session
         hb = s.state.get("heartbeat")
@@ -192,7 +192,7 @@ class Watchdog:
                "inflight": inflight_records(s.state),
                "heartbeat": dict(hb.last) if hb is not None else None,
                "flight_recorder": None, "complete": False}
-        path = s.dir / DUMP
+        path = s.dir / HANG_DUMP
         try:
             s.flush_streams()  # the streams' queued records belong with the dump
         except Exception:  # noqa: BLE001

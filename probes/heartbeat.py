@@ -29,8 +29,9 @@ import sys
 import threading
 import time
 
+from trainprof import settings
 from trainprof.probes import runtime
-from trainprof.rundir import close_quietly, dumps_compact
+from trainprof.rundir.files import close_quietly, dumps_compact
 
 STREAM = "heartbeat.jsonl"
 PREV = "heartbeat.prev.jsonl"
@@ -107,7 +108,7 @@ class Heartbeat:
         self.session = session
         self.path = session.dir / STREAM
         try:
-            self.interval = max(0.05, float(os.environ.get(ENV_INTERVAL, "1")))
+            self.interval = max(0.05, settings.value(ENV_INTERVAL))
         except ValueError:
             self.interval = 1.0
         self._fd: int | None = None

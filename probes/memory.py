@@ -31,6 +31,7 @@ import os
 import resource
 import time
 
+from trainprof import settings
 from trainprof.probes import runtime
 
 # torch.cuda.memory_stats() key -> our field
@@ -136,7 +137,7 @@ def model_state_breakdown(optimizers) -> dict:
 
 def attach(session) -> None:
     writer = session.stream("memory")
-    history = os.environ.get("TRAINPROF_MEMORY_HISTORY", "0") == "1"
+    history = settings.value("TRAINPROF_MEMORY_HISTORY")
     armed = {"cuda": False}
     if history:
         _watch_job_history()
@@ -187,8 +188,7 @@ def _start_history(session) -> None:
     if _history["job"] or _job_recording(torch):
         _job_history(session, trainprof_history="not started")
         return
-    _original_record(torch)(max_entries=int(
-        os.environ.get("TRAINPROF_MEMORY_HISTORY_ENTRIES", "100000")))
+    _original_record(torch)(max_entries=settings.value("TRAINPROF_MEMORY_HISTORY_ENTRIES"))
     _history["ours"] = True
 
 

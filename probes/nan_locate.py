@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainprof.probes.nan_watch import tensors_in
+from trainprof.probes.nan_values import tensors_in
 
 # Ops whose outputs are uninitialized memory or metadata: never a "creation".
 SKIP_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_",
@@ -566,70 +566,97 @@ def replay_call(call, name_of, coordinated: bool = False) -> dict:
                 except BaseException:
                     _reset_fsdp(module)  # FSDP's final backward callback never ran
                     raise
-        if tracker.fwd:  # a module turned finite inputs into a non-finite output
-            m = tracker.fwd[0]
-            op = next((c for c in fwd_ops if _within(c.get("module"), m["module"])), fwd_ops[0] if fwd_ops else None)
-            verdict = {"created": True, "phase": "forward", "role": "output", "module": m["module"],
-                       "module_class": m["module_class"], "inputs": m["inputs"], "output": m["output"],
-                       "value": value_kind(m["output"]), **_op_fields(op)}
-        elif not fwd_finite:
-            bad = [stats(t) for t in ins if not _finite(t)][:4]
-            verdict = {"created": False, "phase": "forward", "role": "inputs", "module": tracker._name(module),
-                       "inputs": bad, "value": value_kind(bad[0]) if bad else None,
-                       "evidence": "the call's inputs were already non-finite (received)"}
-        elif call.grads:
-            pairs = [(t, call.grads.get(i)) for i, t in enumerate(outs) if t.requires_grad]
-            pairs = [(t, g) for t, g in pairs if g is not None]
-            bad = [g for _, g in pairs if not _finite(g)]
-            if bad:
-                s = stats(bad[0])
-                if call.grad_explicit:  # handed to backward by another rank (pipeline p2p)
-                    verdict = {"created": False, "phase": "backward", "role": "grad_output",
-                               "module": tracker._name(module), "grad": s, "value": value_kind(s),
-                               "evidence": "the gradient w.r.t. the call's output arrived non-finite"}
-                else:  # from this rank's loss, whose backward made it
-                    verdict = {"created": True, "phase": "backward", "role": "grad_output",
-                               "module": "<loss>", "grad": s, "value": value_kind(s), "op": None,
-                               "evidence": "finite model output, the loss's gradient w.r.t. it is not: "
-                                           "created by the loss computation's backward"}
-            elif pairs:
-                wrt = [t for t in ins if t.requires_grad] + params
-                mode.phase = "backward"
-                if lockstep is not None:  # ran already (zeros for outputs without a gradient)
-                    gs = lockstep
+        verdict = _forward_verdict(tracker, module, fwd_ops, ins, fwd_finite)
+        if verdict is None and fwd_finite:
+            verdict = _backward_verdict(call, tracker, mode, probe, module, fwd_ops, outs, ins,
+                                        params, lockstep)
+    verdict = _received_verdict(verdict, mode)
+    return {"ops": mode.n_ops, "forward_finite": fwd_finite, "verdict": verdict}
+
+
+def _forward_verdict(tracker, module, fwd_ops: list, ins: list, fwd_finite: bool) -> dict | None:
+    """The replayed forward's verdict: a module that turned finite inputs into a non-finite output
+    created the value; a call whose inputs were non-finite received it."""
+    verdict = None
+    if tracker.fwd:  # a module turned finite inputs into a non-finite output
+        m = tracker.fwd[0]
+        op = next((c for c in fwd_ops if _within(c.get("module"), m["module"])), fwd_ops[0] if fwd_ops else None)
+        verdict = {"created": True, "phase": "forward", "role": "output", "module": m["module"],
+                   "module_class": m["module_class"], "inputs": m["inputs"], "output": m["output"],
+                   "value": value_kind(m["output"]), **_op_fields(op)}
+    elif not fwd_finite:
+        bad = [stats(t) for t in ins if not _finite(t)][:4]
+        verdict = {"created": False, "phase": "forward", "role": "inputs", "module": tracker._name(module),
+                   "inputs": bad, "value": value_kind(bad[0]) if bad else None,
+                   "evidence": "the call's inputs were already non-finite (received)"}
+    return verdict
+
+
+def _backward_verdict(call, tracker, mode, probe, module, fwd_ops: list, outs: list, ins: list,
+                      params: list, lockstep) -> dict | None:
+    """The replayed backward's verdict (with the output-gradients saved from the job's step): a
+    non-finite gradient w.r.t. the call's output (received from another rank, or created by the
+    loss), else the module or parameter gradients the backward turned non-finite."""
+    verdict = None
+    if call.grads:
+        pairs = [(t, call.grads.get(i)) for i, t in enumerate(outs) if t.requires_grad]
+        pairs = [(t, g) for t, g in pairs if g is not None]
+        bad = [g for _, g in pairs if not _finite(g)]
+        if bad:
+            s = stats(bad[0])
+            if call.grad_explicit:  # handed to backward by another rank (pipeline p2p)
+                verdict = {"created": False, "phase": "backward", "role": "grad_output",
+                           "module": tracker._name(module), "grad": s, "value": value_kind(s),
+                           "evidence": "the gradient w.r.t. the call's output arrived non-finite"}
+            else:  # from this rank's loss, whose backward made it
+                verdict = {"created": True, "phase": "backward", "role": "grad_output",
+                           "module": "<loss>", "grad": s, "value": value_kind(s), "op": None,
+                           "evidence": "finite model output, the loss's gradient w.r.t. it is not: "
+                                       "created by the loss computation's backward"}
+        elif pairs:
+            wrt = [t for t in ins if t.requires_grad] + params
+            mode.phase = "backward"
+            if lockstep is not None:  # ran already (zeros for outputs without a gradient)
+                gs = lockstep
+            else:
+                with _TagMode(tracker), mode, probe:
+                    gs = torch.autograd.grad([t for t, _ in pairs], wrt,
+                                             grad_outputs=[g for _, g in pairs], allow_unused=True)
+            bwd_ops = [c for c in mode.created if c["phase"] == "backward"]
+            bad_p = [p for p in params if id(p) in probe.bad]
+            op = bwd_ops[0] if bwd_ops else None
+            if tracker.bwd:
+                m = _pick_backward(tracker.bwd[0], op)
+                verdict = {"created": True, "phase": "backward", "role": "grad_input",
+                           "module": m["module"], "module_class": m["module_class"], "grad": m["grad"],
+                           "value": value_kind(m["grad"]),
+                           "evidence": "gradient w.r.t. the module's outputs finite, w.r.t. its inputs not"}
+            elif bad_p or op is not None:
+                where = op.get("module") if op else None
+                verdict = {"created": True, "phase": "backward", "role": "parameter_grads",
+                           "module": where or tracker._name(module), "params_nonfinite": len(bad_p),
+                           "evidence": "input-gradients finite, parameter gradients not"}
+                if bad_p:
+                    verdict["grad"] = probe.bad[id(bad_p[0])]
+                    verdict["value"] = value_kind(verdict["grad"])
+            if verdict is not None:
+                # a creation hidden by masking in the forward of this module is the root cause
+                hidden = [c for c in fwd_ops if _within(c.get("module"), verdict["module"])]
+                if hidden:
+                    h = hidden[0]
+                    masked = [x for x in mode.masked if x["phase"] == "forward" and x["index"] > h["index"]]
+                    verdict.update(_op_fields(h))
+                    verdict["hidden_by"] = masked[0]["op"] if masked else None
+                    if op is not None:
+                        verdict["backward_op"], verdict["backward_value"] = op["op"], op.get("value")
                 else:
-                    with _TagMode(tracker), mode, probe:
-                        gs = torch.autograd.grad([t for t, _ in pairs], wrt,
-                                                 grad_outputs=[g for _, g in pairs], allow_unused=True)
-                bwd_ops = [c for c in mode.created if c["phase"] == "backward"]
-                bad_p = [p for p in params if id(p) in probe.bad]
-                op = bwd_ops[0] if bwd_ops else None
-                if tracker.bwd:
-                    m = _pick_backward(tracker.bwd[0], op)
-                    verdict = {"created": True, "phase": "backward", "role": "grad_input",
-                               "module": m["module"], "module_class": m["module_class"], "grad": m["grad"],
-                               "value": value_kind(m["grad"]),
-                               "evidence": "gradient w.r.t. the module's outputs finite, w.r.t. its inputs not"}
-                elif bad_p or op is not None:
-                    where = op.get("module") if op else None
-                    verdict = {"created": True, "phase": "backward", "role": "parameter_grads",
-                               "module": where or tracker._name(module), "params_nonfinite": len(bad_p),
-                               "evidence": "input-gradients finite, parameter gradients not"}
-                    if bad_p:
-                        verdict["grad"] = probe.bad[id(bad_p[0])]
-                        verdict["value"] = value_kind(verdict["grad"])
-                if verdict is not None:
-                    # a creation hidden by masking in the forward of this module is the root cause
-                    hidden = [c for c in fwd_ops if _within(c.get("module"), verdict["module"])]
-                    if hidden:
-                        h = hidden[0]
-                        masked = [x for x in mode.masked if x["phase"] == "forward" and x["index"] > h["index"]]
-                        verdict.update(_op_fields(h))
-                        verdict["hidden_by"] = masked[0]["op"] if masked else None
-                        if op is not None:
-                            verdict["backward_op"], verdict["backward_value"] = op["op"], op.get("value")
-                    else:
-                        verdict.update(_op_fields(op))
+                    verdict.update(_op_fields(op))
+    return verdict
+
+
+def _received_verdict(verdict: dict | None, mode) -> dict | None:
+    """On a tensor-parallel peer: what a collective brought in before any local op created it was
+    received, not created."""
     if verdict is not None and verdict.get("created") and mode.received:
         # on a tensor-parallel peer: what a collective brought in before any local op created it
         ph = verdict["phase"]
@@ -642,7 +669,7 @@ def replay_call(call, name_of, coordinated: bool = False) -> dict:
                        "output": r["output"], "value": value_kind(r["output"]),
                        "evidence": f"arrived through {r['op']} from the tensor-parallel peers; "
                                    f"what this rank contributed was finite"}
-    return {"ops": mode.n_ops, "forward_finite": fwd_finite, "verdict": verdict}
+    return verdict
 
 
 class _GradProbe:

@@ -23,71 +23,9 @@ Standard library only: the probes import it inside the training processes.
 
 from __future__ import annotations
 
-ENV = "TRAINPROF_PROFILE_RANKS"
-AUTO_ALL_MAX = 64
-KEYWORDS = ("auto", "all", "none", "per-node", "per-coord")
-MAX_RANK = 1 << 24
-
-
-class RankList:
-    """The ranks of a list spec as merged intervals: ``rank in it`` by bisection, so that a spec
-    such as ``0-9999999`` costs nothing in the job's processes (a set of its ranks would take
-    gigabytes and tens of seconds in every rank)."""
-
-    def __init__(self, intervals):
-        merged: list[list[int]] = []
-        for lo, hi in sorted(intervals):
-            if merged and lo <= merged[-1][1] + 1:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        self.intervals = tuple((lo, hi) for lo, hi in merged)
-        self._starts = [lo for lo, _ in self.intervals]
-
-    def __contains__(self, rank) -> bool:
-        import bisect
-
-        i = bisect.bisect_right(self._starts, rank) - 1
-        return i >= 0 and rank <= self.intervals[i][1]
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, RankList):
-            return self.intervals == other.intervals
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self.intervals)
-
-    def text(self) -> str:
-        return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in self.intervals)
-
-
-def parse(spec: str | None) -> str | RankList:
-    """A keyword (canonical spelling) or the RankList of listed ranks; ValueError with the
-    reason otherwise. Unset or empty: ``auto``."""
-    s = (spec or "").strip().lower().replace("_", "-")
-    if not s:
-        return "auto"
-    if s in KEYWORDS:
-        return s
-    spans: list[tuple[int, int]] = []
-    for part in s.split(","):
-        part = part.strip()
-        a, sep, b = part.partition("-")
-        if not a.strip().isdigit() or (sep and not b.strip().isdigit()):
-            raise ValueError(f"{part!r} is not a rank or a range FIRST-LAST")
-        lo, hi = int(a), int(b) if sep else int(a)
-        if hi < lo or hi >= MAX_RANK:
-            raise ValueError(f"{part!r}: expected FIRST-LAST with FIRST <= LAST < {MAX_RANK}")
-        spans.append((lo, hi))
-    return RankList(spans)
-
-
-def canonical(spec: str | None) -> str:
-    """The spelling passed to the ranks (and recorded in meta.json): a keyword or compact
-    ranges."""
-    p = parse(spec)
-    return p if isinstance(p, str) else p.text()
+# the spec's grammar is core (wrap and the settings reader validate it too)
+from trainprof.rankranges import (AUTO_ALL_MAX, ENV, KEYWORDS, MAX_RANK, RankList,  # noqa: F401
+                                  canonical, parse)
 
 
 def _mesh_usable(mesh: dict | None, world_size: int) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from trainprof.probes import job_profiler, runtime
+from trainprof.probes.profiler_quiet import Primer, quiet
 
 
 def parse_steps(spec: str | None) -> tuple[int, int] | None:
@@ -53,7 +54,8 @@ class ProfilerWindow:
             profile_memory=True,     # allocation events: the CPU memory timeline
             with_stack=False,
         )
-        with job_profiler.ours():
+        self._primer = Primer()  # allocated before the window: freed when recording starts
+        with job_profiler.ours(), quiet():  # torch's own lines stay out of the job's fd 2
             self._prof.start()
 
     def _export(self, prof) -> None:
@@ -74,8 +76,11 @@ class ProfilerWindow:
         if self.done:
             return
         try:
-            with job_profiler.ours():
+            with job_profiler.ours(), quiet():
                 self._prof.step()
+                if self._primer is not None and _recording(self._prof):
+                    self._primer.fire()  # the allocator's one warning, printed here
+                    self._primer = None
         except Exception as e:  # noqa: BLE001
             self.done = True
             runtime.warn(f"profiler window abandoned: {type(e).__name__}: {e}")
@@ -88,7 +93,7 @@ class ProfilerWindow:
             return
         self.done = True
         try:
-            with job_profiler.ours():
+            with job_profiler.ours(), quiet():
                 self._prof.stop()
         except Exception:  # noqa: BLE001
             pass
@@ -97,3 +102,11 @@ class ProfilerWindow:
         """Stop without exporting (the job is starting its own profiler)."""
         self._discard = True
         self.stop()
+
+
+def _recording(prof) -> bool:
+    """The profiler records now (memory events included): past its warm-up."""
+    try:
+        return "RECORD" in str(prof.current_action)
+    except Exception:  # noqa: BLE001
+        return False

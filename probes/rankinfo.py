@@ -8,13 +8,8 @@ import socket
 import sys
 import time
 
-# DeviceMesh dimension names users give, mapped onto the canonical 3D-parallel axes.
-MESH_ALIASES = {
-    "dp": ("dp", "data", "data_parallel", "dp_replicate", "dp_shard", "fsdp", "ddp", "hsdp",
-           "dp_shard_cp", "replicate", "shard"),
-    "pp": ("pp", "pipe", "pipeline", "pipeline_parallel"),
-    "tp": ("tp", "tensor", "tensor_parallel", "model", "mp"),
-}
+# DeviceMesh dimension names users give, mapped onto the canonical 3D-parallel axes
+from trainprof.meshinfo import MESH_ALIASES
 
 ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
             "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",

@@ -10,6 +10,8 @@ import os
 import sys
 import threading
 
+from trainprof import settings
+
 ENV_RUN_DIR = "TRAINPROF_RUN_DIR"          # set by `trainprof wrap`: where this run is written
 ENV_PROFILE_STEPS = "TRAINPROF_PROFILE_STEPS"  # e.g. "3-4" (inclusive) or "none"
 ENV_DISABLE = "TRAINPROF_DISABLE"          # 1/true/yes/on turns every probe off; 0/false/no/off do not
@@ -22,9 +24,7 @@ _aside = False  # another process of this run is this rank (probes/rank_claim.py
 
 
 def enabled() -> bool:
-    from trainprof.settings import flag_on  # standard library only
-
-    return bool(os.environ.get(ENV_RUN_DIR)) and not flag_on(os.environ.get(ENV_DISABLE)) \
+    return bool(os.environ.get(ENV_RUN_DIR)) and not settings.value(ENV_DISABLE) \
         and not _failed and not _aside
 
 

@@ -15,12 +15,13 @@ import time
 import weakref
 from pathlib import Path
 
+from trainprof import settings
 from trainprof.probes import runtime
 from trainprof.probes.rankinfo import identity, mesh_info
 from trainprof.probes.steps import StepClock
 from trainprof.probes.ticker import Ticker
-from trainprof.rundir import (JOB_TRACES_DIR, META, STEPS, JsonlWriter, is_job_trace_name,
-                              job_trace_dir, profiler_trace_path, rank_dir, write_json_atomic)
+from trainprof.rundir.files import (JOB_TRACES_DIR, META, STEPS, JsonlWriter, is_job_trace_name,
+                                    job_trace_dir, profiler_trace_path, rank_dir, write_json_atomic)
 
 DEFAULT_PROFILE_STEPS = "3-4"
 MAX_JOB_TRACES = 20  # paths of the job's own profiler traces kept in meta.json (the last ones)
@@ -29,24 +30,9 @@ MAX_JOB_TRACES = 20  # paths of the job's own profiler traces kept in meta.json 
 # build is skipped silently; one that fails to attach is reported and skipped.
 ENV_PROBES_OFF = "TRAINPROF_PROBES_OFF"
 ENV_FLUSH_S = "TRAINPROF_FLUSH_S"  # how often queued stream records are written (seconds)
-ATTACHED_PROBES: tuple[str, ...] = (
-    "trainprof.probes.clock",           # clock offsets to a reference rank (start and end)
-    "trainprof.probes.hostmap",         # every rank's host, known to each node (meta hosts)
-    "trainprof.probes.collectives",     # always-on log of every collective and p2p op
-    "trainprof.probes.ddp",             # DDP's bucketed gradient all-reduce into that log
-    "trainprof.probes.pipeline_spans",  # forward/backward spans per stage and micro-batch
-    "trainprof.probes.heartbeat",       # crash-safe progress record per rank
-    "trainprof.probes.hang_watchdog",   # dumps stacks and in-flight collectives when stuck
-    "trainprof.probes.fatal_dump",      # Python stacks of a rank killed by a fatal signal
-    "trainprof.probes.nan_watch",       # finiteness of loss / grad norm, origin on detection
-    "trainprof.probes.dataloader",      # time each step waits for its input batches
-    "trainprof.probes.calibration",     # matmul/copy microbenchmark for unknown devices
-    "trainprof.probes.memory",          # allocator stats per step, snapshots, OOM observer
-    "trainprof.probes.telemetry",       # NVML sampler (own GPU only)
-)
-# Installed before a session starts (bootstrap), yet switched off the same way: the framework
-# integrations (probes/frameworks.py) read TRAINPROF_PROBES_OFF themselves.
-EARLY_PROBES: tuple[str, ...] = ("frameworks",)
+# the probes' names are settings vocabulary (TRAINPROF_PROBES_OFF names them): trainprof/settings.py
+ATTACHED_PROBES: tuple[str, ...] = tuple(f"trainprof.probes.{n}" for n in settings.ATTACHED_PROBE_NAMES)
+EARLY_PROBES: tuple[str, ...] = settings.EARLY_PROBE_NAMES
 
 
 class ProbeSession:
@@ -64,7 +50,7 @@ class ProbeSession:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._writers: dict[str, JsonlWriter] = {}
         try:
-            self.flush_interval = max(0.01, float(os.environ.get(ENV_FLUSH_S, "1")))
+            self.flush_interval = max(0.01, settings.value(ENV_FLUSH_S))
         except ValueError:
             self.flush_interval = 1.0
         # the probes' periodic work (this flush, heartbeats, hang-trigger polls): one thread

@@ -22,7 +22,7 @@ try:
 except ImportError:  # not POSIX: ThreadSched stays off
     resource = None
 
-from trainprof.rundir import JsonlWriter
+from trainprof.rundir.files import JsonlWriter
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
 

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 
+from trainprof import settings
 from trainprof.probes import runtime
 
 
@@ -137,7 +138,7 @@ def _nvml_handle(nvml, device_index: int):
 
 
 def attach(session) -> None:
-    if os.environ.get("TRAINPROF_TELEMETRY", "1") == "0":
+    if not settings.value("TRAINPROF_TELEMETRY"):
         session.update_meta(telemetry={"enabled": False, "reason": "TRAINPROF_TELEMETRY=0"})
         return
     started = {"done": False}
@@ -168,7 +169,7 @@ def _start(session) -> str | None:
         handle = _nvml_handle(nvml, torch.cuda.current_device())
     except Exception as e:  # noqa: BLE001
         return f"NVML has no handle for this GPU: {e}"
-    interval = float(os.environ.get("TRAINPROF_TELEMETRY_INTERVAL", "1.0"))
+    interval = settings.value("TRAINPROF_TELEMETRY_INTERVAL")
     sampler = TelemetrySampler(nvml, handle, session.stream("telemetry"),
                                step_fn=lambda: session.clock.step, interval=interval)
     sampler.start()

@@ -290,7 +290,7 @@ def render_junit(result: Mapping) -> str:
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
-# --- which ops moved (result["op_diff"], trainprof/opdiff.py) -------------------------------------
+# --- which ops moved (result["op_diff"], trainprof/gate/opdiff.py) -------------------------------------
 
 OP_ROWS = 10
 OP_NAME_CHARS = 90

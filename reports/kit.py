@@ -8,15 +8,29 @@ and nothing loads from a network.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable, Iterable, Mapping
+
+
+# control characters and the format characters that reorder or hide text (bidi overrides and
+# isolates, zero-width marks): shown as visible escapes, as the terminal shows them
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e"
+                          "\u2060-\u2069\ufeff]")
+
+
+def _visible(m) -> str:
+    return m.group().encode("unicode_escape").decode("ascii")
 
 
 def esc(x: Any) -> str:
     """HTML-escape str(x) (quotes included), as html.escape(quote=True) does (that module's
-    import builds the entity tables: milliseconds of start-up); None becomes an empty string."""
+    import builds the entity tables: milliseconds of start-up), with control and bidi
+    characters shown as escapes (a right-to-left override in an op name cannot reorder the
+    report's text); None becomes an empty string."""
     if x is None:
         return ""
-    return (str(x).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    s = _UNPRINTABLE.sub(_visible, str(x))
+    return (s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
             .replace('"', "&quot;").replace("'", "&#x27;"))
 
 

@@ -13,47 +13,15 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
+from trainprof.rankranges import rank_list  # noqa: F401 - the one rank-list formatter, used here as rk.rank_list
 from trainprof.reports import kit, svg
 
 MAX_RANKS = 64  # up to this many ranks, every per-rank view shows every rank
 TOP = 20  # rows of a capped per-rank table
 OUTLIERS = 8  # ranks drawn individually beside an aggregated chart
 MAX_GROUPS = 64  # rows (bars) of an aggregated chart
-
-
-def _runs(ranks: Sequence) -> list[tuple[Any, Any]]:
-    """Consecutive integers collapsed, in the given order: [0,1,2,5] -> [(0,2),(5,5)]."""
-    out: list[list] = []
-    for r in ranks:
-        if (out and isinstance(r, int) and not isinstance(r, bool) and isinstance(out[-1][1], int)
-                and r == out[-1][1] + 1):
-            out[-1][1] = r
-        else:
-            out.append([r, r])
-    return [(a, b) for a, b in out]
-
-
-def _run_text(a, b) -> str:
-    if a == b:
-        return str(a)
-    return f"{a}, {b}" if b == a + 1 else f"{a}–{b}"
-
-
-def rank_list(ranks: Iterable, limit: int = 8) -> str:
-    """'3, 7, 9–12 … and 1,021 more': consecutive ranks as ranges, at most `limit` numbers."""
-    runs = _runs(list(ranks or []))
-    shown, used = [], 0
-    for a, b in runs:
-        cost = 1 if a == b else 2
-        if used + cost > limit:
-            break
-        shown.append(_run_text(a, b))
-        used += cost
-    rest = sum((b - a + 1) if isinstance(a, int) and isinstance(b, int) else 1
-               for a, b in runs[len(shown):])
-    return ", ".join(shown) + (f" … and {rest:,} more" if rest else "")
 
 
 _ITEM = r"\d+(?:[–-]\d+)?"  # a rank or a range of ranks

@@ -1,3 +1,10 @@
+"""Shared fixtures. tests/support (helpers, runs, paths, the jobs the integration tests run) is put
+on sys.path here, so every test imports them by name: `from helpers import run_cli`."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
 import pytest
 
 from runs import ReferenceRuns
@@ -6,5 +13,5 @@ from runs import ReferenceRuns
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory):
     """Factory: reference_run(name, nproc=None, args=None, wrap_args=None) -> run directory.
-    Runs each named job once per test session (see tests/runs.py; import configs with `from runs import CONFIGS`)."""
+    Runs each named job once per test session (see tests/support/runs.py; import configs with `from runs import CONFIGS`)."""
     return ReferenceRuns(tmp_path_factory.mktemp("reference-runs"))

@@ -11,11 +11,16 @@ DeviceMesh (plain DDP) the layout comes from the process groups the probes label
 from __future__ import annotations
 
 CANONICAL = ("dp", "pp", "tp")
+# DeviceMesh dimension names that mean a canonical axis
+MESH_ALIASES = {
+    "dp": ("dp", "data", "data_parallel", "dp_replicate", "dp_shard", "fsdp", "ddp", "hsdp",
+           "dp_shard_cp", "replicate", "shard"),
+    "pp": ("pp", "pipe", "pipeline", "pipeline_parallel"),
+    "tp": ("tp", "tensor", "tensor_parallel", "model", "mp"),
+}
 
 
 def canonical_dim(name) -> str | None:
-    from trainprof.probes.rankinfo import MESH_ALIASES
-
     n = str(name).lower()
     return next((c for c, aliases in MESH_ALIASES.items() if n in aliases), None)
 

@@ -4,7 +4,9 @@ Probe settings travel to the job's processes as environment variables (each rank
 own). `trainprof wrap` and `trainprof demo` check them all here before the job starts: a value
 that is not accepted, or a TRAINPROF_* name that is not a setting (a typo), is refused with one
 line naming it and what is accepted, and the job is not started. Accepted values are passed on
-in one canonical spelling (flags as ``1``/``0``), so that every probe reads them alike.
+in one canonical spelling (flags as ``1``/``0``). Every reader — wrap, `trainprof.session()`
+(where nothing validated the environment) and every probe — takes a value through value(), one
+rule for all.
 
 Standard library only: the probes' runtime imports it inside training processes.
 """
@@ -12,6 +14,7 @@ Standard library only: the probes' runtime imports it inside training processes.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 PREFIX = "TRAINPROF_"
@@ -19,11 +22,31 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
 
+# Probe modules (trainprof.probes.NAME) attached to every session, in order. A module that is not
+# present in this build is skipped silently; one that fails to attach is reported and skipped.
+ATTACHED_PROBE_NAMES: tuple[str, ...] = (
+    "clock",           # clock offsets to a reference rank (start and end)
+    "hostmap",         # every rank's host, known to each node (meta hosts)
+    "collectives",     # always-on log of every collective and p2p op
+    "ddp",             # DDP's bucketed gradient all-reduce into that log
+    "pipeline_spans",  # forward/backward spans per stage and micro-batch
+    "heartbeat",       # crash-safe progress record per rank
+    "hang_watchdog",   # dumps stacks and in-flight collectives when stuck
+    "fatal_dump",      # Python stacks of a rank killed by a fatal signal
+    "nan_watch",       # finiteness of loss / grad norm, origin on detection
+    "dataloader",      # time each step waits for its input batches
+    "calibration",     # matmul/copy microbenchmark for unknown devices
+    "memory",          # allocator stats per step, snapshots, OOM observer
+    "telemetry",       # NVML sampler (own GPU only)
+)
+# Installed before a session starts (bootstrap), yet switched off the same way: the framework
+# integrations (probes/frameworks.py) read TRAINPROF_PROBES_OFF themselves.
+EARLY_PROBE_NAMES: tuple[str, ...] = ("frameworks",)
+
+
 def probe_names() -> tuple[str, ...]:
     """What TRAINPROF_PROBES_OFF may name: the probe modules a session attaches."""
-    from trainprof.probes.session import ATTACHED_PROBES, EARLY_PROBES  # no torch import
-
-    return tuple(n.rsplit(".", 1)[-1] for n in ATTACHED_PROBES) + EARLY_PROBES
+    return ATTACHED_PROBE_NAMES + EARLY_PROBE_NAMES
 
 
 def flag_on(value: str | None, default: bool = False) -> bool:
@@ -96,7 +119,7 @@ class Setting:
                 raise ValueError
             return ",".join(names)
         if self.kind == "profile_ranks":
-            from trainprof.probes.profile_ranks import canonical
+            from trainprof.rankranges import canonical
 
             return canonical(v)  # ValueError when not accepted
         raise AssertionError(self.kind)
@@ -130,7 +153,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINPROF_MAX_INPUT_MB", "number", "1024",
             "analysis: largest input file read (trainprof/safeio.py, docs/security.md)"),
     Setting("TRAINPROF_DIGEST_WORKERS", "count", "",
-            "processes that reduce traces to digests (trainprof/digest.py; default: the CPUs)"),
+            "processes that reduce traces to digests (trainprof/analysis/digest.py; default: the CPUs)"),
     Setting("TRAINPROF_RUN_DIR", "internal", "", "run directory (set by wrap from --out)"),
     Setting("TRAINPROF_PROFILE_STEPS", "internal", "3-4", "profiled steps (set by wrap from --profile-steps)"),
     Setting("TRAINPROF_PROFILE_RANKS", "profile_ranks", "auto",
@@ -182,3 +205,36 @@ def validated_env(environ) -> dict[str, str | None]:
     if problems:
         raise SettingsError(problems)
     return canonical
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity), the default size of trainprof's pools."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def value(name: str, environ=None):
+    """Setting NAME as every reader takes it: unset, empty or not accepted -> its default (`wrap`
+    refuses a value that is not accepted before the job starts; under `trainprof.session()`
+    nothing did, and a probe never raises into the job). Flags -> bool, seconds and numbers ->
+    float, counts -> int (None where the default is unset), the others -> str."""
+    s = BY_NAME[name]
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    v = None
+    if raw is not None and (s.kind == "internal" or raw.strip()):
+        try:
+            v = s.parse(raw)
+        except ValueError:
+            v = None
+    if v is None:
+        v = s.default
+    if s.kind == "flag":
+        return v.strip().lower() in TRUE_WORDS
+    if s.kind in ("seconds", "number"):
+        return float(v) if v else None
+    if s.kind == "count":
+        return int(v) if v else None
+    return v

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from trainprof.rankranges import rank_list
+
 
 def plural(n, word: str, many: str | None = None) -> str:
     """'1 rank', '2 ranks', '1,024 ranks'; `many` for irregular plurals ('1 bus', '2 buses')."""
@@ -18,25 +20,11 @@ def plural(n, word: str, many: str | None = None) -> str:
 
 def ranks_phrase(ranks, limit: int = 8) -> str:
     """'rank 3', 'ranks 0, 2', 'ranks 0–7' (consecutive ranks as ranges, at most `limit`
-    numbers, then '… and N more')."""
+    numbers, then '… and N more'): trainprof.rankranges.rank_list with its noun."""
     ranks = list(ranks or [])
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
-    runs: list[list] = []
-    for r in ranks:
-        if runs and isinstance(r, int) and isinstance(runs[-1][1], int) and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    shown, used = [], 0
-    for a, b in runs:
-        cost = 1 if a == b else 2
-        if used + cost > limit:
-            break
-        shown.append(str(a) if a == b else (f"{a}, {b}" if b == a + 1 else f"{a}–{b}"))
-        used += cost
-    rest = sum((b - a + 1) if isinstance(a, int) else 1 for a, b in runs[len(shown):])
-    return "ranks " + ", ".join(shown) + (f" … and {rest:,} more" if rest else "")
+    return "ranks " + rank_list(ranks, limit)
 
 
 def verb(n: int, one: str, many: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trainprof.reports import kit, ranks as rk
+from trainprof.wording import ranks_phrase
 
 TITLE = "Stragglers and input starvation"
 
@@ -10,9 +11,7 @@ TITLE = "Stragglers and input starvation"
 def _ranks(ranks) -> str:
     """'rank 0' / 'ranks 0, 3' / 'none': never a bare number that reads as a count."""
     ranks = list(ranks or [])
-    if not ranks:
-        return "none"
-    return ("rank " if len(ranks) == 1 else "ranks ") + rk.rank_list(ranks)
+    return ranks_phrase(ranks) if ranks else "none"
 
 
 def _heat(by_rank: dict, steps: list, title: str, alt: str, summary: dict, named: list,

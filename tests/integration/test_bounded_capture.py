@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-JOB = Path(__file__).resolve().parents[1] / "jobs" / "long_tiny_job.py"
+JOB = Path(__file__).resolve().parents[1] / "support" / "jobs" / "long_tiny_job.py"
 STEPS = int(os.environ.get("TRAINPROF_TEST_LONG_STEPS", "3000"))
 BUDGET_MB = float(os.environ.get("TRAINPROF_TEST_LONG_BUDGET_MB", "1"))
 
 
 @pytest.mark.multiproc
 def test_long_job_stays_in_budget_and_its_analysis_stays_right(tmp_path):
-    from trainprof.rundir import RunDir
+    from trainprof.analysis.run import RunDir
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "TRAINPROF_BUDGET_MB": f"{BUDGET_MB:g}"}

@@ -2,7 +2,7 @@
 
 Start-up cost matters (`trainprof analyze trace.json` on a small trace is mostly start-up): this
 module imports click and nothing of trainprof's own; `trainprof analyze` never imports the
-launcher, `trainprof wrap` never imports the analysis (tests/test_startup.py guards it).
+launcher, `trainprof wrap` never imports the analysis (tests/unit/trainprof/test_startup.py guards it).
 """
 import importlib
 

@@ -65,11 +65,17 @@ def analyze_and_print(run_dir, out_dir=None, as_json=False, report=True, quiet=F
     ``err``: print on stderr (wrap: its stdout is the job's)."""
     import json
 
-    from trainprof.analysis import analyze_and_write
+    from trainprof.analysis.runner import analyze_and_write
 
+    from trainprof.analysis.outputs import OutputsNotWritten
+
+    failed = None
     with progress_status(enabled=not as_json and not quiet) as progress:
-        summary, summary_path, report_path = analyze_and_write(
-            run_dir, out_dir, report=report, progress=progress)
+        try:
+            summary, summary_path, report_path = analyze_and_write(
+                run_dir, out_dir, report=report, progress=progress)
+        except OutputsNotWritten as e:  # the findings are printed all the same, then re-raised
+            failed, summary, summary_path, report_path = e, e.summary, None, None
     if as_json:
         click.echo(json.dumps(summary, indent=2, default=str), err=err)
     elif not quiet:
@@ -81,5 +87,8 @@ def analyze_and_print(run_dir, out_dir=None, as_json=False, report=True, quiet=F
         console = Console(highlight=False, stderr=err, soft_wrap=not stream.isatty())
         render_terminal(summary, report_path=str(report_path) if report_path else None,
                         console=console)
-        click.echo(f"summary: {printable(summary_path)}", err=err)
+        if summary_path:
+            click.echo(f"summary: {printable(summary_path)}", err=err)
+    if failed:
+        raise failed
     return summary

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from trainprof.cli._output import InputError, apply_input_limit, max_input_option
-from trainprof.rundir import RunDirError
+from trainprof.rundir.files import RunDirError
 
 NOTHING_ANALYZED_EXIT = 3  # no rank's data, no trace read, or no event in the traces read
 
@@ -50,11 +50,17 @@ def analyze(inputs, out, as_json, no_report, quiet, max_input_mb):
     Inputs are read as untrusted (docs/security.md): only regular files, each up to
     --max-input-mb; what is refused is listed under problems.
 
+    --out DIR is written only when it is missing, empty, a trainprof run directory or holds
+    only trainprof's own summary.json/report.html (else exit 2: never the user's files).
+
     Exit codes: 0 analyzed, 2 input refused (not a readable run directory nor traces, JSON
     files none of which is a trace, traces of several jobs as several inputs, a newer schema, a
-    bad input limit), 3 nothing to analyze (no rank captured any data, e.g. the probes were
-    disabled; no profiler trace could be read; the traces read hold no events).
+    bad input limit, an --out DIR holding other files), 3 nothing to analyze (no rank captured
+    any data, e.g. the probes were disabled; every stream file empty or torn; no profiler trace
+    could be read; the traces read hold no events), 4 analyzed and printed but summary.json or
+    report.html could not be written (a full disk, a read-only folder).
     """
+    from trainprof.analysis.outputs import EXIT_NOT_WRITTEN, OutputsNotWritten
     from trainprof.cli._output import analyze_and_print
 
     apply_input_limit(max_input_mb)
@@ -63,6 +69,12 @@ def analyze(inputs, out, as_json, no_report, quiet, max_input_mb):
         summary = analyze_and_print(run_dir, out, as_json=as_json, report=not no_report, quiet=quiet)
     except RunDirError as e:
         raise InputError(str(e)) from e
+    except OutputsNotWritten as e:  # a full disk: the findings were printed; one line, exit 4
+        from trainprof.reports.terminal import printable
+
+        click.echo(f"trainprof: {printable(e)}: the findings printed above are not saved; free "
+                   f"space or write them elsewhere with --out DIR", err=True)
+        raise SystemExit(EXIT_NOT_WRITTEN)
     if summary.get("nothing_analyzed"):  # never "nothing looks wrong" about what was not seen
         click.echo(f"trainprof: nothing analyzed: {summary['nothing_analyzed']}", err=True)
         raise SystemExit(NOTHING_ANALYZED_EXIT)

@@ -9,14 +9,12 @@ from pathlib import Path
 
 import click
 
+from trainprof.cli._output import InputError
+
 EXIT_PASS, EXIT_REGRESSION, EXIT_INPUT, EXIT_INCONCLUSIVE = 0, 1, 2, 3
 SPLIT = "\0--"  # stands for the "--" between baseline and candidate runs (see CompareCommand)
 HISTORY_GLOB = "baseline-*.json"  # the only files --baseline-dir reads, and ever deletes
 DEFAULT_KEEP = 10
-
-
-class InputError(click.ClickException):
-    exit_code = EXIT_INPUT
 
 
 class CompareCommand(click.Command):
@@ -40,7 +38,7 @@ def load_summary(path: Path, role: str) -> tuple[dict, Path]:
     """A summary from a summary.json file or a run directory (analyzed in memory when it has no
     summary.json yet: nothing is written into it). Anything that cannot be trusted -> InputError
     naming the file."""
-    from trainprof.rundir import MANIFEST, SUMMARY
+    from trainprof.rundir.files import MANIFEST, SUMMARY
 
     if not path.exists():
         raise InputError(f"{role} {path}: no such file or directory")
@@ -48,8 +46,8 @@ def load_summary(path: Path, role: str) -> tuple[dict, Path]:
         if (path / SUMMARY).is_file():
             path = path / SUMMARY
         elif (path / MANIFEST).is_file():
-            from trainprof.analysis import analyze
-            from trainprof.rundir import RunDir
+            from trainprof.analysis.runner import analyze
+            from trainprof.analysis.run import RunDir
 
             click.echo(f"{role}: {path} has no {SUMMARY}; analyzing it", err=True)
             try:
@@ -77,7 +75,7 @@ def load_summary(path: Path, role: str) -> tuple[dict, Path]:
 def _check(summary, path, role) -> dict:
     """The shape compare relies on: an object with a known schema_version, `run` and `metrics`
     objects, and the metrics it reads of the right types."""
-    from trainprof.regression import BUILTIN, SAMPLES, malformed, peak_memory, step_samples
+    from trainprof.gate.regression import BUILTIN, SAMPLES, malformed, peak_memory, step_samples
 
     if not isinstance(summary, dict):
         raise InputError(f"{role} {path}: not a trainprof summary.json (top level is "
@@ -113,7 +111,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def is_run(path: Path) -> bool:
-    from trainprof.rundir import MANIFEST, SUMMARY
+    from trainprof.rundir.files import MANIFEST, SUMMARY
 
     return path.is_file() or (path / SUMMARY).is_file() or (path / MANIFEST).is_file()
 
@@ -202,7 +200,7 @@ def _percent(text, what) -> float:
 
 
 def _split(spec: str, option: str) -> tuple[str, str | None]:
-    from trainprof.regression import canonical
+    from trainprof.gate.regression import canonical
 
     name, sep, th = spec.rpartition(":")
     if not sep:
@@ -213,7 +211,7 @@ def _split(spec: str, option: str) -> tuple[str, str | None]:
 
 
 def build_settings(alpha, min_effect, fail_on, metric, config):
-    from trainprof.regression import (BUILTIN, DEFAULT_ALPHA, DEFAULT_MIN_EFFECT, Settings,
+    from trainprof.gate.regression import (BUILTIN, DEFAULT_ALPHA, DEFAULT_MIN_EFFECT, Settings,
                                       ThresholdError, canonical, parse_threshold)
 
     cfg = load_config(config) if config else {}
@@ -254,7 +252,7 @@ def _who(role, path, bases, cands) -> str:
 
 def environment_mismatches(bases, cands) -> list[str]:
     """Every run against the first baseline run: device, world size, mesh, torch version."""
-    from trainprof.regression import fingerprint, same_fact
+    from trainprof.gate.regression import fingerprint, same_fact
 
     ref = fingerprint(bases[0][0])
     out = []
@@ -270,7 +268,7 @@ def environment_mismatches(bases, cands) -> list[str]:
 def job_mismatches(bases, cands) -> list[str]:
     """Every run against the first baseline run: the job it ran (script, framework, model and
     batch facts the probes recorded; regression.JOB_FACTS)."""
-    from trainprof.regression import job_differences
+    from trainprof.gate.regression import job_differences
 
     out = []
     for role, runs in (("baseline", bases[1:]), ("candidate", cands)):
@@ -281,7 +279,7 @@ def job_mismatches(bases, cands) -> list[str]:
 
 
 def _side(runs, label=None) -> dict:
-    from trainprof.regression import fingerprint, side_info
+    from trainprof.gate.regression import fingerprint, side_info
 
     info = side_info([s for s, _ in runs])
     return {"path": label or str(runs[0][1]), "paths": [str(p) for _, p in runs],
@@ -291,7 +289,7 @@ def _side(runs, label=None) -> dict:
 def comparison_result(bases, cands, settings, allow_mismatch=False, mismatches=(),
                       base_label=None, notes=(), job_diffs=()) -> dict:
     """Everything the outputs render (and --json prints). `bases`/`cands`: [(summary, path)]."""
-    from trainprof.regression import compare_runs, overall_verdict
+    from trainprof.gate.regression import compare_runs, overall_verdict
 
     results, absent = compare_runs([s for s, _ in bases], [s for s, _ in cands], settings)
     code, verdict = overall_verdict(results)
@@ -322,16 +320,16 @@ def comparison_result(bases, cands, settings, allow_mismatch=False, mismatches=(
 def _underpowered(results) -> list[str]:
     """Gated metrics that moved beyond their threshold the bad way without significance; the
     throughput and MFU of the same steps are one hypothesis with step time (named once)."""
-    from trainprof.regression import SAME_TEST
+    from trainprof.gate.regression import SAME_TEST
 
     weak = [r.metric for r in results if r.gate and r.underpowered]
     return [m for m in weak if SAME_TEST.get(m) not in weak]
 
 
 def _op_diff(bases, cands) -> dict:
-    """Which ops moved (trainprof/opdiff.py): informational, never part of the verdict."""
+    """Which ops moved (trainprof/gate/opdiff.py): informational, never part of the verdict."""
     try:
-        from trainprof.opdiff import op_diff
+        from trainprof.gate.opdiff import op_diff
 
         return op_diff(bases, cands)
     except Exception as e:  # noqa: BLE001 - the gate's answer must not depend on it
@@ -371,7 +369,7 @@ def split_runs(args: tuple[str, ...], baseline_dir) -> tuple[list[Path], list[Pa
 def load_history(directory: Path, keep: int, cands, allow_mismatch: bool,
                  allow_different: bool = False) -> tuple[list, list[str]]:
     """The newest `keep` baselines of the history that can be used, and notes on the others."""
-    from trainprof.regression import fingerprint, fingerprint_mismatches, job_differences, run_problems
+    from trainprof.gate.regression import fingerprint, fingerprint_mismatches, job_differences, run_problems
 
     files = history_files(directory)[-keep:]
     runs, notes, other_env, other_job = [], [], [], []
@@ -467,11 +465,20 @@ def compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min
     run-to-run noise —, an empty baseline history). A gated metric that moved beyond its
     threshold without significance is reported as "PASS (inconclusive)", exit 0.
     """
-    try:
-        _compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min_effect,
-                 config, allow_mismatch, markdown_path, junit_path, as_json, allow_different)
+    import warnings
+
+    import numpy as np
+
+    try:  # values near the float range (denormals, 1e308) must not print numpy's warnings
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            _compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min_effect,
+                     config, allow_mismatch, markdown_path, junit_path, as_json, allow_different)
     except (click.ClickException, click.exceptions.Exit, click.Abort, SystemExit, KeyboardInterrupt):
         raise
+    except (OverflowError, FloatingPointError, ZeroDivisionError) as e:
+        raise InputError(f"values out of the range compare can judge ({type(e).__name__}: "
+                         f"{_one_line(e)}): a damaged or foreign summary.json?") from None
     except Exception as e:  # exit 1 means "regression" to CI: a crash must never look like one
         import traceback
 
@@ -482,7 +489,7 @@ def compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min
 
 def _compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min_effect, config,
              allow_mismatch, markdown_path, junit_path, as_json, allow_different=None):
-    from trainprof.regression import ThresholdError, run_problems
+    from trainprof.gate.regression import ThresholdError, run_problems
     from trainprof.reports import comparison as out
 
     if save_baseline and baseline_dir is None:

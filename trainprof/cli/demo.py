@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from trainprof.launcher import LaunchError, run_job
+from trainprof.launch.launcher import LaunchError, run_job
 
 
 def default_layout() -> tuple[str, int, dict]:

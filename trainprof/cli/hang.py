@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from trainprof.cli._output import InputError, apply_input_limit, max_input_option
-from trainprof.rundir import RunDirError
+from trainprof.rundir.files import RunDirError
 from trainprof.wording import ranks_phrase, share_label, verb
 
 
@@ -36,7 +36,7 @@ def hang(run_dir, as_json, request_dump, wait_s, max_input_mb):
     """
     from trainprof.analyzers.hang import postmortem
     from trainprof.cli.analyze import NOTHING_ANALYZED_EXIT
-    from trainprof.rundir import RunDir
+    from trainprof.analysis.run import RunDir
 
     apply_input_limit(max_input_mb)
     try:
@@ -80,8 +80,8 @@ def _found(run) -> str:
 
 
 def _request_dump(run_dir: Path, wait_s: float) -> None:
-    from trainprof.probes.hang_watchdog import DUMP, TRIGGER
-    from trainprof.rundir import RANKS_DIR, read_json, write_json_atomic
+    from trainprof.rundir.files import HANG_DUMP as DUMP, HANG_TRIGGER as TRIGGER
+    from trainprof.rundir.files import RANKS_DIR, read_json, write_json_atomic
 
     ranks = sorted((run_dir / RANKS_DIR).glob("rank-*"))
     if not ranks:

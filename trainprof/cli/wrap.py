@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from trainprof.launcher import (HANG_EXIT_CODE, HangPolicy, JobResult, LaunchError, exit_like,
+from trainprof.launch.launcher import (HANG_EXIT_CODE, HangPolicy, JobResult, LaunchError, exit_like,
                                 prepare_run_dir, reason, run_job)
 
 
@@ -85,7 +85,7 @@ def wrap(out, force, no_analyze, profile_steps, profile_ranks, job_id, hang_time
         parse_steps(profile_steps)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    from trainprof.nodes import job_id_of
+    from trainprof.rundir.nodes import job_id_of
 
     settings, before = check_before_start(out, force, job_id=job_id_of(cmd, explicit=job_id),
                                           profile_ranks=profile_ranks, budget_mb=budget_mb)
@@ -108,11 +108,11 @@ def check_before_start(out: Path, force: bool, job_id: str | None = None,
                        budget_mb: str | None = None) -> tuple[dict, set]:
     """Validate every TRAINPROF_* setting and the run directory before the job starts.
     Returns (canonical settings for the job's environment, paths already in out: a
-    trainprof.outdir.Prepared, which also says whether this launcher joined another node's run
+    trainprof.launch.outdir.Prepared, which also says whether this launcher joined another node's run
     of the same job). ``profile_ranks``: --profile-ranks, over TRAINPROF_PROFILE_RANKS."""
     import os
 
-    from trainprof.outdir import OutDirError
+    from trainprof.launch.outdir import OutDirError
     from trainprof.settings import SettingsError, validated_env
 
     environ = dict(os.environ)
@@ -177,11 +177,11 @@ def finish(out: Path, result: JobResult, analyze: bool) -> None:
 
 def reduce_local_ranks(out: Path, result: JobResult, notes: list[str]) -> None:
     """Reduce this node's ranks' traces to their digests, in parallel, where the data is
-    (trainprof/digest.py; skipped in a build without it)."""
+    (trainprof/analysis/digest.py; skipped in a build without it)."""
     if not result.local_ranks:
         return
     try:
-        from trainprof import digest
+        from trainprof.analysis import digest
     except ImportError:
         return
     try:
@@ -195,12 +195,12 @@ def reduce_local_ranks(out: Path, result: JobResult, notes: list[str]) -> None:
 def analyzes_here(out: Path, result: JobResult) -> bool:
     """Of the nodes sharing one run directory, only the last to finish analyzes (its claim,
     nodes/.analysis-claim, is created with O_EXCL: one winner when several finish together).
-    The other nodes' launchers that have not finished are watched (trainprof/nodes.py watch):
+    The other nodes' launchers that have not finished are watched (trainprof/rundir/nodes.py watch):
     one still running analyzes when it finishes; when all of them are gone (killed: a launcher
     of this host whose process is gone, one of another host whose record stopped changing),
     this node is the last survivor and analyzes, naming them. A node that the analyzing node
     took for gone, and that finishes after all, analyzes again with its own data."""
-    from trainprof import nodes
+    from trainprof.rundir import nodes
 
     rec = result.record
     if rec is None:
@@ -252,13 +252,13 @@ def _say(msg: str) -> None:
 
 
 def describe_exit(row: dict) -> str:
-    from trainprof.worker_exits import how
+    from trainprof.rundir.worker_exits import how
 
     return how(row)
 
 
 def _hung(out: Path) -> bool:
-    from trainprof.rundir import MANIFEST, RunDirError, read_json
+    from trainprof.rundir.files import MANIFEST, RunDirError, read_json
 
     try:
         return read_json(out / MANIFEST).get("status") == "hung"

@@ -27,6 +27,7 @@ class Config:
     dtype: str = "fp32"
     seed: int = 0
     device: str = "auto"
+    backend: str = "auto"
     lr: float = 1e-3
     loss_file: str | None = None
     inject: list[str] = field(default_factory=list)
@@ -63,6 +64,9 @@ def parse_args(argv=None) -> Config:
                    help="bf16 = autocast on CUDA (master weights stay fp32)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default=d.backend,
+                   help="process-group backend (auto: nccl on CUDA, gloo on CPU); gloo lets "
+                        "several ranks share one GPU")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--loss-file", default=None, help="rank 0 writes one JSON line per step {step, loss}")
     p.add_argument("--inject", action="append", default=[], metavar="KIND:key=value,...",

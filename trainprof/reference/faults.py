@@ -158,6 +158,13 @@ class Injector:
             holes.append(torch.empty(FRAG_HOLE, dtype=torch.uint8, device=device))
             self._frag_keep.append(torch.empty(FRAG_KEEP, dtype=torch.uint8, device=device))
         del holes
+        _FRAG_TO_EXIT.extend(self._frag_keep)  # until the process exits: the exit snapshot shows it
+
+
+# The fragment fault's kept blocks, held past the training loop (the injector goes with it) so
+# that the allocator snapshot trainprof writes at exit (TRAINPROF_MEMORY_HISTORY=1) still holds
+# the holes between them.
+_FRAG_TO_EXIT: list = []
 
 
 # 20 segments x 16 MiB of holes = 320 MiB of inactive split bytes in 400 MiB reserved (80 %).

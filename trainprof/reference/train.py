@@ -24,10 +24,18 @@ def _init_distributed(cfg: Config) -> tuple[torch.device, str]:
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
     want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if want_cuda:
-        local = int(os.environ.get("LOCAL_RANK", 0))
+        local, n_dev = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        backend = "nccl" if cfg.backend == "auto" else cfg.backend
+        if n_dev and local >= n_dev and backend == "nccl":
+            _usage_error(f"local rank {local} but {n_dev} GPU(s): NCCL runs one rank per GPU "
+                         "(--backend gloo lets ranks share a GPU)")
+        local = local % max(n_dev, 1)  # gloo: ranks share the GPUs
         torch.cuda.set_device(local)
-        device, backend = torch.device("cuda", local), "nccl"
+        torch.cuda.init()  # DeviceMesh then keeps this device (it sets LOCAL_RANK's otherwise)
+        device = torch.device("cuda", local)
     else:
+        if cfg.backend == "nccl":
+            _usage_error("--backend nccl needs CUDA (--device cuda)")
         device, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(backend)
     return device, backend
@@ -52,7 +60,7 @@ def _write_injected(faults, layout, world, cfg, coords_of) -> None:
     run_dir = os.environ.get("TRAINPROF_RUN_DIR")
     if not run_dir:
         return
-    from trainprof.rundir import INJECTED, write_json_atomic
+    from trainprof.rundir.files import INJECTED, write_json_atomic
 
     entries = []
     for f in faults:

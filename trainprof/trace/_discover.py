@@ -30,10 +30,11 @@ import re
 from pathlib import Path
 
 from trainprof import safeio
+from trainprof.rundir.files import HANG_DUMP
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 # trainprof's own outputs (summary.json, FILE.summary.json) and run-directory documents
-NOT_TRACES = ("summary.json", "manifest.json", "meta.json", "injected.json", "hang-dump.json")
+NOT_TRACES = ("summary.json", "manifest.json", "meta.json", "injected.json", HANG_DUMP)
 MAX_RANK = 1 << 20
 _RANK_RE = re.compile(r"(?:^|[^a-z0-9])rank[-_\[]?(\d{1,7})(?!\d)", re.IGNORECASE)
 _TORCH_RE = re.compile(r"^(?P<worker>.+)\.(?P<ts>\d{10,})\.pt\.trace\.json(?:\.gz)?$")
@@ -192,7 +193,7 @@ def prepare_window(tr) -> tuple[dict, list[str]]:
         pid = int(vals[np.argmax(counts)])
     in_step = ev["step"][work] if n else np.zeros(0, np.int64)
     nums = steps["step"].tolist() if len(steps) else []
-    # counts asked for: np.unique without them imports numpy.ma (tests/test_startup.py)
+    # counts asked for: np.unique without them imports numpy.ma (tests/unit/trainprof/test_startup.py)
     busy = (set(np.unique(in_step[in_step >= 0], return_counts=True)[0].tolist())
             if len(in_step) else set())
     stubs: list[int] = []

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainprof import safeio
+from trainprof import safeio, settings
 from trainprof.trace import _decode
 from trainprof.trace._table import Cat, Table, objects
 
@@ -154,13 +154,6 @@ def parse_trace(path: str | os.PathLike, rank: int | None = None, fast: bool = T
     # (none cyclic) cost 30-50 ms a trace
     with _decode.gc_paused():
         return _parse(Path(path), rank, fast, pieces)
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _parse(path: Path, rank: int | None, fast: bool, pieces: int) -> Trace:
@@ -396,7 +389,7 @@ def load_traces(paths: dict, progress=None, workers: int | None = None):
     traces, errors = {}, []
     if not items:
         return traces, errors
-    cpus = workers or _cpus()
+    cpus = workers or settings.available_cpus()
     workers = min(cpus, len(items))
     # CPUs the pool leaves idle (fewer files than CPUs) decode pieces of each large file
     items = [(rank, path, max(1, cpus // len(items))) for rank, path in items]

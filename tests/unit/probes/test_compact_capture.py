@@ -1,4 +1,4 @@
-"""Bounded always-on capture (probes/compact.py, trainprof/rundir_compact.py): the ring's
+"""Bounded always-on capture (probes/compact.py, trainprof/rundir/compact.py): the ring's
 rotation, the compact tables within the budget with every step accounted for, folding into
 blocks against hand-computed sums, a table torn by kill -9 mid-record, and the budget setting."""
 
@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from trainprof import rundir_compact as fmt
+from trainprof.rundir import compact as fmt
 from trainprof.probes import compact
 
 
@@ -54,7 +54,7 @@ def test_ring_rotates_within_its_cap_and_keeps_the_latest_records(tmp_path):
 
 
 def test_compact_tables_stay_in_budget_and_account_for_every_step(tmp_path):
-    from trainprof.rundir import RunDir
+    from trainprof.analysis.run import RunDir
 
     rank_dir = tmp_path / "ranks" / "rank-00000"
     rank_dir.mkdir(parents=True)

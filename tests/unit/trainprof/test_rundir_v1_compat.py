@@ -24,8 +24,8 @@ def _strip(x):
 
 
 def test_v1_run_directory_analyzes_as_before(tmp_path):
-    from trainprof.analysis import analyze
-    from trainprof.rundir import RunDir
+    from trainprof.analysis.runner import analyze
+    from trainprof.analysis.run import RunDir
 
     run_dir = tmp_path / "run"
     shutil.copytree(FIXTURE, run_dir)

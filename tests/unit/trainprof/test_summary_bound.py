@@ -1,6 +1,6 @@
 """summary.json's per-step series are thinned past a few thousand points, aligned, said so."""
 
-from trainprof.summary_bound import MAX_POINTS, bound_metrics
+from trainprof.analysis.summary_bound import MAX_POINTS, bound_metrics
 
 
 def test_long_series_thinned_aligned_and_recent_steps_kept():

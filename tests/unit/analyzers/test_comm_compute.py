@@ -1,0 +1,299 @@
+"""comm_compute: hand-computed synthetic traces (GPU and CPU), agreement with HTA on real GPU
+traces, and a real 8-rank CPU run."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from trainprof.analyzers import comm_compute
+from trainprof.rundir.files import profiler_trace_path, rank_dir, write_json_atomic
+from trainprof.analysis.run import RunDir
+from trainprof.trace import load_trace
+from paths import FIXTURES
+
+HTA = FIXTURES / "hta"
+GPU = FIXTURES / "gpu"
+CATS = ("compute_ms", "overlapped_ms", "exposed_comm_ms", "data_ms", "other_ms", "idle_ms")
+
+
+def X(name, cat, ts, dur, tid=1, pid=1, **args):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": pid, "tid": tid,
+            "args": args}
+
+
+def write_trace(run: Path, rank: int, events: list, world: int = 1) -> Path:
+    p = profiler_trace_path(run, rank)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(p, "wt") as fh:
+        json.dump({"distributedInfo": {"rank": rank, "world_size": world, "backend": "x"},
+                   "traceEvents": events}, fh)
+    write_json_atomic(rank_dir(run, rank) / "meta.json", {"rank": rank, "world_size": world})
+    return p
+
+
+def test_gpu_step_by_hand(tmp_path):
+    ev = [X("ProfilerStep#1", "user_annotation", 0, 1000),
+          X("cudaLaunchKernel", "cuda_runtime", 1, 1, correlation=1),
+          X("cudaLaunchKernel", "cuda_runtime", 2, 1, correlation=2),
+          X("cudaMemcpyAsync", "cuda_runtime", 3, 1, correlation=3),
+          X("cudaLaunchKernel", "cuda_runtime", 4, 1, correlation=4),
+          X("sm80_gemm", "kernel", 100, 200, tid=7, pid=0, stream=7, correlation=1),
+          X("ncclDevKernel_AllReduce_Sum_f32", "kernel", 250, 200, tid=20, pid=0, stream=20, correlation=2),
+          X("Memcpy DtoH", "gpu_memcpy", 500, 20, tid=7, pid=0, stream=7, correlation=3),
+          X("elementwise", "kernel", 600, 100, tid=7, pid=0, stream=7, correlation=4)]
+    write_trace(tmp_path, 0, ev)
+    rows, _, kind = comm_compute.rank_breakdown(load_trace(profiler_trace_path(tmp_path, 0)))
+    assert kind == "gpu" and len(rows) == 1
+    r = rows[0]
+    # window [100, 700) µs; compute 300 of which 50 overlap the 200 µs all-reduce
+    assert r["window_ms"] == pytest.approx(0.6)
+    expect = {"compute_ms": 0.25, "overlapped_ms": 0.05, "exposed_comm_ms": 0.15, "data_ms": 0.0,
+              "other_ms": 0.02, "idle_ms": 0.13}
+    assert {k: r[k] for k in CATS} == pytest.approx(expect)
+    assert r["comm_by_type_ms"] == {"all_reduce": pytest.approx(0.2)}
+
+
+def test_cpu_step_by_hand(tmp_path):
+    ev = [X("ProfilerStep#1", "user_annotation", 0, 1000),
+          X("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "user_annotation", 0, 50),
+          X("aten::mm", "cpu_op", 100, 200),
+          X("_c10d_functional::wait_tensor", "cpu_op", 300, 300),
+          X("Optimizer.step#AdamW.step", "user_annotation", 650, 250),
+          X("aten::add", "cpu_op", 700, 100),
+          X("gloo:all_reduce", "user_annotation", 250, 340, tid=2)]
+    write_trace(tmp_path, 0, ev)
+    rows, _, kind = comm_compute.rank_breakdown(load_trace(profiler_trace_path(tmp_path, 0)))
+    assert kind == "cpu"
+    r = rows[0]
+    expect = {"compute_ms": 0.25, "overlapped_ms": 0.05, "exposed_comm_ms": 0.3, "data_ms": 0.05,
+              "other_ms": 0.15, "idle_ms": 0.2}
+    assert r["window_ms"] == pytest.approx(1.0)
+    assert {k: r[k] for k in CATS} == pytest.approx(expect)
+
+
+# HTA (traceinsight 0.6.1) on these files: idle / compute / non-compute / overlap %
+@pytest.mark.parametrize("path,hta", [
+    ("trace_filter/sampled_rank-0.json.gz", (53.56, 17.71, 28.74, 11.81)),
+    ("trace_filter/sampled_rank-1.json.gz", (54.72, 22.57, 22.72, 20.05)),
+    ("df_index_resolver/df_index_resolver.json.gz", (46.08, 35.55, 18.37, 0.0)),
+    ("nccl_parser_config/nccl_data.json.gz", (77.78, 17.26, 4.97, 14.31)),  # sub-µs timestamps
+])
+def test_hta_view_agrees_with_hta(path, hta):
+    _, view, _ = comm_compute.rank_breakdown(load_trace(HTA / path))
+    got = (view["idle_pct"], view["compute_pct"], view["non_compute_pct"], view["overlap_pct"])
+    assert got == pytest.approx(hta, abs=0.011)  # both round to 0.01 pp
+
+
+def test_our_breakdown_partitions_every_gpu_step():
+    rows, _, _ = comm_compute.rank_breakdown(load_trace(HTA / "df_index_resolver" / "df_index_resolver.json.gz"))
+    assert [r["step"] for r in rows] == [2, 3, 4, 5, 6]  # HTA drops the last one; we keep it
+    for r in rows:
+        assert sum(r[k] for k in CATS) == pytest.approx(r["window_ms"], abs=1e-3)
+        assert r["overlapped_ms"] == 0 and r["comm_by_type_ms"].keys() == {"all_reduce"}
+
+
+def _independent_stalls(path):
+    """Blocking host calls per ProfilerStep, counted straight from the JSON."""
+    doc = json.loads(gzip.decompress(path.read_bytes()))
+    ev = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+    steps = [(e["ts"], e["ts"] + e["dur"]) for e in ev
+             if e["name"].startswith("ProfilerStep#") and e.get("cat") != "gpu_user_annotation"]
+    pageable = {e["args"]["correlation"] for e in ev
+                if e.get("cat") == "gpu_memcpy" and "DtoH" in e["name"] and "Pageable" in e["name"]}
+    sync = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
+    out = []
+    for lo, hi in sorted(steps):
+        n = [e for e in ev if e.get("cat") == "cuda_runtime" and lo <= e["ts"] < hi and (
+            e["name"] in sync or (e["name"] == "cudaMemcpyAsync" and e["args"]["correlation"] in pageable))]
+        out.append(len(n))
+    return out
+
+
+@pytest.mark.parametrize("path", [GPU / "h100_item_sync.pt.trace.json.gz",
+                                  HTA / "trace_filter" / "sampled_rank-0.json.gz",
+                                  HTA / "nccl_parser_config" / "nccl_data.json.gz"])
+def test_host_stalls_counted_per_step(path):
+    rows, _, _ = comm_compute.rank_breakdown(load_trace(path))
+    assert [r["sync_calls"] for r in rows] == _independent_stalls(path)
+
+
+def test_item_and_synchronize_on_a_real_h100_trace():
+    # made by tests/fixtures/gpu/make_trace.py: per step 3 × loss.item() + 1 × synchronize()
+    rows, _, _ = comm_compute.rank_breakdown(load_trace(GPU / "h100_item_sync.pt.trace.json.gz"))
+    assert len(rows) == 4
+    for r in rows:
+        assert r["sync_calls"] == 4 and r["d2h_copies"] == 3
+        assert 0 < r["sync_ms"] < r["host_step_ms"]
+
+
+def test_host_stall_finding_on_hand_built_gpu_trace(tmp_path):
+    ev = [X("ProfilerStep#1", "user_annotation", 0, 1000),
+          X("cudaLaunchKernel", "cuda_runtime", 10, 5, correlation=1),
+          X("cudaStreamWaitEvent", "cuda_runtime", 20, 300),        # device-side wait: no stall
+          X("cudaMemcpyAsync", "cuda_runtime", 400, 50, correlation=2),
+          X("cudaStreamSynchronize", "cuda_runtime", 450, 100),    # .item(): 100 of 1000 µs
+          X("gemm", "kernel", 100, 300, tid=7, pid=0, stream=7, correlation=1),
+          X("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 500, 2, tid=7, pid=0, stream=7, correlation=2)]
+    write_trace(tmp_path, 0, ev)
+    res = comm_compute.analyze(RunDir(tmp_path))
+    r = res.metrics["per_rank"][0]
+    assert r["sync_calls_per_step"] == 1 and r["sync_fraction"] == pytest.approx(0.1)
+    assert r["d2h_copies_per_step"] == 1
+    assert [f.kind for f in res.findings] == ["host_stall"]
+
+
+def test_warmup_step_is_listed_and_left_out(tmp_path):
+    ev = []
+    for i, (start, dur) in enumerate([(0, 3000), (3000, 1000), (4000, 1000), (5000, 1000)]):
+        ev += [X(f"ProfilerStep#{i}", "user_annotation", start, dur),
+               X("aten::mm", "cpu_op", start, dur // 2)]
+    write_trace(tmp_path, 0, ev)
+    res = comm_compute.analyze(RunDir(tmp_path))
+    r = res.metrics["per_rank"][0]
+    assert r["warmup_steps"] == [0] and res.metrics["job"]["warmup_steps"] == [0]
+    assert r["steps"] == [1, 2, 3] and r["compute_fraction"] == pytest.approx(0.5)
+    assert [s["warmup"] for s in res.metrics["per_step"]] == [True, False, False, False]
+
+
+def test_mesh_dims_from_groups_and_gloo_threads(tmp_path):
+    # rank 0 of a dp2·tp2 mesh: tp group {0,1} on gloo thread 2, dp group {0,2} on thread 3
+    base = 1_000_000_000_000  # µs
+    ev = [X("ProfilerStep#1", "user_annotation", base, 1000),
+          X("aten::mm", "cpu_op", base, 100),
+          X("_c10d_functional::wait_tensor", "cpu_op", base + 100, 400),
+          X("gloo:all_reduce", "user_annotation", base + 100, 300, tid=2),
+          X("gloo:all_gather", "user_annotation", base + 300, 300, tid=3),
+          X("aten::add", "cpu_op", base + 500, 200)]
+    write_trace(tmp_path, 0, ev, world=4)
+    for r, (dp, tp) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        write_json_atomic(rank_dir(tmp_path, r) / "meta.json",
+                          {"rank": r, "world_size": 4, "coords": {"dp": dp, "tp": tp}})
+    d = rank_dir(tmp_path, 0)
+    ns = lambda us: (base + us) * 1000  # noqa: E731
+    (d / "groups.jsonl").write_text('{"pg": "1", "ranks": [0, 1], "mesh_dim": null}\n'
+                                    '{"pg": "2", "ranks": [0, 2], "mesh_dim": null}\n')
+    (d / "collectives.jsonl").write_text(
+        json.dumps({"step": 1, "pg": "1", "seq": 0, "op": "all_reduce", "enqueue_ns": ns(90),
+                    "end_ns": ns(420), "blocked_ms": 0.3}) + "\n"
+        + json.dumps({"step": 1, "pg": "2", "seq": 0, "op": "all_gather", "enqueue_ns": ns(290),
+                      "end_ns": ns(610), "blocked_ms": 0.1}) + "\n")
+    m = comm_compute.analyze(RunDir(tmp_path)).metrics
+    assert m["group_dims"] == {"1": "tp", "2": "dp"}  # from the ranks' coordinates
+    step = m["per_step"][0]
+    # comm [100, 600); compute [0,100) ∪ [500,700) → exposed [100, 500); tp [100,400), dp [300,600)
+    assert step["exposed_comm_ms"] == pytest.approx(0.4)
+    assert step["by_dim"] == {"tp": {"comm_ms": pytest.approx(0.3), "exposed_ms": pytest.approx(0.3)},
+                              "dp": {"comm_ms": pytest.approx(0.3), "exposed_ms": pytest.approx(0.2)}}
+    rows = {r["mesh_dim"]: r for r in m["by_mesh_dim"]}
+    assert rows["tp"]["blocked_ms_per_step"] == pytest.approx(0.3)
+
+
+def test_nccl_kernels_carry_their_group():
+    from trainprof.analyzers._comm_groups import dim_of_ranks
+
+    tr = load_trace(HTA / "nccl_parser_config" / "nccl_data.json.gz")
+    rows, _, _ = comm_compute.rank_breakdown(tr, {"0": "world"})
+    for r in rows:
+        assert set(r["by_dim"]) == {"world"}
+        assert r["by_dim"]["world"]["comm_ms"] == pytest.approx(r["comm_ms"])
+    coords = {0: {"dp": 0, "pp": 0, "tp": 0}, 1: {"dp": 0, "pp": 0, "tp": 1},
+              2: {"dp": 0, "pp": 1, "tp": 0}, 4: {"dp": 1, "pp": 0, "tp": 0}}
+    assert [dim_of_ranks(g, coords, 8) for g in ([0, 1], [0, 2], [0, 4], [0, 1, 2])] == \
+        ["tp", "pp", "dp", "pp+tp"]
+
+
+def test_exposed_comm_finding_threshold(tmp_path):
+    ev = [X("ProfilerStep#1", "user_annotation", 0, 1000), X("aten::mm", "cpu_op", 0, 100),
+          X("c10d::allreduce_", "cpu_op", 100, 800), X("gloo:all_reduce", "user_annotation", 100, 800, tid=2)]
+    write_trace(tmp_path, 0, ev)
+    res = comm_compute.analyze(RunDir(tmp_path))
+    assert res.metrics["exposed_comm_fraction"] == pytest.approx(0.8)
+    assert [f.kind for f in res.findings] == ["exposed_comm"]
+
+
+@pytest.mark.multiproc
+def test_real_cpu_run_partitions_each_step(reference_run):
+    res = comm_compute.analyze(RunDir(reference_run("clean8")))
+    m = res.metrics
+    assert m["job"]["trace_kind"] == "cpu" and len(m["per_rank"]) == 8
+    for row in m["per_step"]:
+        assert sum(row[k] for k in CATS) == pytest.approx(row["window_ms"], rel=1e-3)
+        assert row["comm_ms"] > 0 and row["compute_ms"] > 0
+    types = set().union(*(r["comm_by_type_ms_per_step"] for r in m["per_rank"]))
+    assert {"all_reduce", "all_gather", "send", "recv"} <= types  # TP/loss, FSDP, pipeline
+    # every gloo event of every rank was matched to its group through the collective log
+    for r in m["per_rank"]:
+        assert {"dp", "pp", "tp"} <= set(r["by_dim_ms_per_step"]) and "unknown" not in r["by_dim_ms_per_step"]
+    for row in m["per_step"]:
+        assert sum(v["comm_ms"] for v in row["by_dim"].values()) >= row["comm_ms"] * 0.5
+
+
+def test_exposed_comm_finding_names_every_rank_above_threshold(tmp_path):
+    # per rank: 1000 µs step, compute 100 µs, then a blocking all-reduce of `comm` µs
+    for rank, comm in ((0, 800), (1, 100), (2, 700), (3, 850), (4, 750), (5, 600)):
+        write_trace(tmp_path, rank, [
+            X("ProfilerStep#1", "user_annotation", 0, 1000), X("aten::mm", "cpu_op", 0, 100),
+            X("c10d::allreduce_", "cpu_op", 100, comm),
+            X("gloo:all_reduce", "user_annotation", 100, comm, tid=2)])
+    (f,) = [f for f in comm_compute.analyze(RunDir(tmp_path)).findings if f.kind == "exposed_comm"]
+    assert f.ranks == [0, 2, 3, 4, 5]  # all five above 40 %; rank 1 (10 %) is not
+
+
+def test_exposed_comm_with_a_rank_without_data_says_its_waits_cannot_be_told_apart(tmp_path):
+    """Rank 1's trace is truncated: rank 0's waits for it look like exposed communication, and
+    the finding says that a rank of the job has no data (never a bare blame of rank 0)."""
+    from synth import rank_events, summary_of, write_job
+
+    d = write_job(tmp_path / "job", [rank_events(None, 3), rank_events(None, 3)])
+    whole = summary_of(d)
+    (f,) = [f for f in whole["findings"] if f["kind"] == "exposed_comm"]
+    assert "no data" not in f["message"] and "ranks_without_data" not in f["evidence"]
+    second = sorted(d.glob("*.pt.trace.json"))[1]
+    data = second.read_bytes()
+    second.write_bytes(data[:len(data) // 2])  # cut off while it was being written
+    s = summary_of(d)
+    assert s["run"]["partial"]["missing_ranks"] == [1]
+    (f,) = [f for f in s["findings"] if f["kind"] == "exposed_comm"]
+    assert f["ranks"] == [0] and f["evidence"]["ranks_without_data"] == [1]
+    assert "rank 1 of the job has no data here: part of this may be time spent waiting for it" \
+        in f["message"], f["message"]
+
+
+def test_a_profiled_window_slower_than_the_other_steps_is_said_and_weighed(tmp_path):
+    """The profiled step takes 1 ms, the job's 8 other steps 0.3 ms each (the profiler's own
+    cost on a small step): the 80 % exposed share is of an untypical step. The collective log
+    puts the other steps' time blocked in collectives at 0.06 / 0.3 = 20 %, under the
+    threshold: the finding says both and is information, not a warning."""
+    ev = [X("ProfilerStep#9", "user_annotation", 0, 1000), X("aten::mm", "cpu_op", 0, 100),
+          X("c10d::allreduce_", "cpu_op", 100, 800), X("gloo:all_reduce", "user_annotation", 100, 800, tid=2)]
+    write_trace(tmp_path, 0, ev)
+    rd = rank_dir(tmp_path, 0)
+    t0 = 1_000_000_000
+    steps = [{"step": s, "start_ns": t0 + s * 1_000_000, "end_ns": t0 + s * 1_000_000 + 300_000,
+              "dur_ms": 0.3, "source": "optimizer"} for s in range(9)]
+    steps.append({"step": 9, "start_ns": t0 + 9_000_000, "end_ns": t0 + 10_000_000, "dur_ms": 1.0,
+                  "source": "optimizer", "profiled": True})
+    (rd / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    coll = [{"step": s, "pg": "0", "seq": s, "op": "all_reduce", "bytes": 4, "enqueue_ns": t0,
+             "end_ns": t0 + 1, "blocked_ms": 0.06 if s < 9 else 0.7} for s in range(10)]
+    (rd / "collectives.jsonl").write_text("".join(json.dumps(c) + "\n" for c in coll))
+    res = comm_compute.analyze(RunDir(tmp_path))
+    w = res.metrics["window_vs_other_steps"]
+    assert (w["profiled_step_ms"], w["other_step_ms"], w["other_steps"], w["untypical"]) == (1.0, 0.3, 8, True)
+    assert w["log_blocked_fraction"] == pytest.approx(0.2)
+    (f,) = res.findings
+    assert f.kind == "exposed_comm" and f.severity == "info"
+    assert "takes 80% of the profiled steps" in f.message
+    assert "the profiled steps took 1.0 ms (median) against 0.3 ms for the job's other steps" in f.message
+    assert "collective log puts the time blocked in collectives at 20% of the step" in f.message
+    # the same window in a job whose other steps are as long: nothing to add
+    steps = [dict(s, dur_ms=1.0) for s in steps]
+    (rd / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    res = comm_compute.analyze(RunDir(tmp_path))
+    assert res.metrics["window_vs_other_steps"]["untypical"] is False
+    (f,) = res.findings
+    assert f.severity == "warning" and "profiled steps took" not in f.message
