@@ -41,21 +41,13 @@ RING_WEIGHTS = {"collectives": 0.55, "steps": 0.08, "pipeline": 0.1, "memory": 0
 FIRST_BLOCK_STEPS = 16
 
 
-def budget_bytes(environ=os.environ) -> int:
-    """The per-rank budget in bytes (the setting is validated by wrap; a bad value here,
-    from a job started without wrap, falls back to the default with a warning)."""
-    raw = (environ.get(ENV_BUDGET) or "").strip()
-    if not raw:
-        return int(DEFAULT_BUDGET_MB * 2**20)
-    try:
-        mb = float(raw)
-        if not mb >= MIN_BUDGET_MB or mb != mb or mb == float("inf"):
-            raise ValueError
-    except ValueError:
-        runtime.warn(f"{ENV_BUDGET}={raw!r} is not a number of MB >= {MIN_BUDGET_MB:g}; "
-                     f"using {DEFAULT_BUDGET_MB:g}")
-        mb = DEFAULT_BUDGET_MB
-    return int(mb * 2**20)
+def budget_bytes(environ=None) -> int:
+    """The per-rank budget in bytes, read as every setting is (trainprof/settings.py: wrap
+    refuses a value under 1 MB; a job started without wrap falls back to the default)."""
+    from trainprof import settings
+
+    mb = settings.value(ENV_BUDGET, environ)
+    return int((mb if mb and mb >= MIN_BUDGET_MB else DEFAULT_BUDGET_MB) * 2**20)
 
 
 class RingWriter(JsonlWriter):

@@ -149,7 +149,7 @@ def test_budget_setting_is_validated(value, ok):
 def test_budget_from_environment(monkeypatch):
     assert compact.budget_bytes({}) == 256 * 2**20
     assert compact.budget_bytes({"TRAINPROF_BUDGET_MB": "4"}) == 4 * 2**20
-    assert compact.budget_bytes({"TRAINPROF_BUDGET_MB": "0.1"}) == 256 * 2**20  # warned
+    assert compact.budget_bytes({"TRAINPROF_BUDGET_MB": "0.1"}) == 256 * 2**20  # not accepted: the default
 
 
 def test_wrap_refuses_a_budget_too_small_with_one_line(tmp_path):
