@@ -13,7 +13,7 @@ import importlib
 # skipped silently.
 ANALYZER_MODULES = ("step_time", "comm_compute", "collectives", "stragglers", "slow_steps",
                     "trace_stragglers",
-                    "pipeline",
+                    "pipeline", "expert_balance",
                     "nan_origin", "hang", "memory", "fragmentation", "roofline", "ops", "launch",
                     "uneven_steps")
 

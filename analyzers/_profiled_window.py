@@ -25,7 +25,7 @@ def off_training(run, per_rank: list[dict]) -> str | None:
     return ("the profiler window did not cover training steps: " + "; ".join(why)
             + ": the trace-based figures (communication vs compute, ops, roofline, launch, "
               "stragglers from traces) are withheld; profile steps the job runs: "
-            + (f"`trainprof wrap --profile-steps {max(1, after[1] - 1)}-{after[1]}`" if after
+            + (f"`trainprof wrap --profile-steps {_window_before(after[1])}`" if after
                else "`trainprof wrap --profile-steps FIRST-LAST` (or the job's profiler schedule)"))
 
 
@@ -54,3 +54,9 @@ def _after_last_step(run) -> tuple[str, int] | None:
     r, ps, lst = late[0]
     return (f"the window (steps {ps[0]}–{ps[1]}) starts after the last recorded training step "
             f"({lst}) on {len(late)} of {len(run.ranks)} rank(s) (the job ended first)", lst)
+
+
+def _window_before(last: int) -> str:
+    """A --profile-steps window the job reaches, ending at its last recorded step (step 0,
+    set-up, only when it is the only one)."""
+    return f"{max(1, last - 1)}-{last}" if last >= 1 else "0-0"

@@ -17,6 +17,7 @@ import re
 import numpy as np
 
 from trainprof._lazy import pd
+from trainprof.analyzers import _async_p2p, _log_labels
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._stats import median
 from trainprof.analyzers._profiled_window import off_training
@@ -308,13 +309,33 @@ def _cpu_rows(trace, dims: dict, log=None, split: list | None = None,
     s_all, e_all = ev["ts_ns"], ev["end_ns"]
     gl = ev[["name", "tid", "ts_ns", "end_ns"]][is_gloo]
     gs, ge = gl["ts_ns"], gl["end_ns"]
-    gtype = coll_types(gl["name"])
+    gtype = _log_labels.types(gl["name"], gs, ge, log)  # reduce_scatter run as gloo:all_reduce
+    relabelled = gtype != coll_types(gl["name"])
+    if relabelled.any():  # matched to the log by the job's op
+        names = np.asarray(gl["name"].tolist(), dtype=object)
+        names[relabelled] = ["gloo:" + t for t in gtype[relabelled]]
+        gl["name"] = names
     pgs = gloo_event_groups(gl, log, trace_pg_names(trace))
     gdim = np.array([dims.get(p, f"pg {p}") if p is not None else "unknown" for p in pgs], dtype=object)
     gpg = _note_groups(pgs, dims, used)
+    # async point-to-point: communication only where the thread waits for it (_async_p2p)
+    p2p = on_main & name.isin(_async_p2p.P2P_EVENTS)
+    if p2p.any():
+        own = on_main & ev["cat"].eq("cpu_op") & ~is_wait
+        rows, lo, hi = _async_p2p.split(gs[p2p[is_gloo]], ge[p2p[is_gloo]], gtype[p2p[is_gloo]],
+                                        log, iv.union(s_all[own], e_all[own]))
+        sel = np.concatenate([np.flatnonzero(~p2p[is_gloo]), np.flatnonzero(p2p[is_gloo])[rows]])
+        gs = np.concatenate([gs[~p2p[is_gloo]], lo])
+        ge = np.concatenate([ge[~p2p[is_gloo]], hi])
+        gtype, gdim, gpg = gtype[sel], gdim[sel], gpg[sel]
+        s_all, e_all = s_all.copy(), e_all.copy()
+        e_all[p2p] = s_all[p2p]  # their spans leave the waits; their waits join them below
     sets = {key: iv.union(s_all[m], e_all[m]) for key, m in (
         ("wait", on_main & is_wait), ("aten", on_main & is_aten & ~is_wait),
         ("data", on_main & is_data), ("busy", on_main & ~is_step))}
+    if p2p.any():
+        sets["wait"] = iv.union(np.concatenate([sets["wait"][0], lo]),
+                                np.concatenate([sets["wait"][1], hi]))
     comm_all = iv.union(np.concatenate([sets["wait"][0], gs]), np.concatenate([sets["wait"][1], ge]))
     out, others = [], []
     steps = trace.tables.steps
@@ -432,7 +453,7 @@ def rank_breakdown(trace, dims: dict | None = None, log=None,
     return _cpu_rows(trace, dims, log, split, used), None, "cpu"
 
 
-_LOG_COLUMNS = ("pg", "op", "enqueue_ns", "end_ns")
+_LOG_COLUMNS = ("pg", "op", "enqueue_ns", "end_ns", "blocked_ms", "async")
 
 
 def _rank_log(run, rank) -> Table | None:

@@ -62,7 +62,7 @@ def analyze(run) -> AnalyzerResult:
     if pm is None:
         return AnalyzerResult()
     if not pm["hung"] and not pm["desync"] and not pm["died"]:
-        keys = ("hung", "ranks_with_heartbeat", "stalled_s", "stall_threshold_s")
+        keys = ("hung", "ranks_with_heartbeat", "stalled_s", "stall_threshold_s", "quiet_end")
         return AnalyzerResult(metrics={k: pm[k] for k in keys})
     return AnalyzerResult(metrics=pm, findings=[finding(pm)])
 
@@ -391,13 +391,32 @@ def _detect(run, views, exits=None) -> dict:
     last = max((v.last_progress_ns for v in views.values() if v.last_progress_ns), default=None)
     stalled = (end_ns - last) / 1e9 if end_ns and last else None
     live = [v for v in views.values() if v.heartbeats and not v.closed]
+    quiet_end = None
     if stalled is not None and stalled > threshold and live and not reasons:
+        quiet_end = _work_ended(man, views, live)
+    if stalled is not None and stalled > threshold and live and not reasons and not quiet_end:
         reasons.append(f"no rank progressed during the last {stalled:.1f} s before the job ended "
                        f"(threshold {threshold:.1f} s) and {len(live)} rank(s) never closed")
     recovered = bool(reasons) and man.get("status") == "ok" and not live
     return {"reasons": reasons, "end_ns": end_ns, "last_progress_ns": last, "p90_gap_s": p90_gap,
             "stalled_s": None if stalled is None else round(stalled, 3),
-            "threshold_s": round(threshold, 3), "recovered": recovered}
+            "threshold_s": round(threshold, 3), "recovered": recovered,
+            **({"quiet_end": quiet_end} if quiet_end else {})}
+
+
+def _work_ended(man: dict, views: dict, live: list) -> str | None:
+    """Why a stall before the end is the job's own shutdown, not a hang (None when it may be
+    one): the job exited 0, every rank reached the same step and none had a collective in
+    flight. Ray Train ends its workers without letting them close their heartbeat and takes
+    seconds to shut down after the work."""
+    if man.get("status") != "ok" or man.get("exit_code") not in (0, None) or man.get("signal"):
+        return None
+    steps = {v.step for v in views.values() if v.heartbeats}
+    if len(steps) != 1 or None in steps or any(v.blocked for v in live):
+        return None
+    return (f"the job exited 0 after every rank reached step {steps.pop()} with no collective in "
+            f"flight; {len(live)} rank(s) ended without closing their heartbeat (their launcher "
+            "ended them, e.g. Ray Train's workers)")
 
 
 # --------------------------------------------------------------------------- process exits
@@ -781,7 +800,7 @@ def postmortem(run) -> dict | None:
                                                                   "hangs", "signals_forwarded")}
         | {"exit_not_recorded": unrecorded["text"] if unrecorded else None},
         "last_progress_ns": det["last_progress_ns"], "stalled_s": det["stalled_s"],
-        "stall_threshold_s": det["threshold_s"],
+        "stall_threshold_s": det["threshold_s"], "quiet_end": det.get("quiet_end"),
         "ranks_with_heartbeat": sum(1 for v in views.values() if v.heartbeats),
         "ranks_without_data": [r for r, v in views.items() if not v.present],
         "flight_recorder": {"ranks": sorted(fr_dumps), "groups": cmp.get("groups", {}),
@@ -978,9 +997,8 @@ def _message(pm) -> str:
             parts.append(f"{_rank_s(c['also_failed'])} had also ended before the launcher "
                          f"stopped the job")
         if c["reason"] == "died" or c.get("victims"):
-            ended = [row["rank"] for row in pm["ranks"] if row["state"] == "ended_by_launcher"]
-            if ended:
-                parts.append(f"the launcher then ended {_rank_s(ended)}")
+            ended = [row for row in pm["ranks"] if row["state"] == "ended_by_launcher"]
+            parts += _after_first(ended, (pm["died"] or [{}])[0].get("failure"))
     else:
         parts.append(f"{head}: no culprit could be singled out")
     if pm["desync"] and not (c and c["reason"] == "desync"):
@@ -1000,6 +1018,33 @@ def _message(pm) -> str:
     if pm["ranks_without_data"]:
         parts.append(f"no data from ranks {_ranks(pm['ranks_without_data'])}")
     return "; ".join(parts)
+
+
+def _after_first(ended: list[dict], first: dict | None) -> list[str]:
+    """What became of the ranks the launcher ended after the first failure: those that had
+    already failed on their own (their failure record) are said so, with the time after the
+    first; the launcher ended the others."""
+    same, other, stopped = [], [], []
+    t0 = (first or {}).get("t_ns")
+    for row in ended:
+        f = row.get("failure") or {}
+        if not f.get("t_ns"):
+            stopped.append(row["rank"])
+            continue
+        later = f" {(f['t_ns'] - t0) / 1e9:.2f} s later" if t0 and f["t_ns"] >= t0 else ""
+        if first and (f.get("exc_type"), _first_line(f).get("exc")) == \
+                (first.get("exc_type"), _first_line(first).get("exc")):
+            same.append((row["rank"], later))
+        else:
+            other.append((row["rank"], later, describe_failure(_first_line(f)) or "failed"))
+    out = []
+    for r, later in same:
+        out.append(f"rank {r} raised the same error{later}, before the launcher stopped it")
+    for r, later, what in other:
+        out.append(f"rank {r} failed too{later}: {what}")
+    if stopped:
+        out.append(f"the launcher then ended {_rank_s(stopped)}")
+    return out
 
 
 def finding(pm) -> Finding:

@@ -39,18 +39,38 @@ NEED = ("step", "stage", "kind", "start_ns", "end_ns")
 P2P_OPS = ("send", "recv", "isend", "irecv")
 
 
-def theory(schedule: str | None, p: int | None, m: int | None, v: int = 1) -> dict | None:
-    """Theoretical bubble of a schedule: ratio = bubble ÷ ideal compute, share = of the window."""
+def theory(schedule: str | None, p: int | None, m: int | None, v: int = 1,
+           fbw: dict | None = None) -> dict | None:
+    """Theoretical bubble of a schedule: ratio = bubble ÷ ideal compute, share = of the window.
+    ``fbw``: the median F, B (input gradient) and W (weight gradient) span times of the run, for
+    the zero-bubble schedules (equal times when absent)."""
     if not p or not m:
         return None
     name = (schedule or "").lower().replace("_", "").replace("-", "")
     if name in ("gpipe", "1f1b", "schedulegpipe", "schedule1f1b"):
         ratio, formula = (p - 1) / m, "(p-1)/m"
+    elif "zerobubble" in name and "zbv" not in name or name in ("zb1p", "zbh1"):
+        # Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), ZB-H1 (torch implements its
+        # ZB1P): bubble (p-1)(T_F+T_B-T_W) against 1F1B's (p-1)(T_F+T_B+T_W); interleaving v
+        # stages per rank divides the warm-up by v as for interleaved 1F1B (Narayanan et al. 2021)
+        f, b, w = ((fbw or {}).get(k) for k in "FBW")
+        if not (f and b and w) or f + b - w < 0:
+            f = b = w = 1.0
+        ratio = (p - 1) * (f + b - w) / (max(v, 1) * m * (f + b + w))
+        formula = "(p-1)(F+B-W)/(v*m*(F+B+W))"
     elif "interleaved" in name and "zero" not in name:
         ratio, formula = (p - 1) / (max(v, 1) * m), "(p-1)/(v*m)"
     else:
         return None
     return {"ratio": ratio, "share": ratio / (1 + ratio), "formula": formula}
+
+
+def _fbw(df) -> dict | None:
+    """Median span time of each of F, B, W (ms), when the run has W spans (zero-bubble)."""
+    if "W" not in set(df["kind"].unique().tolist()):
+        return None
+    d = (df["a_end"] - df["a_start"]) / 1e6
+    return {k: float(d[df["kind"] == k].median()) for k in "FBW" if (df["kind"] == k).any()}
 
 
 def _frame(run) -> pd.DataFrame:
@@ -385,7 +405,10 @@ def analyze(run) -> AnalyzerResult:
     per, stage_df = _step_tables(df, blocked, p2p, pipes, kept)
     if per.empty:
         return AnalyzerResult()
-    th = theory(cfg["schedule"], cfg["pp"], cfg["micro_batches"], cfg["virtual_stages"])
+    fbw = _fbw(df)
+    th = theory(cfg["schedule"], cfg["pp"], cfg["micro_batches"], cfg["virtual_stages"], fbw)
+    if th and fbw and "F+B-W" in th["formula"]:
+        th["span_ms"] = {k: round(v, 4) for k, v in fbw.items()}
 
     pp_of = {r: run.coords(r).get("pp") for r in ranks}
     stage_ranks: dict[int, list[int]] = {}

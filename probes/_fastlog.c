@@ -395,9 +395,9 @@ Proxy_init(Proxy *p, PyObject *args, PyObject *kwds)
 }
 
 /* Every call of the job's own op goes through here, and only those: a sampling profiler that
- * unwinds native frames (benchmarks/bench_probe_samples.py) counts time below this frame as the
- * job's and time in any other frame of this file as the probe's. Not inlined, and not a tail
- * call (the flag is restored after), so the frame is always there. */
+ * unwinds native frames (`benchmarks/bench_probe_attribution.py samples`) counts time below
+ * this frame as the job's and time in any other frame of this file as the probe's. Not
+ * inlined, and not a tail call (the flag is restored after), so the frame is always there. */
 __attribute__((noinline)) static PyObject *
 call_job(PyObject *fn, PyObject *args, PyObject *kwargs, int recorded)
 {

@@ -3,14 +3,32 @@
 Steps are counted by the probes' own StepClock, so the window is "steps A..B of the job"
 whatever the training loop looks like. The trace is exported as gzip Chrome-trace JSON with
 distributedInfo into RUN/profiler/rank-NNNNN.pt.trace.json.gz, which HTA loads as a trace set.
+The export runs on a thread of ours, off the job's step (docs/overhead.md).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
+from trainprof import settings
 from trainprof.probes import job_profiler, runtime
 from trainprof.probes.profiler_quiet import Primer, quiet
+
+ENV_EXPORT = "TRAINPROF_TRACE_EXPORT"  # "inline": write the trace in the job's step
+EXPORT_WAIT_S = 300.0  # at the session's close, how long a pending trace export may still take
+_PENDING: list = []    # export threads not yet joined
+
+
+def wait_exports(timeout: float = EXPORT_WAIT_S) -> None:
+    """Let pending trace exports finish (the session's close, before the process exits)."""
+    deadline = time.monotonic() + timeout
+    while _PENDING:
+        t = _PENDING.pop()
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            runtime.warn(f"profiler trace export still running after {timeout:.0f} s: "
+                         "the trace may be missing")
 
 
 def parse_steps(spec: str | None) -> tuple[int, int] | None:
@@ -59,15 +77,31 @@ class ProfilerWindow:
             self._prof.start()
 
     def _export(self, prof) -> None:
+        """on_trace_ready, on the job's thread inside its step: the results are collected by
+        now; writing and gzipping them (0.6-2.4 s on CPU for a few steps) runs on a thread of
+        ours while the job goes on (joined at the session's close, wait_exports)."""
         if self._discard:
             return  # stepping aside for the job's profiler: no partial trace
+        self.exported = True  # the window is over; the file follows
+        if settings.value(ENV_EXPORT) == "inline":  # on the job's thread, as torch does
+            self._write(prof)
+            return
+        try:
+            t = threading.Thread(target=self._write, args=(prof,), name="trainprof-trace-export",
+                                 daemon=True)
+            t.start()
+            _PENDING.append(t)
+        except Exception:  # noqa: BLE001 - no thread to be had: write it here
+            self._write(prof)
+
+    def _write(self, prof) -> None:
         t0 = time.perf_counter()
         try:
             self.trace_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.trace_path.with_name(self.trace_path.name.replace(".json.gz", ".tmp.json.gz"))
-            prof.export_chrome_trace(str(tmp))
+            with job_profiler.ours():  # per thread: this one's export is ours too
+                prof.export_chrome_trace(str(tmp))
             tmp.replace(self.trace_path)
-            self.exported = True
         except Exception as e:  # noqa: BLE001
             runtime.warn(f"profiler trace export failed: {e}")
         self.export_ms = (time.perf_counter() - t0) * 1e3

@@ -118,7 +118,8 @@ _prctl = None
 def name_native_thread() -> None:
     """Give the calling probe thread its OS name ("trainprof-tick" -> "tp-tick", 15
     characters at most): `top -H`, py-spy and /proc/PID/task/*/comm then tell the probes' own
-    threads apart from the job's (benchmarks/bench_probe_samples.py sums their CPU by it)."""
+    threads apart from the job's (`benchmarks/bench_probe_attribution.py samples` sums their CPU
+    by it)."""
     global _prctl
     try:
         if not sys.platform.startswith("linux"):

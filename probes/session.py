@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
+import sys
 import threading
 import time
 import weakref
@@ -384,6 +385,8 @@ class ProbeSession:
     def _stop_profiler(self) -> None:
         if self.profiler is not None:
             self.profiler.stop()
+        if "trainprof.probes.profiler_window" in sys.modules:  # its trace export, if pending
+            sys.modules["trainprof.probes.profiler_window"].wait_exports()
 
     def _link_job_trace_quietly(self) -> None:
         try:

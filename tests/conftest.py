@@ -15,3 +15,14 @@ def reference_run(tmp_path_factory):
     """Factory: reference_run(name, nproc=None, args=None, wrap_args=None) -> run directory.
     Runs each named job once per test session (see tests/support/runs.py; import configs with `from runs import CONFIGS`)."""
     return ReferenceRuns(tmp_path_factory.mktemp("reference-runs"))
+
+
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/integration starts multi-process jobs: marked `multiproc` here, so
+    `-m "not multiproc"` runs the single-process tests (tests/unit) whatever a file declares."""
+    for item in items:
+        if INTEGRATION in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.multiproc)

@@ -23,7 +23,7 @@ KINDS = (
     "straggler", "nan_origin", "loss_spike", "hang", "rank_failure", "desync", "pipeline_bubble",
     "stage_imbalance",
     "exposed_comm", "fragmentation", "memory", "roofline", "data_starvation", "host_stall",
-    "device_starved", "uneven_steps", "slow_steps", "no_communication",
+    "device_starved", "uneven_steps", "slow_steps", "no_communication", "expert_imbalance",
 )
 
 

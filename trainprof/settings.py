@@ -150,6 +150,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRAINPROF_CLOCK_END_TIMEOUT_S", "seconds", "5", "clock alignment budget at the end",
             allow_zero=True),
     Setting("TRAINPROF_COLLECTIVES_PY", "flag", "0", "1: the pure-Python collective log"),
+    Setting("TRAINPROF_TRACE_EXPORT", "choice", "thread",
+            "where the profiler window's trace is written: a thread of trainprof's, or inline in "
+            "the job's step (docs/overhead.md)", choices=("thread", "inline")),
     Setting("TRAINPROF_MAX_INPUT_MB", "number", "1024",
             "analysis: largest input file read (trainprof/safeio.py, docs/security.md)"),
     Setting("TRAINPROF_DIGEST_WORKERS", "count", "",

@@ -1,8 +1,9 @@
 """Plain DistributedDataParallel training of a small GPT-2, written the way torch's DDP tutorial
 shows (a hand-written loop, no HF Trainer): the same model as hf_gpt2.py (GPT2LMHeadModel built
 from a config, no download: 4 layers, 256 wide, 4 heads, vocab 2048, 3.7M parameters), seq 128,
-batch 8 per rank, AdamW, synthetic token ids held in memory, gloo. Used by bench_probe_overhead.py
-(`--module benchmarks/jobs/ddp_gpt2.py`) and bench_probe_samples.py (`--script ...`).
+batch 8 per rank, AdamW, synthetic token ids held in memory, gloo. Used by
+bench_probes_ab.py --whole-runs (`--module benchmarks/jobs/ddp_gpt2.py`) and
+bench_probe_attribution.py samples (`--script ...`).
 
     python ddp_gpt2.py [steps] [n_embd] [n_layer] [seq_len] [batch]
 """

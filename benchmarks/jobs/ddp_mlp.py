@@ -1,6 +1,7 @@
 """Plain DistributedDataParallel training, written the way torch's DDP tutorial shows: an MLP of
 realistic width for a CPU rank (8 x 1024 hidden, ~8.4M parameters, 3 DDP buckets at the default
-25 MB), synthetic data. Used by bench_probe_overhead.py: `--module benchmarks/jobs/ddp_mlp.py`.
+25 MB), synthetic data. Used by bench_probes_ab.py --whole-runs:
+`--module benchmarks/jobs/ddp_mlp.py`.
 
     python ddp_mlp.py [steps] [hidden] [batch]
 """

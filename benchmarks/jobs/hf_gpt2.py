@@ -1,6 +1,6 @@
 """Hugging Face Trainer on a small GPT-2 built from a config (no download), synthetic tokens,
-DDP over gloo on CPU, written the way the Trainer docs show. Used by bench_probe_overhead.py:
-`--module benchmarks/jobs/hf_gpt2.py`.
+DDP over gloo on CPU, written the way the Trainer docs show. Used by
+bench_probes_ab.py --whole-runs: `--module benchmarks/jobs/hf_gpt2.py`.
 
     python hf_gpt2.py [steps] [n_embd] [n_layer] [seq_len]
 """

@@ -45,6 +45,10 @@ def _gantt(g: dict) -> str:
     rows = sorted({(s.get("pp") if s.get("pp") is not None else 0, s.get("rank")) for s in spans},
                   key=lambda k: (k[0], k[1] if isinstance(k[1], int) else -1))
     ypos = {key: i for i, key in enumerate(rows)}
+    stages: dict = {}  # a rank holding several (virtual) stages: its spans name their stage
+    for sp in spans:
+        stages.setdefault(sp.get("rank"), set()).add(sp.get("stage"))
+    virtual = any(len(v) > 1 for v in stages.values())
     window = float(g.get("window_ms") or max(s["start_ms"] + s["dur_ms"] for s in spans))
     pipe = f", pipeline {g['pipeline']}" if g.get("pipeline") else ""
     xlabel = ("ms (GPU time per rank; rows anchored at each rank's first launch)"
@@ -52,7 +56,8 @@ def _gantt(g: dict) -> str:
     lo = min(0.0, min(s["start_ms"] for s in spans))
     p = svg.Plot((lo, window * 1.02 if window > 0 else 1.0), (len(rows) - 0.5, -0.5), width=900,
                  height=44 * len(rows) + 10, grid="x", legend_at="bottom", xlabel=xlabel,
-                 title=f"Step {g.get('step')}{pipe}: spans per stage (numbers: micro-batch)",
+                 title=f"Step {g.get('step')}{pipe}: spans per stage (numbers: "
+                       + ("stage:micro-batch)" if virtual else "micro-batch)"),
                  yticks=[(i, f"pp {pp} (rank {r})") for i, (pp, r) in enumerate(rows)])
     names = {"F": "forward", "B": "backward", "W": "weight grad"}
     for s in spans:
@@ -61,10 +66,12 @@ def _gantt(g: dict) -> str:
         x0, d = s["start_ms"], s["dur_ms"]
         what = names.get(s.get("kind"), str(s.get("kind")))
         p.rect(x0, x0 + d, y - 0.4, y + 0.4, COLORS.get(s.get("kind"), "#999999"),
-               f"pp {key[0]} (rank {key[1]}) {what}, micro-batch {s.get('microbatch')}: "
-               f"{kit.fmt_ms(d)} from {kit.fmt_ms(x0)}", ' stroke="#fff" stroke-width="0.6"')
+               f"pp {key[0]} (rank {key[1]}) " + (f"stage {s.get('stage')} " if virtual else "")
+               + f"{what}, micro-batch {s.get('microbatch')}: {kit.fmt_ms(d)} from {kit.fmt_ms(x0)}",
+               ' stroke="#fff" stroke-width="0.6"')
         if d > window / 60:
-            p.text(x0 + d / 2, y, s.get("microbatch"), size=10, anchor="middle", color="#fff",
+            label = f"{s.get('stage')}:{s.get('microbatch')}" if virtual else s.get("microbatch")
+            p.text(x0 + d / 2, y, label, size=10, anchor="middle", color="#fff",
                    extra=' dominant-baseline="central"')
     for kind, colour in COLORS.items():
         p.key(names[kind], colour)

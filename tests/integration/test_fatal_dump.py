@@ -1,13 +1,13 @@
 """probes/fatal_dump.py (faulthandler on ranks/rank-N/fatal-stacks.txt) and its use by the hang
 post-mortem: a rank that gloo aborts (SIGABRT) inside a collective is placed in the collective it
-died in, so the peer that skipped one is named, with the aborted rank's call site."""
+died in, so the peer that skipped one is named, with the aborted rank's call site.
+
+Single-process cases: tests/unit/analyzers/test_fatal_stacks.py."""
 
 from __future__ import annotations
 
-import paths
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +18,6 @@ from helpers import run_cli, write_script
 from trainprof.analyzers import _fatal_stacks as fatal
 from trainprof.analysis.run import RunDir
 
-FIXTURES = paths.FIXTURES
 
 # one optimizer step activates the probes; then the process aborts as gloo's terminate does
 ABORT = """\
@@ -82,29 +81,6 @@ def test_clean_exit_leaves_no_empty_file(tmp_path):
     assert not (out / "ranks/rank-00000/fatal-stacks.txt").exists()
 
 
-def test_parse_picks_the_main_thread_of_the_last_dump():
-    text = ("# trainprof fatal-stacks v1 pid=7 main_thread=0x00000000000000aa\n"
-            "Fatal Python error: Segmentation fault\n\n"
-            "Thread 0x00000000000000aa (most recent call first):\n"
-            '  File "/x/old.py", line 1 in old\n\n'
-            "Fatal Python error: Aborted\n\n"
-            "Current thread 0x00000000000000bb (most recent call first):\n"
-            '  File "/x/worker.py", line 3 in loop\n\n'
-            "Thread 0x00000000000000aa (most recent call first):\n"
-            '  File "/site-packages/torch/distributed/distributed_c10d.py", line 9 in barrier\n'
-            '  File "/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
-            '  File "/job/train.py", line 12 in sync\n'
-            '  File "/job/train.py", line 30 in <module>\n')
-    p = fatal.parse(text)
-    assert p["signal_text"] == "Aborted" and p["main_known"]
-    assert [f["function"] for f in p["main_thread"]] == ["<module>", "sync", "wrapper", "barrier"]
-    call = fatal.collective_call(p["main_thread"])
-    assert call["op"] == "barrier" and call["call_site"]["function"] == "sync"
-    assert call["call_site"]["line"] == 12
-    # a stack outside torch.distributed is no collective
-    assert fatal.collective_call(p["main_thread"][:2]) is None
-
-
 SKIP = """\
 import time, torch, torch.nn as nn, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -150,100 +126,3 @@ def test_rank_aborted_in_a_skipped_collective_is_the_victim_with_its_call_site(t
     assert "a victim of the mismatch" in f["message"]
 
 
-def _coll(step, seq, api="c10d.all_reduce", nbytes=4):
-    t = int((100 + seq) * 1e9)
-    return {"step": step, "pg": "0", "seq": seq, "op": "all_reduce", "bytes": nbytes,
-            "enqueue_ns": t, "end_ns": t + 1000, "api": api}
-
-
-def _synthetic(root, logs, stacks, exitcodes):
-    (root / "ranks").mkdir(parents=True)
-    (root / "manifest.json").write_text(json.dumps({"schema_version": 1, "status": "failed",
-                                                    "end_time": {"ns": int(130e9)}}))
-    for r, recs in logs.items():
-        d = root / "ranks" / f"rank-{r:05d}"
-        d.mkdir()
-        (d / "meta.json").write_text(json.dumps({"rank": r, "world_size": len(logs)}))
-        hb = [{"t_ns": int(100e9), "event": "start", "step": 0},
-              {"t_ns": int(120e9), "event": "progress", "step": recs[-1]["step"]}]
-        (d / "heartbeat.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hb))
-        (d / "collectives.jsonl").write_text("".join(json.dumps(c) + "\n" for c in recs))
-        (d / "steps.jsonl").write_text(json.dumps(
-            {"step": recs[-1]["step"] - (r in stacks), "start_ns": int(119e9),
-             "end_ns": int(119.5e9), "dur_ms": 500.0}) + "\n")
-        if r in stacks:
-            (d / "fatal-stacks.txt").write_text(stacks[r])
-    rec = {"t_ns": int(125e9), "event": "workers_closed", "host": "h", "agent_pid": 1,
-           "restart": 0, "workers": [{"rank": r, "local_rank": r, "pid": 100 + r,
-                                      "exitcode_at_close": c if c != -15 else None, "exitcode": c}
-                                     for r, c in exitcodes.items()]}
-    (root / "worker-exits.jsonl").write_text(json.dumps(rec) + "\n")
-    return root
-
-
-IN_ALL_REDUCE = ("# trainprof fatal-stacks v1 pid=7 main_thread=0x00000000000000aa\n"
-                 "Fatal Python error: Segmentation fault\n\n"
-                 "Thread 0x00000000000000aa (most recent call first):\n"
-                 '  File "/sp/torch/distributed/distributed_c10d.py", line 9 in all_reduce\n'
-                 '  File "/job/train.py", line 12 in sync\n'
-                 '  File "/job/train.py", line 30 in <module>\n')
-
-
-def test_same_op_at_the_next_seq_is_no_desync_the_dead_rank_stays_the_cause(tmp_path):
-    # rank 0 crashed (SIGSEGV) inside all_reduce #12; rank 1 issued all_reduce #12 as well:
-    # the unknown size is no evidence of a mismatch
-    from trainprof.analyzers import hang
-
-    logs = {0: [_coll(5, 10), _coll(6, 11)], 1: [_coll(5, 10), _coll(6, 11), _coll(7, 12)]}
-    run = _synthetic(tmp_path / "r", logs, {0: IN_ALL_REDUCE}, {0: -11, 1: -15})
-    (f,) = hang.analyze(RunDir(run)).findings
-    assert f.kind == "rank_failure" and f.ranks == [0] and f.evidence["desync"] == []
-    assert f.evidence["culprit"]["reason"] == "died"
-    w = f.evidence["waiting_in"]["0"]
-    assert (w["seq"], w["op"], w["call_site"]) == (12, "all_reduce", "job/train.py:12 in sync")
-
-
-def test_skip_seen_through_the_victims_stacks_names_the_rank_that_broke_its_order(tmp_path):
-    # each step: ddp bucket, then the metric all_reduce; rank 1 skipped the metric one in step 6
-    # and issued step 7's bucket as #14, where rank 0 (aborted) waited in the metric all_reduce
-    from trainprof.analyzers import hang
-
-    def steps(n, skip=None):
-        out, seq = [], 0
-        for s in range(n):
-            out.append(_coll(s, seq, "ddp.bucket", 9488))
-            seq += 1
-            if s != skip and s < n - 1:
-                out.append(_coll(s, seq))
-                seq += 1
-        return out
-
-    # rank 0 logged up to #12 (step 6's bucket) and died in #13, step 6's metric all_reduce;
-    # rank 1 skipped that one and issued step 7's bucket as #13
-    logs = {0: steps(7), 1: steps(8, skip=6)}
-    assert logs[0][-1]["seq"] == 12 and logs[1][-1]["seq"] == 13
-    stacks = IN_ALL_REDUCE.replace("Segmentation fault", "Aborted")
-    run = _synthetic(tmp_path / "r", logs, {0: stacks}, {0: -6, 1: -15})
-    (f,) = hang.analyze(RunDir(run)).findings
-    c = f.evidence["culprit"]
-    assert f.kind == "desync" and f.ranks == [1] and c["reason"] == "desync", f.message
-    assert [v["rank"] for v in c["victims"]] == [0]
-    assert f.evidence["desync"][0]["deviating"] == [1]
-    assert "called at job/train.py:12 in sync" in f.message
-
-
-@pytest.mark.parametrize("case", ["stale_inflight", "stale_fr"])
-def test_a_heartbeat_older_than_the_log_does_not_hide_the_desync(tmp_path, case):
-    """Real runs of SKIP (rank 1 skips a metric all_reduce) whose rank 0 was aborted between two
-    heartbeats: its last beat (step 1) still lists a collective in flight that the log shows
-    completed, or flight-recorder counters from then. Neither may make rank 0 the one that never
-    arrived: rank 1 broke its per-step order."""
-    run = tmp_path / case
-    shutil.copytree(FIXTURES / "desync_stale_beat" / case, run)
-    res = run_cli(["analyze", run, "--no-report", "-q"])
-    assert res.returncode in (0, 1), res.stderr
-    summary = json.loads((run / "summary.json").read_text())
-    (f,) = [f for f in summary["findings"] if f["kind"] in ("desync", "rank_failure", "hang")]
-    c = f["evidence"]["culprit"]
-    assert f["kind"] == "desync" and f["ranks"] == [1] and c["reason"] == "desync", f["message"]
-    assert [v["rank"] for v in c["victims"]] == [0]

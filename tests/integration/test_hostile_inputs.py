@@ -10,95 +10,24 @@ asserts the outcome: bounded memory and time, one problem line naming the file a
 Unbounded, these inputs took: the 538-byte shared-reference pickle 12 GB and 147 s; a 29-byte
 bytearray(2e9) pickle 2 GB; an 11-byte memo-index pickle 3 GB; a 1.8 MB gzip bomb 1.8 GB; a
 world size of 10^6 137 s and 387 MB of output; a FIFO forever.
+
+Single-process cases: tests/unit/trainprof/test_hostile_files.py.
 """
 
 from __future__ import annotations
 
-import paths
 import json
 import os
 import pickle
 import shutil
-import struct
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
 import pytest
+from hostile_inputs_shared import analyze, cli, problems_with, shared_list_bomb
 
-from trainprof.formats import safepickle
 
-FIXTURES = paths.FIXTURES / "gpu"
-MAX_RSS_MB = 500      # a clean analysis of the small run peaks at ~100-250 MB
-MAX_SECONDS = 60      # a clean analysis takes 2-5 s on 2 cores
 SMALL_RUN = ["--pp", "2", "--steps", "5", "--layers", "2", "--hidden", "64"]
-
-# The measuring process: runs one command as its only child, then reports the child's peak RSS
-# (RUSAGE_CHILDREN covers the whole waited-for subtree) and wall time as JSON.
-_MEASURE = r"""
-import json, resource, subprocess, sys, time
-spec = json.loads(sys.argv[1])
-if spec.get("drop_dac"):  # root without CAP_DAC_OVERRIDE/READ_SEARCH obeys file permissions
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2):
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            sys.exit(97)
-t = time.monotonic()
-with open(spec["out"], "wb") as out, open(spec["err"], "wb") as err:
-    p = subprocess.Popen(spec["cmd"], stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-    try:
-        rc = p.wait(timeout=spec["timeout"])
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-        rc = "timeout"
-print(json.dumps({"rc": rc, "seconds": time.monotonic() - t,
-                  "rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
-"""
-
-
-class Result:
-    def __init__(self, info: dict, out: Path, err: Path):
-        self.rc, self.seconds, self.rss_mb = info["rc"], info["seconds"], info["rss_mb"]
-        self.out_bytes = out.read_bytes()
-        self.stdout = self.out_bytes.decode("utf-8", "replace")
-        self.stderr = err.read_bytes().decode("utf-8", "replace")
-
-    def bounded(self):
-        assert self.rc != "timeout", f"did not finish in {MAX_SECONDS * 2} s"
-        assert self.seconds < MAX_SECONDS, self.seconds
-        assert self.rss_mb < MAX_RSS_MB, f"peak RSS {self.rss_mb:.0f} MB"
-        assert "Traceback" not in self.stderr, self.stderr[-3000:]
-        return self
-
-
-def cli(tmp_path: Path, *args, env: dict | None = None, drop_dac: bool = False) -> Result:
-    n = len(list(tmp_path.glob("cli-*.out")))
-    out, err = tmp_path / f"cli-{n}.out", tmp_path / f"cli-{n}.err"
-    spec = {"cmd": [sys.executable, "-m", "trainprof", *map(str, args)], "out": str(out),
-            "err": str(err), "timeout": MAX_SECONDS * 2, "drop_dac": drop_dac}
-    e = dict(os.environ)
-    e.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", _MEASURE, json.dumps(spec)], env=e,
-                          capture_output=True, text=True, timeout=MAX_SECONDS * 3)
-    if proc.returncode == 97:
-        pytest.skip("cannot drop CAP_DAC_OVERRIDE to make permissions bite as root")
-    assert proc.returncode == 0, proc.stderr
-    return Result(json.loads(proc.stdout), out, err)
-
-
-def analyze(tmp_path: Path, run: Path, *extra, env=None, drop_dac=False) -> tuple[Result, dict | None]:
-    out = tmp_path / f"out-{len(list(tmp_path.glob('out-*')))}"
-    res = cli(tmp_path, "analyze", run, "--out", out, "--no-report", *extra, env=env,
-              drop_dac=drop_dac)
-    s = out / "summary.json"
-    return res, (json.loads(s.read_text()) if s.exists() else None)
-
-
-def problems_with(summary: dict, *words) -> list[str]:
-    return [p for p in summary["problems"] if all(w in p for w in words)]
 
 
 @pytest.fixture(scope="module")
@@ -121,13 +50,6 @@ def edit_json(path: Path, **fields) -> None:
     path.write_text(json.dumps(doc))
 
 
-def shared_list_bomb(depth: int, fan: int = 10):
-    x = [0]
-    for _ in range(depth):
-        x = [x] * fan
-    return x
-
-
 def fr_dump(payload) -> bytes:
     """A flight-recorder dump (torch writes protocol 2) with ``payload`` as an entry's sizes and
     frames: the places the post-mortem copies into its output."""
@@ -141,81 +63,6 @@ def fr_dump(payload) -> bytes:
 
 
 # ------------------------------------------------------------------ the data-only unpickler
-
-
-class Refused(Exception):
-    pass
-
-
-@pytest.mark.parametrize("path", ["h100_oom_snapshot.pickle", "h100_hang_run/ranks/rank-00000/flight-recorder.pkl"])
-def test_real_dumps_load_unchanged_and_far_below_the_budget(path):
-    data = (FIXTURES / path).read_bytes()
-    obj = safepickle.loads(data, path, Refused)
-    assert obj == pickle.loads(data)
-    nodes, strs = safepickle.expanded_size(obj, 10**12, 10**15, path, Refused)
-    node_budget, str_budget = safepickle.budgets(len(data))
-    # measured: 0.31-0.34 values and 1.8-2.7 string bytes per file byte
-    assert nodes < len(data) / 2 and strs < 4 * len(data)
-    assert node_budget > 10 * nodes and str_budget > 10 * strs
-
-
-@pytest.mark.parametrize("depth,refused", [(4, False), (5, True), (6, True), (7, True)])
-def test_shared_references_are_bounded_by_the_expanded_size(depth, refused):
-    data = pickle.dumps({"entries": shared_list_bomb(depth)}, protocol=2)
-    assert len(data) < 200
-    if refused:  # 10^5..10^7 values from < 200 bytes: past 4 x size + 100 000
-        with pytest.raises(Refused, match="expand to more than"):
-            safepickle.loads(data, "x.pkl", Refused)
-    else:
-        assert safepickle.loads(data, "x.pkl", Refused) == {"entries": shared_list_bomb(depth)}
-
-
-def test_cycles_deep_nesting_and_shared_strings():
-    a: list = []
-    a.append(a)
-    with pytest.raises(Refused, match="reference cycle"):
-        safepickle.loads(pickle.dumps(a), "c.pkl", Refused)
-    deep: list = []
-    for _ in range(100):
-        deep = [deep]
-    with pytest.raises(Refused, match="nested deeper than 64"):
-        safepickle.loads(pickle.dumps(deep), "d.pkl", Refused)
-    big = "x" * 100_000  # one string shared 1000 times: 100 MB written out, from a 100 kB file
-    with pytest.raises(Refused, match="bytes of strings"):
-        safepickle.loads(pickle.dumps([big] * 1000), "s.pkl", Refused)
-
-
-@pytest.mark.parametrize("payload,what", [
-    (b"\x80\x02cbuiltins\nbytearray\nJ\x00\x94\x35\x77\x85R.", "GLOBAL builtins.bytearray"),
-    (b"\x80\x04\x8c\x08builtins\x8c\x05bytes\x93J\x00\x94\x35\x77\x85R.", "STACK_GLOBAL builtins.bytes"),
-    (b"\x80\x02N" + b"r" + struct.pack("<I", 1 << 28) + b".", "memo index 268435456 out of sequence"),
-    (b"\x80\x05\x96" + struct.pack("<Q", 2_000_000_000) + b"ab.", "truncated"),
-])
-def test_constructors_and_allocation_bombs_are_refused_before_loading(payload, what):
-    with pytest.raises(Refused, match=what):
-        safepickle.loads(payload, "b.pkl", Refused)
-
-
-def test_every_protocol_of_plain_data_loads():
-    data = {"a": [1, 2.5, None, True, "s", (1, 2)], "b": {"c": -(2**70)}}
-    for proto in range(pickle.HIGHEST_PROTOCOL + 1):
-        assert safepickle.loads(pickle.dumps(data, protocol=proto), "p.pkl", Refused) == data
-
-
-def test_allocation_bombs_through_the_cli_stay_small(tmp_path):
-    """Bare snapshot files (analyze SNAPSHOT): each refused with the file named, in bounded memory."""
-    cases = {"bytearray.pickle": b"\x80\x02cbuiltins\nbytearray\nJ\x00\x94\x35\x77\x85R.",
-             "memo.pickle": b"\x80\x02N" + b"r" + struct.pack("<I", 1 << 28) + b".",
-             "bomb.pickle": pickle.dumps({"segments": shared_list_bomb(7)}, protocol=2)}
-    d = tmp_path / "snaps"
-    d.mkdir()
-    for name, data in cases.items():
-        (d / name).write_bytes(data)
-    res, summary = analyze(tmp_path, d)
-    res.bounded()
-    assert res.rc == 0
-    for name in cases:
-        assert len(problems_with(summary, name, "refusing to load")) == 1, summary["problems"]
 
 
 # ------------------------------------------------------------------ a real run, broken
@@ -447,56 +294,3 @@ def test_input_strings_reach_the_terminal_as_text(small_run, tmp_path):
     assert res.rc == 0 and "\x1b" not in res.stdout and "\\x1b]0;x" in res.stdout
 
 
-def test_hang_prints_frames_with_markup_and_escapes_as_text(tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(FIXTURES / "h100_hang_run", run)
-    evil = "[/x]\x1b[31mRED\x1b]0;title\x07\u202e"
-    dump = run / "ranks/rank-00000/hang-dump.json"
-    doc = json.loads(dump.read_text())
-
-    def taint(o):
-        if isinstance(o, dict):
-            for k, v in o.items():
-                if k == "function" and isinstance(v, str):
-                    o[k] = v + evil
-                else:
-                    taint(v)
-        elif isinstance(o, list):
-            for x in o:
-                taint(x)
-
-    taint(doc)
-    dump.write_text(json.dumps(doc))
-    res = cli(tmp_path, "hang", run).bounded()
-    assert res.rc == 0, res.stderr
-    assert "MarkupError" not in res.stderr and "[/x]" in res.stdout
-    assert "\x1b" not in res.stdout and "\u202e" not in res.stdout and "\\x1b[31m" in res.stdout
-    res = cli(tmp_path, "hang", run, "--json").bounded()
-    assert "\x1b" not in res.stdout  # JSON escapes control characters; the data is kept whole
-
-    def strings(o):
-        if isinstance(o, dict):
-            o = list(o.values())
-        return [o] if isinstance(o, str) else [x for v in o for x in strings(v)] \
-            if isinstance(o, list) else []
-
-    assert any(evil in x for x in strings(json.loads(res.stdout)))
-
-
-def test_terminal_summary_prints_every_input_string_as_text():
-    import io
-
-    from rich.console import Console
-
-    from trainprof.reports.terminal import render_terminal
-
-    evil = "\x1b[2J\x9b31m[/x][bold]\u202e"
-    summary = {"run": {"dir": f"/runs/{evil}", "world_size": 2, "device": evil},
-               "metrics": {}, "findings": [{"severity": "warning", "kind": f"k{evil}", "ranks": [0],
-                                            "message": f"op {evil} is slow"}],
-               "problems": [evil], "errors": []}
-    buf = io.StringIO()
-    render_terminal(summary, report_path=f"/r/{evil}", console=Console(file=buf, width=200))
-    out = buf.getvalue()
-    assert not any(c in out for c in "\x1b\x9b\u202e"), repr(out)
-    assert "[/x][bold]" in out and "\\x1b[2J" in out and "\\u202e" in out

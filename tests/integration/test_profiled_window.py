@@ -1,7 +1,9 @@
 """A profiler window that holds no training step (the job ended before trainprof's window, so
 the trace recorded teardown only) is no measurement: the trace-based figures are withheld with a
 problem saying so (and how to profile steps the job runs), never "0 % exposed communication"
-followed by "nothing looks wrong". A window of real steps that mostly sleep is still measured."""
+followed by "nothing looks wrong". A window of real steps that mostly sleep is still measured.
+
+Single-process cases: tests/unit/analyzers/test_profiled_window_rule.py."""
 
 from __future__ import annotations
 
@@ -60,24 +62,6 @@ def test_window_of_sleeping_steps_is_still_measured(tmp_path):
     assert "withheld" not in cc and "coverage" not in s
     assert cc["job"]["idle_fraction"] > 0.5 and cc["job"]["compute_fraction"] > 0
     assert not [p for p in s["problems"] if "did not cover training steps" in p]
-
-
-def test_off_training_rule_on_the_breakdown():
-    """The rule on comm_compute's per-rank figures: < 50 µs of ops and no communication per
-    profiled step on every rank is no training step; one rank with work keeps the figures."""
-    from trainprof.analyzers._profiled_window import off_training
-
-    class Run:
-        trace_inputs = ["traces"]
-
-    def rank(r, compute, comm, window=50.0):
-        return {"rank": r, "compute_fraction": compute, "overlapped_fraction": 0.0,
-                "comm_fraction": comm, "step_window_ms": window}
-
-    idle = [rank(0, 0.0, 0.0, 4.0), rank(1, 0.0005, 0.0, 8.0)]  # ≤ 4 µs of ops per step
-    assert "no training work" in off_training(Run(), idle)
-    assert off_training(Run(), [rank(0, 0.01, 0.0), rank(1, 0.0, 0.0)]) is None  # 0.5 ms of ops
-    assert off_training(Run(), [rank(0, 0.0, 0.3), rank(1, 0.0, 0.0)]) is None   # communication
 
 
 @pytest.mark.multiproc

@@ -2,11 +2,12 @@
 that run their own torch.profiler, one with a rank that sleeps every step, analysed as a bare
 trace folder (`trainprof analyze TRACES/`). The late rank is named, the waiting rank is not
 blamed for exposed communication, a clean job stays silent, and the output says which analyses
-bare traces cannot give."""
+bare traces cannot give.
+
+Single-process cases: tests/unit/analyzers/test_trace_stragglers_fixtures.py."""
 
 from __future__ import annotations
 
-from paths import FIXTURES
 import json
 import os
 import shutil
@@ -154,15 +155,3 @@ def test_straggler_from_traces_not_reported_twice_with_a_collective_log(jobs, tm
     assert trace_stragglers.waits(WithLog()) == {"late": [], "wait_ms": {}}
 
 
-TRIAL_DIRS = [FIXTURES / "hta" / "trace_filter"]
-
-
-@pytest.mark.parametrize("folder", TRIAL_DIRS, ids=lambda p: p.name)
-def test_fixture_trace_folders_have_no_straggler(folder, tmp_path):
-    d = tmp_path / folder.name
-    shutil.copytree(folder, d)
-    from trainprof.analyzers import trace_stragglers
-
-    res = trace_stragglers.analyze(RunDir(d))
-    assert res.findings == []
-    assert len(res.metrics["per_rank"]) == 2

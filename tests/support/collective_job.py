@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+from collective_paths import PATHS, _fast_built  # noqa: F401 - the paths of the collective log
+
 
 JOB = r'''
 import sys
@@ -83,18 +85,6 @@ NPROC = 4
 
 
 STEPS = 4
-
-
-def _fast_built() -> bool:
-    try:
-        import trainprof.probes._fastlog  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-PATHS = [pytest.param("c", marks=pytest.mark.skipif(not _fast_built(), reason="_fastlog not built")),
-         "python"]
 
 
 @pytest.fixture(scope="session", params=PATHS)

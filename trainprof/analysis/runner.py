@@ -249,6 +249,10 @@ def window_unreached(run: RunDir) -> str | None:
         return None  # a window reached but not written is lost_traces' to say
     first, last = windows[0]
     n = max(recorded)
+    if n == 0:  # no window of steps can be reached: there are none
+        return (f"the profiler window, steps {first}-{last}, was never reached: the job recorded "
+                "no step (neither an optimizer step nor a `trainprof.step()` marker closed one); "
+                "mark the loop's steps with `trainprof.step()` to profile them")
     rerun = "0-0" if n == 1 else f"1-{min(n - 1, 2)}"  # steps the job does run
     return (f"the profiler window, steps {first}-{last}, was never reached: the job recorded "
             f"{n} step{'s' * (n != 1)}; rerun with `trainprof wrap --profile-steps {rerun}`")

@@ -1,5 +1,7 @@
 """The collectives analyzer on hand-built run directories (numbers computed by hand), and on the
-real multi-rank job of test_collective_log."""
+real multi-rank job of test_collective_log.
+
+Cases that run multi-process jobs: tests/integration/test_collectives_analyzer_jobs.py."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import json
 
 import pytest
 
-from collective_job import collective_run  # noqa: F401 - shared session fixture
 from trainprof.analyzers import collectives as C
 from trainprof.analysis.run import RunDir
 
@@ -136,27 +137,6 @@ def test_exposed_comm_when_blocked_dominates(tmp_path):
 def test_no_log_no_metrics(tmp_path):
     (tmp_path / "ranks" / "rank-00000").mkdir(parents=True)
     assert C.analyze(RunDir(tmp_path)).metrics == {}
-
-
-@pytest.mark.multiproc
-def test_real_run_is_consistent_and_renders(collective_run, tmp_path):
-    from helpers import run_cli
-
-    proc = run_cli(["analyze", collective_run, "--out", tmp_path])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    m = summary["metrics"]["collectives"]
-    assert m["consistency"]["ok"], m["consistency"]
-    assert m["in_flight_at_end"] == 0
-    dims = {d["mesh_dim"] for d in m["per_dim"]}
-    assert {"tp", "pp"} <= dims
-    ops = {r["op"] for r in m["bandwidth"]}
-    assert {"all_reduce", "all_gather", "reduce_scatter", "send_recv"} <= ops
-    assert all(r["algbw_GBps"] is None or r["algbw_GBps"] > 0 for r in m["bandwidth"])
-    assert {p["rank"] for p in m["lateness"]["per_rank"]} == {0, 1, 2, 3}
-    assert not [e for e in summary["errors"] if e["analyzer"] == "collectives"]
-    html = (tmp_path / "report.html").read_text()
-    assert "Collectives" in html and "busbw" in html
 
 
 def test_records_without_a_group_do_not_break_the_analysis(tmp_path):

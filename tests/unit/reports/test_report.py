@@ -1,31 +1,25 @@
-"""report.html and the terminal summary render summary.json faithfully, safely and offline."""
+"""report.html and the terminal summary render summary.json faithfully, safely and offline.
+
+Cases that run multi-process jobs: tests/integration/test_report_jobs.py."""
 
 from __future__ import annotations
 
 from synth import EVIL, summary_by_hand
 import io
-import json
 import re
-import shutil
-import subprocess
 import sys
 import types
 
 import pytest
 
-from helpers import run_cli, write_script
 from trainprof.reports import kit, svg
 from trainprof.reports.html import render_html, write_html
 from trainprof.reports.terminal import render_terminal
+from chromium import CHROMIUM, NETWORK_REF, _chromium
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium) — cannot "
                              "prove the report renders in a real browser")
-
-# src=, href=, url(...) or @import that would load anything from a network
-NETWORK_REF = re.compile(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//|url\(\s*["']?\s*(?:https?:)?//|@import""",
-                         re.IGNORECASE)
 
 
 def test_everything_from_the_summary_is_escaped():
@@ -138,56 +132,6 @@ def test_report_renders_offline_in_headless_chromium(tmp_path):
     shot = tmp_path / "shot.png"
     _chromium([f"--screenshot={shot}", "--window-size=1280,1800", path.as_uri()], tmp_path)
     assert shot.stat().st_size > 10_000
-
-
-def _chromium(args, tmp_path):
-    # Any network load would go through a proxy that does not exist and fail: the dump proves the
-    # page renders with no network at all.
-    cmd = [CHROMIUM, "--headless", "--disable-gpu", "--no-sandbox", "--no-first-run",
-           "--proxy-server=127.0.0.1:9", f"--user-data-dir={tmp_path / 'profile'}", *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc
-
-
-TRAIN = """
-import torch, torch.distributed as dist
-dist.init_process_group("gloo")
-m = torch.nn.Linear(32, 32); opt = torch.optim.SGD(m.parameters(), lr=0.1)
-for i in range(10):
-    m(torch.randn(8, 32)).sum().backward(); opt.step(); opt.zero_grad()
-    t = torch.ones(4); dist.all_reduce(t)
-dist.destroy_process_group()
-"""
-
-
-@pytest.fixture(scope="module")
-def small_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("report-run")
-    script = write_script(tmp / "train.py", TRAIN)
-    out = tmp / "run"
-    proc = run_cli(["wrap", "--out", out, "--no-analyze", "--", sys.executable, "-m",
-                    "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script],
-                   cwd=tmp, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
-
-
-@pytest.mark.multiproc
-def test_analyze_real_run_writes_an_offline_report(small_run, tmp_path):
-    proc = run_cli(["analyze", small_run, "--out", tmp_path])
-    assert proc.returncode == 0, proc.stderr
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    html = (tmp_path / "report.html").read_text()
-    assert not NETWORK_REF.search(html)
-    assert 'id="s-step_time"' in html and "<svg" in html
-    for rank in summary["metrics"]["step_time"]["per_rank"]:
-        assert kit.fmt_ms(rank["median_ms"]) in html  # the table shows the analysis' numbers
-    assert str(tmp_path / "report.html") in proc.stdout
-    assert "step time (median)" in proc.stdout
-    if CHROMIUM:
-        dom = _chromium(["--dump-dom", (tmp_path / "report.html").as_uri()], tmp_path).stdout
-        assert "Step time" in dom and "<svg" in dom
 
 
 def test_input_line_names_every_part_left_out_in_terminal_and_report():

@@ -1,6 +1,8 @@
 """Per-rank trace digests (trainprof/analysis/digest.py): built once per trace in a process pool, cached
 in RUN/digests/, reused without parsing the trace again, rebuilt when stale or malformed, and
-giving the same numbers as the traces themselves."""
+giving the same numbers as the traces themselves.
+
+Cases that run multi-process jobs: tests/integration/test_digest_jobs.py."""
 
 from __future__ import annotations
 
@@ -8,32 +10,16 @@ from synth import FIXTURES, GPU_RUN, cached, synth_run
 import json
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from trainprof.analysis import digest
 from trainprof.analysis.runner import analyze, analyze_and_write
-from trainprof.analyzers import comm_compute, memory, roofline
+from trainprof.analyzers import comm_compute, roofline
 from trainprof.rundir.files import profiler_trace_path
 from trainprof.analysis.run import RunDir
 from trainprof.trace import load_trace
-
-TRACE_ANALYZERS = (comm_compute, roofline, memory)
-
-
-def metrics(run: RunDir) -> dict:
-    return {m.NAME: m.analyze(run).metrics for m in TRACE_ANALYZERS}
-
-
-def garble_keeping_stamp(path: Path) -> None:
-    """Overwrite a file with bytes no parser reads, keeping its size and mtime (the digest's
-    stamp): a digest that is reused proves the trace was not parsed."""
-    st = os.stat(path)
-    path.write_bytes(b"\0" * st.st_size)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+from digest_checks import garble_keeping_stamp, metrics
 
 
 def test_digest_written_reused_without_parsing_and_rebuilt_when_stale(tmp_path):
@@ -175,28 +161,6 @@ def test_bare_trace_folder_is_left_untouched(tmp_path):
         digest.build(folder)
 
 
-@pytest.mark.multiproc
-def test_reduce_under_torchrun_splits_the_ranks(tmp_path):
-    run_dir = synth_run(tmp_path / "run", 4)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "-m", "trainprof.analysis.reduce", str(run_dir)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    said = sorted(line for line in proc.stdout.splitlines() if line.startswith("trainprof.analysis.reduce"))
-    assert len(said) == 2
-    assert "process 0/2: 2 trace(s): 2 digested" in said[0] and said[0].endswith("ranks 0, 2")
-    assert "process 1/2: 2 trace(s): 2 digested" in said[1] and said[1].endswith("ranks 1, 3")
-    assert sorted(p.name for p in (run_dir / digest.DIGESTS_DIR).iterdir()) == \
-        [f"rank-{r:05d}.json" for r in range(4)]
-    for r in range(4):  # the analysis uses them: no trace is parsed again
-        garble_keeping_stamp(profiler_trace_path(run_dir, r))
-    assert metrics(RunDir(run_dir))["comm_compute"]["job"]["ranks"] == 4
-    again = subprocess.run([sys.executable, "-m", "trainprof.analysis.reduce", str(run_dir)],
-                           capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0 and "0 digested, 4 already current" in again.stdout
-
-
 def test_share_splits_traced_ranks_evenly():
     from trainprof.analysis.reduce import share
 
@@ -231,7 +195,7 @@ def test_default_pool_is_bounded_by_the_available_memory(tmp_path, monkeypatch):
     size = profiler_trace_path(run_dir, 0).stat().st_size
     need = digest.PARSE_FACTOR * size * digest.GZIP_RATIO_EST + digest.WORKER_BASE
     monkeypatch.delenv(digest.WORKERS_ENV, raising=False)
-    monkeypatch.setattr(digest, "_cpus", lambda: 128)
+    monkeypatch.setattr(digest.settings, "available_cpus", lambda: 128)
     monkeypatch.setattr(digest, "_mem_available", lambda: int(2.5 * need / digest.MEMORY_SHARE))
     assert digest.memory_bound(jobs) == 2
     seen = []

@@ -1,4 +1,5 @@
-"""The Python API (session, step markers, run info) and step-boundary detection."""
+"""trainprof.session() and the probes' API in one process: optimizer hook, markers, inert without
+probes, probes off, standing aside, off-thread writes, sys.exit pickling."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import subprocess
 import sys
 
 from trainprof.analysis.run import RunDir
+
+
+def _claim(monkeypatch, run_dir, pid, rank, world, env):
+    from trainprof.probes import rank_claim
+
+    monkeypatch.setenv(rank_claim.ENV, json.dumps({"pid": pid, "run_dir": str(run_dir), "rank": rank,
+                                                   "world": world, "env": env}))
 
 
 def run_py(code: str, cwd) -> subprocess.CompletedProcess:
@@ -89,44 +97,6 @@ with trainprof.session("{d}", profile_steps="none"):
     assert "probes_off" not in analyze(on)["run"]
 
 
-def _claim(monkeypatch, run_dir, pid, rank, world, env):
-    from trainprof.probes import rank_claim
-
-    monkeypatch.setenv(rank_claim.ENV, json.dumps({"pid": pid, "run_dir": str(run_dir), "rank": rank,
-                                                   "world": world, "env": env}))
-
-
-def test_rank_claim_decides_who_is_a_rank(tmp_path, monkeypatch):
-    import os
-
-    from trainprof.probes import rank_claim
-
-    for k in rank_claim.ID_KEYS:
-        monkeypatch.delenv(k, raising=False)
-    run = tmp_path / "run"
-    monkeypatch.setenv("RANK", "0"); monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    torchrun_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
-    assert not rank_claim.stands_aside(run)                       # no claim: the first process
-    _claim(monkeypatch, run, os.getpid(), 0, 2, torchrun_env)
-    assert not rank_claim.stands_aside(run)                       # its own claim
-    _claim(monkeypatch, run, 1, 0, 2, torchrun_env)
-    assert rank_claim.stands_aside(run)                           # a rank's child, same variables
-    assert not rank_claim.stands_aside(tmp_path / "other")        # a run of its own (nested wrap)
-    monkeypatch.setenv("LOCAL_RANK", "1")                         # Lightning's child for rank 1
-    _claim(monkeypatch, run, 1, 0, 2, {"LOCAL_RANK": "0", "WORLD_SIZE": "2", "NODE_RANK": "0"})
-    monkeypatch.setenv("NODE_RANK", "0")
-    assert not rank_claim.stands_aside(run)
-    for k in rank_claim.ID_KEYS:                                  # `python train.py`, no variables
-        monkeypatch.delenv(k, raising=False)
-    _claim(monkeypatch, run, 1, 0, 1, {})
-    assert rank_claim.stands_aside(run)                           # its child would be 0 of 1 too
-    monkeypatch.setenv("RANK", "1"); monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not rank_claim.stands_aside(run)                       # a spawned rank 1 of 2
-    monkeypatch.setenv(rank_claim.ENV, "not json")
-    assert not rank_claim.stands_aside(run)                       # unreadable: decides nothing
-
-
 def test_process_that_stands_aside_starts_no_probes(tmp_path, monkeypatch):
     import os
 
@@ -143,27 +113,6 @@ def test_process_that_stands_aside_starts_no_probes(tmp_path, monkeypatch):
     assert runtime.activate("optimizer_step") is None
     assert not runtime.enabled() and runtime.active() is None
     assert not run.exists()  # nothing written, not even a rank directory
-
-
-def test_a_job_a_rank_launches_itself_is_not_a_rank_of_the_run(tmp_path, monkeypatch):
-    """A nested torchrun started by a rank: its workers carry another TORCHELASTIC_RUN_ID and
-    stand aside whatever their rank variables (its rank 1 is not this run's rank 1)."""
-    import json
-    import os
-
-    from trainprof.probes import rank_claim
-
-    run = tmp_path / "run"
-    monkeypatch.setenv(rank_claim.ENV, json.dumps({
-        "pid": 1, "run_dir": str(run), "rank": 0, "world": 2,
-        "env": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "launch": "outer"}))
-    monkeypatch.setenv("RANK", "1"); monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
-    assert not rank_claim.stands_aside(run)      # a rank of the same launch: its own rank 1
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "inner")
-    assert rank_claim.stands_aside(run)          # the nested launch's rank 1
-    assert os.getpid() != 1
 
 
 def test_step_records_are_written_off_the_jobs_thread(tmp_path):
@@ -205,3 +154,55 @@ def test_wrapped_sys_exit_still_pickles_as_sys_exit():
             "assert pickle.loads(pickle.dumps(sys.exit)) is sys.exit; print('ok')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
+def test_rank_claim_decides_who_is_a_rank(tmp_path, monkeypatch):
+    import os
+
+    from trainprof.probes import rank_claim
+
+    for k in rank_claim.ID_KEYS:
+        monkeypatch.delenv(k, raising=False)
+    run = tmp_path / "run"
+    monkeypatch.setenv("RANK", "0"); monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    torchrun_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+    assert not rank_claim.stands_aside(run)                       # no claim: the first process
+    _claim(monkeypatch, run, os.getpid(), 0, 2, torchrun_env)
+    assert not rank_claim.stands_aside(run)                       # its own claim
+    _claim(monkeypatch, run, 1, 0, 2, torchrun_env)
+    assert rank_claim.stands_aside(run)                           # a rank's child, same variables
+    assert not rank_claim.stands_aside(tmp_path / "other")        # a run of its own (nested wrap)
+    monkeypatch.setenv("LOCAL_RANK", "1")                         # Lightning's child for rank 1
+    _claim(monkeypatch, run, 1, 0, 2, {"LOCAL_RANK": "0", "WORLD_SIZE": "2", "NODE_RANK": "0"})
+    monkeypatch.setenv("NODE_RANK", "0")
+    assert not rank_claim.stands_aside(run)
+    for k in rank_claim.ID_KEYS:                                  # `python train.py`, no variables
+        monkeypatch.delenv(k, raising=False)
+    _claim(monkeypatch, run, 1, 0, 1, {})
+    assert rank_claim.stands_aside(run)                           # its child would be 0 of 1 too
+    monkeypatch.setenv("RANK", "1"); monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not rank_claim.stands_aside(run)                       # a spawned rank 1 of 2
+    monkeypatch.setenv(rank_claim.ENV, "not json")
+    assert not rank_claim.stands_aside(run)                       # unreadable: decides nothing
+
+
+def test_a_job_a_rank_launches_itself_is_not_a_rank_of_the_run(tmp_path, monkeypatch):
+    """A nested torchrun started by a rank: its workers carry another TORCHELASTIC_RUN_ID and
+    stand aside whatever their rank variables (its rank 1 is not this run's rank 1)."""
+    import json
+    import os
+
+    from trainprof.probes import rank_claim
+
+    run = tmp_path / "run"
+    monkeypatch.setenv(rank_claim.ENV, json.dumps({
+        "pid": 1, "run_dir": str(run), "rank": 0, "world": 2,
+        "env": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "launch": "outer"}))
+    monkeypatch.setenv("RANK", "1"); monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
+    assert not rank_claim.stands_aside(run)      # a rank of the same launch: its own rank 1
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "inner")
+    assert rank_claim.stands_aside(run)          # the nested launch's rank 1
+    assert os.getpid() != 1

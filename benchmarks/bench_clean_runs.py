@@ -1,0 +1,116 @@
+"""False-finding rate of clean jobs, run after run: each framework test job (the scripts of
+tests/**/test_frameworks.py, test_frameworks_ray_deepspeed.py, test_pipeline_schedules.py and
+the balanced MoE job of test_moe_expert_balance.py), wrapped unmodified, N times each; every
+finding on a clean run is false, except a straggler the analysis itself attributes to host
+contention (another process took the rank's cores: real on a shared machine), which is counted
+apart. Target: 0 false findings.
+
+    python benchmarks/bench_clean_runs.py [--runs 20] [--jobs ddp,hf,...] [--json out.json]
+
+Prints per job: runs, runs with a false finding (and their kinds and messages), contention
+findings; then the overall rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def _module(name: str):
+    path = next(ROOT.glob(f"tests/**/{name}.py"))
+    sys.path.insert(0, str(path.parent))
+    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def jobs() -> dict:
+    """name -> (script text, launch: torchrun | python, env, needs)."""
+    fw = _module("test_frameworks")
+    out = {"ddp": (fw.SCRIPTS["ddp"], "torchrun", {}, []),
+           "hf": (fw.SCRIPTS["hf"], "torchrun", {}, ["transformers"]),
+           "accelerate": (fw.SCRIPTS["accelerate"], "torchrun", {}, ["transformers", "accelerate"]),
+           "lightning-python": (fw.SCRIPTS["lightning"], "python", {}, ["transformers", "lightning"]),
+           "lightning-torchrun": (fw.SCRIPTS["lightning"], "torchrun", {}, ["transformers", "lightning"])}
+    rd = _module("test_frameworks_ray_deepspeed")
+    out["ray"] = (rd.RAY, "python", {}, ["ray"])
+    out["deepspeed"] = (rd.DEEPSPEED, "torchrun", {"DS_ACCELERATOR": "cpu"}, ["deepspeed"])
+    pp = _module("test_pipeline_schedules")
+    for s in pp.SCHEDULES:
+        out[s] = (pp.JOB, "torchrun", {"SCHED": s}, [])
+    moe = _module("test_moe_expert_balance")
+    out["moe-balanced"] = (moe.JOB, "torchrun", {"SKEW": "0"}, [])
+    return out
+
+
+def run_once(name, script, launch, env, root: Path) -> dict:
+    d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
+    (d / "train.py").write_text(script)
+    job = [*TORCHRUN, str(d / "train.py")] if launch == "torchrun" else [sys.executable, str(d / "train.py")]
+    e = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+         "TOKENIZERS_PARALLELISM": "false", **env}
+    e.pop("MASTER_PORT", None)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "trainprof", "wrap", "--out", str(d / "run"), "--",
+                           *job, str(d / "job")], cwd=d, env=e, capture_output=True, text=True,
+                          timeout=1800)
+    s = json.loads((d / "run" / "summary.json").read_text()) if (d / "run" / "summary.json").exists() else {}
+    found = s.get("findings", [])
+    contention = [f for f in found if f["kind"] == "straggler"
+                  and f["evidence"].get("cause") == "host_contention"]
+    false = [f for f in found if f not in contention]
+    return {"exit": proc.returncode, "wall_s": round(time.monotonic() - t0, 1),
+            "false": [(f["kind"], f["message"][:240]) for f in false],
+            "contention": len(contention)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--jobs", default="")
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    all_jobs = jobs()
+    names = [n for n in (a.jobs.split(",") if a.jobs else all_jobs)]
+    results, total, bad = {}, 0, 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            script, launch, env, needs = all_jobs[name]
+            if any(importlib.util.find_spec(m) is None for m in needs):
+                print(f"{name}: skipped ({', '.join(needs)} not installed)", flush=True)
+                continue
+            rows = [run_once(name, script, launch, env, Path(tmp)) for _ in range(a.runs)]
+            ok = [r for r in rows if r["exit"] == 0]
+            nfalse = sum(1 for r in ok if r["false"])
+            total, bad = total + len(ok), bad + nfalse
+            results[name] = rows
+            print(f"{name}: {len(ok)} clean runs (of {len(rows)}; wall {sum(r['wall_s'] for r in rows):.0f} s), "
+                  f"{nfalse} with a false finding, {sum(r['contention'] for r in ok)} host-contention "
+                  f"straggler(s)", flush=True)
+            for r in ok:
+                for kind, msg in r["false"]:
+                    print(f"    {kind}: {msg}", flush=True)
+            for r in rows:
+                if r["exit"] != 0:
+                    print(f"    run failed (exit {r['exit']})", flush=True)
+    print(f"false-finding rate: {bad}/{total} runs" + (f" = {bad / total:.1%}" if total else ""))
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

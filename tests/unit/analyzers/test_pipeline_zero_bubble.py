@@ -1,0 +1,70 @@
+"""Zero-bubble pipeline schedules get their theory (Qi et al., "Zero Bubble Pipeline
+Parallelism", ICLR 2024: ZB-H1 bubble (p-1)(F+B-W), interleaving divides it by v), so a 37 %
+bubble is flagged; the Gantt chart tells a rank's virtual stages apart."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainprof.analyzers import pipeline
+from trainprof.reports.sections import pipeline as section
+from trainprof.rundir.files import JsonlWriter, rank_dir, write_json_atomic
+from trainprof.analysis.run import RunDir
+
+MS = 1_000_000
+T0 = 1_700_000_000 * 10**9
+META = {"stages": None, "num_stages": 4, "virtual_stages": 2, "group_size": 2,
+        "schedule": "ScheduleInterleavedZeroBubble", "micro_batches": 2}
+
+
+def _rank(root, rank, offset_ms, steps=3):
+    """Rank ``rank`` holds stages rank and rank+2; per step 12 spans of 5 ms (F, B, W of two
+    micro-batches on each stage) back to back from ``offset_ms``."""
+    d = rank_dir(root, rank)
+    write_json_atomic(d / "meta.json", {"rank": rank, "world_size": 2, "coords": {"pp": rank},
+                                        "host": "h", "pipeline": dict(META, stages=[rank, rank + 2])})
+    steps_w, spans_w = JsonlWriter(d / "steps.jsonl"), JsonlWriter(d / "pipeline.jsonl")
+    for s in range(steps):
+        base = T0 + s * 1000 * MS
+        steps_w.write({"step": s, "start_ns": base, "end_ns": base + 1000 * MS, "dur_ms": 1000.0,
+                       "source": "optimizer"})
+        t = offset_ms
+        for stage in (rank, rank + 2):
+            for kind in "FBW":
+                for mb in (0, 1):
+                    spans_w.write({"step": s, "stage": stage, "microbatch": mb, "kind": kind,
+                                   "start_ns": base + t * MS, "end_ns": base + (t + 5) * MS})
+                    t += 5
+    steps_w.close(), spans_w.close()
+
+
+def test_zero_bubble_theory_by_hand():
+    th = pipeline.theory("ScheduleInterleavedZeroBubble", 4, 8, 2, {"F": 2.0, "B": 2.0, "W": 1.0})
+    assert th["ratio"] == pytest.approx(3 * (2 + 2 - 1) / (2 * 8 * (2 + 2 + 1)))
+    assert pipeline.theory("ScheduleInterleavedZeroBubble", 2, 4, 2)["ratio"] == pytest.approx(1 / 24)
+    assert pipeline.theory("ScheduleZBVZeroBubble", 2, 4, 2) is None  # no closed form
+
+
+def test_a_37_percent_bubble_of_a_zero_bubble_schedule_is_flagged(tmp_path):
+    _rank(tmp_path, 0, 0)
+    _rank(tmp_path, 1, 35)  # window 0-95 ms, each rank busy 60: bubble 1 - 120/190 = 36.8 %
+    res = pipeline.analyze(RunDir(tmp_path))
+    m = res.metrics
+    assert m["bubble_fraction"] == pytest.approx(1 - 120 / 190)
+    # F = B = W = 5 ms: ratio (2-1)·5 / (2·2·15) = 1/12, share 1/13
+    assert m["theory"]["share"] == pytest.approx(1 / 13) and m["theory"]["span_ms"] == {
+        "F": 5.0, "B": 5.0, "W": 5.0}
+    (f,) = [f for f in res.findings if f.kind == "pipeline_bubble"]
+    assert f.evidence["theory_share"] == pytest.approx(1 / 13)
+    assert "ScheduleInterleavedZeroBubble" in f.message
+
+
+def test_gantt_names_the_virtual_stage(tmp_path):
+    _rank(tmp_path, 0, 0)
+    _rank(tmp_path, 1, 35)
+    m = pipeline.analyze(RunDir(tmp_path)).metrics
+    assert {(s["rank"], s["stage"]) for s in m["gantt"]["spans"]} == {(0, 0), (0, 2), (1, 1), (1, 3)}
+    html = section.render(m, {})
+    assert "pp 0 (rank 0) stage 0 forward, micro-batch 0" in html
+    assert "pp 0 (rank 0) stage 2 forward, micro-batch 0" in html
+    assert "stage:micro-batch" in html and ">2:1<" in html
