@@ -132,6 +132,7 @@ def _table(run, groups_of) -> tuple[pd.DataFrame, pd.DataFrame]:
         p2p = _lateness.per_step(fr.loc[fr["op"].isin(P2P_OPS), ["rank", "step", "wait_ms"]],
                                  "wait_ms", "sum").rename(
             columns={"wait_ms": "p2p_ms"})
+        blocked, p2p = _beyond_detail(run, fr, blocked, p2p)
         fr = fr.assign(late_ms=_lateness.lateness(
             fr, groups_of(sorted(int(r) for r in fr["rank"].unique()))))
         late = _lateness.per_step(fr, "late_ms", "median")
@@ -155,6 +156,30 @@ def _table(run, groups_of) -> tuple[pd.DataFrame, pd.DataFrame]:
     t["own_ms"] = (t["dur_ms"] - t["blocked_ms"]).clip(lower=0.0)
     t["busy_ms"] = (t["own_ms"] - t["data_ms"]).clip(lower=0.0)
     return t, fr
+
+
+def _beyond_detail(run, fr, blocked, p2p):
+    """Bounded capture keeps per-collective detail for the recent steps only: the blocked and
+    p2p sums of every other step (and of a ring's partial first step) come from the compact
+    per-step table (RunDir.collective_steps)."""
+    if getattr(run, "resolution", None) is None or run.resolution() is None:
+        return blocked, p2p
+    cs = run.collective_steps()
+    if cs.empty:
+        return blocked, p2p
+    have = fr.groupby(["rank", "step"]).size().rename("n_detail")
+    out = []
+    for frame, col, ops in ((blocked, "blocked_ms", None), (p2p, "p2p_ms", P2P_OPS)):
+        c = cs if ops is None else cs[cs["op"].isin(ops)]
+        g = c.groupby(["rank", "step"]).agg(v=("blocked_ms", "sum"), n=("count", "sum"))
+        g = g.join(have, how="left")
+        keep = g["n_detail"].isna() | (g["n_detail"] < g["n"])  # not (wholly) in the detail
+        extra = g.loc[keep, ["v"]].rename(columns={"v": col}).reset_index()
+        base = frame.merge(extra[["rank", "step"]], on=["rank", "step"], how="left",
+                           indicator=True)
+        base = frame[(base["_merge"] == "left_only").to_numpy()]
+        out.append(pd.concat([base, extra], ignore_index=True))
+    return out[0], out[1]
 
 
 def _peer_groups(run, ranks) -> dict[int, str]:

@@ -113,6 +113,8 @@ class Heartbeat:
             self.interval = 1.0
         self._fd: int | None = None
         self._size = 0  # bytes in the file: no fstat per record
+        store = getattr(session, "compact", None)  # within the rank's budget (probes/compact.py)
+        self.rotate_bytes = min(ROTATE_BYTES, store.heartbeat_cap()) if store else ROTATE_BYTES
         self._closed = False
         # re-entrant: a signal handler that exits (sys.exit in a SIGTERM handler) runs on the
         # main thread, possibly while it is inside _append; a plain lock would deadlock there
@@ -178,7 +180,7 @@ class Heartbeat:
                 self._size = os.fstat(self._fd).st_size
             os.write(self._fd, data)  # one write: a kill tears at most this line
             self._size += len(data)
-            if self._size > ROTATE_BYTES:
+            if self._size > self.rotate_bytes:
                 os.close(self._fd)
                 self._fd = None
                 os.replace(self.path, self.path.with_name(PREV))

@@ -64,6 +64,9 @@ class ProbeSession:
         self.state: dict = {}
         self._mesh_numel = 0  # size of the largest DeviceMesh recorded so far
         self.optimizers: weakref.WeakSet = weakref.WeakSet()  # every optimizer seen stepping
+        from trainprof.probes import compact  # bounded capture: compact tables + detail ring
+
+        self.compact = compact.attach_store(self)
         self.clock = StepClock(self.stream(STEPS), self.stream("steps_device"))
         self.profiler = None
         self.window = self._profile_window()
@@ -93,12 +96,20 @@ class ProbeSession:
         ticker thread every flush interval (what is queued between steps); records that must
         survive a SIGKILL at once are written with ``urgent=True``."""
         if name not in self._writers:
-            self._writers[name] = JsonlWriter(self.dir / f"{name}.jsonl", deferred=True)
+            store = getattr(self, "compact", None)
+            from trainprof.probes.compact import RING_WEIGHTS
+
+            if store is not None and name in RING_WEIGHTS:  # a ring within the rank's budget
+                self._writers[name] = store.ring_writer(self.dir / f"{name}.jsonl", name)
+            else:
+                self._writers[name] = JsonlWriter(self.dir / f"{name}.jsonl", deferred=True)
         return self._writers[name]
 
     def flush_streams(self) -> None:
         for w in list(self._writers.values()):
             w.flush()
+        if self.compact is not None:  # the rows the streams' flushes just handed over
+            self.compact.flush()
 
     def on_step(self, fn) -> None:
         self._step_listeners.append(fn)
@@ -357,7 +368,7 @@ class ProbeSession:
         pending = None
         for fn in [*self._close_listeners, self._stop_profiler, self._link_job_trace_quietly,
                    self._resolve_device_events, self._final_meta, self.ticker.stop,
-                   *[w.close for w in list(self._writers.values())]]:
+                   *[w.close for w in list(self._writers.values())], self._close_compact]:
             try:
                 fn()
             except Exception as e:  # noqa: BLE001
@@ -366,6 +377,10 @@ class ProbeSession:
                 pending = pending or e
         if pending is not None:
             raise pending
+
+    def _close_compact(self) -> None:
+        if self.compact is not None:
+            self.compact.close()
 
     def _stop_profiler(self) -> None:
         if self.profiler is not None:

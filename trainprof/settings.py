@@ -65,12 +65,15 @@ class Setting:
     meaning: str
     choices: tuple = ()
     allow_zero: bool = False  # seconds / number: 0 accepted (else > 0)
+    minimum: float = 0.0      # number: the smallest value accepted (when > 0)
 
     def accepted(self) -> str:
         if self.kind == "flag":
             return "1/0 (also true/false, yes/no, on/off)"
         if self.kind in ("seconds", "number"):
             what = "a number of seconds" if self.kind == "seconds" else "a number"
+            if self.minimum > 0:
+                return f"{what} >= {self.minimum:g}"
             return f"{what} {'>= 0' if self.allow_zero else '> 0'}"
         if self.kind == "count":
             return "a whole number > 0"
@@ -97,7 +100,8 @@ class Setting:
             raise ValueError
         if self.kind in ("seconds", "number"):
             x = float(v)  # ValueError on "abc"
-            if not math.isfinite(x) or x < 0 or (x == 0 and not self.allow_zero):
+            if not math.isfinite(x) or x < 0 or (x == 0 and not self.allow_zero) \
+                    or x < self.minimum:
                 raise ValueError
             return v
         if self.kind == "count":
@@ -131,6 +135,9 @@ SETTINGS: tuple[Setting, ...] = (
             "cap on outputs and gradients kept per step for a replay (MiB)", allow_zero=True),
     Setting("TRAINPROF_NAN_PEER_WAIT_S", "seconds", "10",
             "coordinated replay: how long to wait for the peers", allow_zero=True),
+    Setting("TRAINPROF_BUDGET_MB", "number", "256",
+            "always-on data kept per rank (MiB; wrap --budget-mb): compact per-step tables, the "
+            "ring of recent detail, blocks of older steps (probes/compact.py)", minimum=1.0),
     Setting("TRAINPROF_FLUSH_S", "seconds", "1", "how often queued stream records are written"),
     Setting("TRAINPROF_MEMORY_HISTORY", "flag", "0", "record CUDA allocator history, snapshot at exit"),
     Setting("TRAINPROF_MEMORY_HISTORY_ENTRIES", "count", "100000", "allocator history entries kept"),

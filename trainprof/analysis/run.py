@@ -227,7 +227,7 @@ class RunDir(RunDirInputs, RunDirTraces):
         if type(v) is not int or v < 1:
             raise SchemaVersionError(
                 f"{p}: schema_version {str(v)[:40]!r} is not a version number; this trainprof "
-                f"reads run directories of schema version {SCHEMA_VERSION}: refused")
+                f"reads run directories of schema version 1 to {SCHEMA_VERSION}: refused")
         if v > SCHEMA_VERSION:
             raise SchemaVersionError(
                 f"{p}: schema_version {v} is newer than this trainprof reads ({SCHEMA_VERSION}); "
@@ -565,11 +565,25 @@ class RunDir(RunDirInputs, RunDirTraces):
         if key not in self._cache:
             from trainprof.rundir.streams import read_records
 
-            p = self.stream_path(rank, name)
-            self._cache[key] = (read_records(p, self.problems, name,
-                                             self._cache.setdefault("shared_lists", {}))
-                                if self.stream_file_ok(rank, p) else [])
+            self._cache[key] = self._ring_records(rank, name, read_records)
         return self._cache[key]
+
+    def _ring_records(self, rank: int, name: str, read_records) -> list[dict]:
+        """A stream's records: ``<name>.prev.jsonl`` (the older half of a ring, bounded
+        capture) then ``<name>.jsonl``."""
+        if name == "collectives":  # bounded capture: the newest detail (rundir/series.py)
+            from trainprof.rundir import series as rundir_series
+
+            if rundir_series.has_compact(self, rank):
+                return rundir_series.ring_tail(self, rank, name)[0]
+        out: list[dict] = []
+        for p in (self.rank_path(rank) / f"{name}.prev.jsonl", self.stream_path(rank, name)):
+            if p.name.endswith(".prev.jsonl") and not os.path.lexists(p):
+                continue
+            if self.stream_file_ok(rank, p):
+                out += read_records(p, self.problems, name,
+                                    self._cache.setdefault("shared_lists", {}))
+        return out
 
     def frame(self, name: str):
         """All ranks' records of a stream as one pandas DataFrame with a ``rank`` column (built
@@ -578,10 +592,15 @@ class RunDir(RunDirInputs, RunDirTraces):
         empty stand-in (rundir_streams.NO_RECORDS) that answers ``.empty`` without pandas."""
         key = f"frame:{name}"
         if key not in self._cache:
+            from trainprof.rundir import series as rundir_series
             from trainprof.rundir import streams as rundir_streams
 
-            self._cache[key] = (rundir_streams.build_frame(self, name) if self._has_rank_dirs()
-                                else rundir_streams.NO_RECORDS)
+            if not self._has_rank_dirs():
+                self._cache[key] = rundir_streams.NO_RECORDS
+            elif name in rundir_series.COMPACT_STREAMS and rundir_series.any_compact(self):
+                self._cache[key] = rundir_series.stream_frame(self, name)  # bounded format
+            else:
+                self._cache[key] = rundir_streams.build_frame(self, name)
         return self._cache[key]
 
     def _has_rank_dirs(self) -> bool:
@@ -597,9 +616,7 @@ class RunDir(RunDirInputs, RunDirTraces):
             return self._cache[key]
         from trainprof.rundir.streams import read_records
 
-        p = self.stream_path(rank, name)
-        return read_records(p, self.problems, name, self._cache.setdefault("shared_lists", {})) \
-            if self.stream_file_ok(rank, p) else []
+        return self._ring_records(rank, name, read_records)
 
     def stream_tail(self, rank: int, name: str) -> dict | None:
         """A rank's last record of a stream (None when it has none), without caching the
@@ -619,9 +636,38 @@ class RunDir(RunDirInputs, RunDirTraces):
             df = self.frame("collectives")
             if "replay" in df.columns:
                 df = df[df["replay"].ne(True)].reset_index(drop=True)
+            from trainprof.rundir import series as rundir_series
+
+            df = rundir_series.common_detail(self, df)  # rings: the steps every rank holds
             self._cache[key] = df
         return self._cache[key]
 
     def steps(self):
         """Per-rank step records: rank, step, start_ns, end_ns, dur_ms, source."""
         return self.frame(STEPS)
+
+    # -- per-step series (trainprof/rundir/series.py): the same for either run-directory format
+    def collective_steps(self):
+        """Per (rank, step, pg, op) sums of the collective log, for every full-resolution step
+        (the per-collective detail, ``collectives()``, may hold only the recent steps)."""
+        from trainprof.rundir import series as rundir_series
+
+        return rundir_series.collective_steps(self)
+
+    def step_series(self):
+        """Per (rank, step): timings, input wait, time blocked in collectives, memory."""
+        from trainprof.rundir import series as rundir_series
+
+        return rundir_series.step_series(self)
+
+    def step_blocks(self):
+        """Older steps folded into blocks (min/median/max/sum per block); empty when none."""
+        from trainprof.rundir import series as rundir_series
+
+        return rundir_series.blocks(self)
+
+    def resolution(self) -> dict | None:
+        """Which steps are kept at which resolution (None: every step in full detail)."""
+        from trainprof.rundir import series as rundir_series
+
+        return rundir_series.resolution(self)

@@ -56,6 +56,8 @@ def run_info(run: RunDir) -> dict:
         **({"probes_off": off} if off else {}),
         # --profile-ranks: which ranks recorded the profiler window (the others on purpose)
         **({"profiled": prof} if (prof := run.profiled()) else {}),
+        # bounded capture: which steps are kept at which resolution (docs/run-directory.md)
+        **({"resolution": res} if not run.trace_inputs and (res := run.resolution()) else {}),
         # the launchers of a multi-node job (RUN/nodes/*.json, or several run directories)
         **({"nodes": _nodes(launcher["nodes"])} if launcher.get("nodes") else {}),
         # ranks of the job without files: job-level figures are partial (or withheld)
@@ -129,6 +131,10 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
             findings.append(f.to_dict())
     findings = withhold_window(metrics, findings)
     actions = _advise(metrics, findings, errors)
+    from trainprof.analysis.summary_bound import bound_findings, bound_metrics
+
+    bound_metrics(metrics)  # per-step series past a few thousand steps: thinned, said so
+    bound_findings(findings)
     # by severity, then by what fixing it would save (analyzers/advice.py), largest first
     findings.sort(key=lambda f: (SEVERITY_ORDER.get(f["severity"], 9), -_saving(f), f["kind"], f["ranks"]))
     if actions is not None:

@@ -39,9 +39,13 @@ from trainprof.launch.launcher import (HANG_EXIT_CODE, HangPolicy, JobResult, La
               metavar="MIN", help="Refresh summary.json and report.html every MIN minutes while "
                                   "the job runs (a low-priority background analysis), so that a "
                                   "job killed at its time limit still leaves a recent one.")
+@click.option("--budget-mb", default=None, metavar="MB",
+              help="Always-on data kept per rank (TRAINPROF_BUDGET_MB, default 256, at least 1): "
+                   "compact records of every step, a ring of recent per-collective detail, older "
+                   "steps folded into blocks when it would be exceeded (docs/run-directory.md).")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def wrap(out, force, no_analyze, profile_steps, profile_ranks, job_id, hang_timeout, on_hang,
-         analyze_every, cmd):
+         analyze_every, budget_mb, cmd):
     """Run CMD with trainprof's probes in every worker process.
 
     \b
@@ -88,7 +92,7 @@ def wrap(out, force, no_analyze, profile_steps, profile_ranks, job_id, hang_time
     from trainprof.rundir.nodes import job_id_of
 
     settings, before = check_before_start(out, force, job_id=job_id_of(cmd, explicit=job_id),
-                                          profile_ranks=profile_ranks)
+                                          profile_ranks=profile_ranks, budget_mb=budget_mb)
     live = None
     if analyze_every is not None:
         from trainprof.launch.live_analysis import PeriodicAnalysis
@@ -114,7 +118,8 @@ class Refused(click.ClickException):
 
 
 def check_before_start(out: Path, force: bool, job_id: str | None = None,
-                       profile_ranks: str | None = None) -> tuple[dict, set]:
+                       profile_ranks: str | None = None,
+                       budget_mb: str | None = None) -> tuple[dict, set]:
     """Validate every TRAINPROF_* setting and the run directory before the job starts.
     Returns (canonical settings for the job's environment, paths already in out: a
     trainprof.launch.outdir.Prepared, which also says whether this launcher joined another node's run
@@ -127,11 +132,15 @@ def check_before_start(out: Path, force: bool, job_id: str | None = None,
     environ = dict(os.environ)
     if profile_ranks is not None:
         environ["TRAINPROF_PROFILE_RANKS"] = profile_ranks
+    if budget_mb is not None:
+        environ["TRAINPROF_BUDGET_MB"] = str(budget_mb)
     try:
         settings = validated_env(environ)
     except SettingsError as e:
         problems = [p.replace("TRAINPROF_PROFILE_RANKS=", "--profile-ranks ")
                     if profile_ranks is not None else p for p in e.problems]
+        problems = [p.replace("TRAINPROF_BUDGET_MB=", "--budget-mb ")
+                    if budget_mb is not None else p for p in problems]
         raise Refused("; ".join(problems)) from e
     try:
         before = prepare_run_dir(out, force, job_id=job_id)

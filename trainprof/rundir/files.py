@@ -22,7 +22,7 @@ from typing import Any, Iterator
 from trainprof.rundir import schema as rundir_schema
 from trainprof import safeio
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: bounded capture (compact tables, rings); 1 still read
 MANIFEST = "manifest.json"
 RANKS_DIR = "ranks"
 PROFILER_DIR = "profiler"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from itertools import chain
 from operator import itemgetter
+import os
 from pathlib import Path
 
 import numpy as np
@@ -492,6 +493,23 @@ class NoRecords:
 NO_RECORDS = NoRecords()
 
 
+def _read_ring(run, r: int, name: str):
+    """(records, columns) of a rank's stream: ``<name>.prev.jsonl`` (the older half of a
+    bounded capture's ring, when there is one) then ``<name>.jsonl``."""
+    p = run.stream_path(r, name)
+    prev = p.with_name(f"{name}.prev.jsonl")
+    if name == "collectives":  # bounded capture: the analysis reads the ring's newest bytes
+        from trainprof.rundir import series as rundir_series
+
+        if rundir_series.has_compact(run, r):
+            return rundir_series.ring_tail(run, r, name)
+    got = _read(p, run.problems, name) if run.stream_file_ok(r, p) else ([], None)
+    if not (os.path.lexists(prev) and run.stream_file_ok(r, prev)):
+        return got
+    recs = _read(prev, run.problems, name)[0] + got[0]
+    return recs, (_columns(recs) if recs else None)
+
+
 def build_frame(run, name: str):
     """All ranks' records of stream ``name`` as one DataFrame with a ``rank`` column, as
     ``pd.DataFrame([{"rank": r, **rec} for r in run.ranks for rec in run.stream(r, name)])``
@@ -505,8 +523,7 @@ def build_frame(run, name: str):
         if recs is not None:
             cols = _columns(recs)
         else:
-            p = run.stream_path(r, name)
-            recs, cols = _read(p, run.problems, name) if run.stream_file_ok(r, p) else ([], None)
+            recs, cols = _read_ring(run, r, name)
         tails.put(r, recs[-1] if recs else None)
         if recs:
             b.add(r, len(recs), cols)
