@@ -27,7 +27,7 @@ import threading
 
 from trainprof.rundir import compact as fmt
 from trainprof.probes import runtime
-from trainprof.rundir.files import JsonlWriter, dumps_compact
+from trainprof.rundir.files import JsonlWriter
 
 ENV_BUDGET = "TRAINPROF_BUDGET_MB"
 DEFAULT_BUDGET_MB = 256.0
@@ -71,41 +71,25 @@ class RingWriter(JsonlWriter):
         if urgent or len(self._queue) > self.MAX_QUEUED:
             self.flush(wait=True)
 
-    def flush(self, wait: bool = False) -> None:
-        if not self._queue and not wait:
-            return
-        with self._lock:
-            if self._finished:
-                self._queue.clear()
-                return
-            parts = []
+    def _write_parts(self, parts) -> None:
+        """JsonlWriter's flush, with the records handed to the observer first and the file
+        rotated when this flush would take it past its cap."""
+        recs = [r for p in parts if type(p) is not str for r in p]
+        if self.observer is not None and recs:
             try:
-                while True:
-                    parts.append(self._queue.popleft())
-            except IndexError:
-                pass
-            if not parts:
-                return
-            try:
-                recs = [r for p in parts if type(p) is not str for r in p]
-                if self.observer is not None and recs:
-                    try:
-                        self.observer(recs)
-                    except Exception:  # noqa: BLE001 - the compact table is best effort
-                        self.errors += 1
-                data = "".join(p if type(p) is str else "".join(dumps_compact(r) + "\n" for r in p)
-                               for p in parts).encode("utf-8")
-                self.largest_flush = max(self.largest_flush, len(data))
-                if self._fd is None:
-                    self._open()
-                if self._size and self._size + len(data) > self.cap:
-                    self._rotate()
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(self._fd, view):]
-                self._size += len(data)
-            except Exception:  # noqa: BLE001
+                self.observer(recs)
+            except Exception:  # noqa: BLE001 - the compact table is best effort
                 self.errors += 1
+        data = self._encode(parts)
+        self.largest_flush = max(self.largest_flush, len(data))
+        if self._fd is None:
+            self._open()
+        if self._size and self._size + len(data) > self.cap:
+            self._rotate()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+        self._size += len(data)
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -198,16 +198,24 @@ class JsonlWriter:
             if not parts:
                 return
             try:
-                data = "".join(p if type(p) is str else "".join(dumps_compact(r) + "\n" for r in p)
-                               for p in parts).encode("utf-8")
-                if self._fd is None:
-                    self.path.parent.mkdir(parents=True, exist_ok=True)
-                    self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(self._fd, view):]
+                self._write_parts(parts)
             except Exception:  # noqa: BLE001
                 self.errors += 1
+
+    @staticmethod
+    def _encode(parts) -> bytes:
+        return "".join(p if type(p) is str else "".join(dumps_compact(r) + "\n" for r in p)
+                       for p in parts).encode("utf-8")
+
+    def _write_parts(self, parts) -> None:
+        """Append the queued lines (under the lock; an exception counts as an error)."""
+        data = self._encode(parts)
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
 
     def close(self) -> None:
         self.flush()
