@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainprof import safeio
 from trainprof.rundir import state as runstate
 
 STEP_TAIL_BYTES = 1 << 17   # the most advanced rank: ~1,000 step records for the window
@@ -101,8 +102,10 @@ def _last_analysis(root: Path, now_ns: int) -> dict | None:
     p = root / "summary.json"
     try:
         age = now_ns / 1e9 - p.stat().st_mtime
-        doc = json.loads(p.read_text())
-    except (OSError, ValueError):
+        fd, _ = safeio.open_regular(p)  # never blocks on a FIFO in the run directory
+        with open(fd, "rb") as f:
+            doc = json.loads(f.read(256 << 20))
+    except (OSError, ValueError, safeio.InputRefused):
         return None
     fs = [f for f in doc.get("findings") or [] if isinstance(f, dict)]
     return {"age_s": round(age, 1), "generated_at": doc.get("generated_at"),

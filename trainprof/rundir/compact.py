@@ -22,6 +22,8 @@ import os
 import struct
 from pathlib import Path
 
+from trainprof import safeio
+
 COMPACT_DIR = "compact"
 HEADER_SIZE = 1024
 MAGIC = b"TPCT1\n"
@@ -252,14 +254,15 @@ def read_table(path: Path, expect: str | None = None, last: int | None = None, f
 def read_keys(path: Path) -> dict[int, tuple[str, str]]:
     out: dict[int, tuple[str, str]] = {}
     try:
-        with open(path, "rb") as f:
+        fd, _ = safeio.open_regular(path)  # a regular file only: never blocks on a FIFO
+        with open(fd, "rb") as f:
             for line in f:
                 try:
                     d = json.loads(line)
                     out[int(d["key"])] = (str(d["pg"]), str(d["op"]))
                 except (ValueError, KeyError, TypeError):
                     continue  # a torn last line
-    except OSError:
+    except (OSError, safeio.InputRefused):
         pass
     return out
 

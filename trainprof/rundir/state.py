@@ -18,9 +18,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from trainprof import safeio
 
 LIVE_S = 120.0          # a heartbeat this recent says the job is alive (heartbeats come on progress)
 TAIL_BYTES = 1 << 16    # read at most this much of the end of each heartbeat file
@@ -32,14 +35,20 @@ def tail_records(path: Path, max_bytes: int = TAIL_BYTES, limit: int | None = No
     """The complete JSON lines in the last ``max_bytes`` of a file, oldest first (the first,
     possibly cut line and a torn last line are skipped); [] when it cannot be read. Opens the
     file read-only and reads only its end: a writer appending to it is not disturbed."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            start = max(0, size - max_bytes)
-            f.seek(start)
-            chunk = f.read(max_bytes)
+    try:  # a regular file only, opened without blocking (a FIFO planted in a run would hang)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return []
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return []
+        start = max(0, st.st_size - max_bytes)
+        chunk = os.pread(fd, max_bytes, start)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
     lines = chunk.split(b"\n")
     if start > 0:
         lines = lines[1:]  # cut in the middle
@@ -112,8 +121,10 @@ def state(root, manifest: dict | None = None, live_s: float = LIVE_S) -> dict:
     root = Path(root)
     if manifest is None:
         try:
-            manifest = json.loads((root / "manifest.json").read_text())
-        except (OSError, ValueError):
+            fd, _ = safeio.open_regular(root / "manifest.json")  # never a FIFO planted in the run
+            with open(fd, "rb") as f:
+                manifest = json.loads(f.read(64 << 20))
+        except (OSError, ValueError, safeio.InputRefused):
             manifest = {}
     manifest = manifest if isinstance(manifest, dict) else {}
     ranks = rank_progress(root)
