@@ -47,7 +47,8 @@ def _enclosing(ev, rt_rows: np.ndarray) -> np.ndarray:
     if not len(cand) or not ok.any():
         return out
     tid, ts, end = ev["tid"], ev["ts_ns"], ev["end_ns"]
-    for t in np.unique(tid[rt_rows[ok]]).tolist():
+    # counts asked for: np.unique without them imports numpy.ma (tests/unit/trainprof/test_startup.py)
+    for t in np.unique(tid[rt_rows[ok]], return_counts=True)[0].tolist():
         c = cand[tid[cand] == t]
         if not len(c):
             continue
