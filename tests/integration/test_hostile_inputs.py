@@ -228,7 +228,7 @@ def test_wrongly_typed_manifest_and_meta_fields_are_problems_not_tracebacks(smal
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("version", ["2", 99, "abc"])
+@pytest.mark.parametrize("version", ["3", 99, "abc"])  # "3": newer than schema 2, given as a string
 def test_newer_or_unreadable_schema_is_refused_with_exit_2(small_run, tmp_path, version):
     run = copy_run(small_run, tmp_path / "run")
     edit_json(run / "manifest.json", schema_version=version)

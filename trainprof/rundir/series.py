@@ -410,9 +410,13 @@ def ring_tail(run, rank: int, name: str):
     n = sum(1 for r in run.ranks if has_compact(run, r)) or 1
     budget = max(MIN_DETAIL_BYTES, DETAIL_BYTES // n)
     chunks = []
+    cut = False  # the budget left part of the ring unread
     for p in (run.stream_path(rank, name),
               run.rank_path(rank) / f"{name}.prev.jsonl"):
-        if budget <= 0 or not p.exists():
+        if not p.exists():
+            continue
+        if budget <= 0:
+            cut = True
             continue
         try:
             fd, size = safeio.open_regular(p)
@@ -424,9 +428,16 @@ def ring_tail(run, rank: int, name: str):
             f.seek(start)
             data = f.read(size - start)
         if start > 0:
+            cut = True
             data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
         budget -= len(data)
         chunks.insert(0, data)
+    if not cut:  # the whole ring fits: read as every stream is, each record type-checked
+        recs = []
+        for p in (run.rank_path(rank) / f"{name}.prev.jsonl", run.stream_path(rank, name)):
+            if p.exists():
+                recs += rs.read_records(p, run.problems, name, run._cache.setdefault("shared_lists", {}))
+        return recs, (rs._columns(recs) if recs else None)
     data = b"".join(chunks)
     recs = rs._parse(data) if data else []
     if recs is None:  # a bad line somewhere: the line-by-line reader skips and says why
