@@ -35,6 +35,7 @@ from pathlib import Path
 from trainprof.rundir.worker_exits import STREAM as WORKER_EXITS
 from trainprof.rundir.files import HANG_TRIGGER
 from trainprof.rundir import nodes
+from trainprof.rundir.compact import COMPACT_DIR
 from trainprof.rundir.owned import (ANALYSIS_OUTPUTS, RUN_KIND, is_analysis_output as _is_analysis_output,
                                     read_run_manifest)
 from trainprof.rundir.nodes import CLAIM, NODE_FILE_RE, NODE_KIND, NODES_DIR
@@ -45,6 +46,7 @@ LOCK = ".trainprof.lock"  # held while a launcher decides about --out (prepare_l
 LOCK_WAIT_S, LOCK_STALE_S = 120.0, 60.0
 TOP_FILES = (MANIFEST, SUMMARY, REPORT, INJECTED, HANG_TRIGGER, WORKER_EXITS, LOCK)
 RANK_DIR_RE = re.compile(r"rank-\d{5,}")
+COMPACT_FILE_RE = re.compile(r"[a-z0-9_]+(\.blocks)?\.bin|keys\.jsonl|state\.json")  # rundir/compact.py
 RANK_FILE_RE = re.compile(r"[a-z0-9_]+(\.prev)?\.jsonl|meta\.json|hang-dump\.json"
                           r"|flight-recorder\.(pkl|json)|(memory|oom)_snapshot\.pickle")
 TRACE_RE = re.compile(r"rank-\d{5,}\.pt\.trace\.json(\.gz)?")
@@ -151,10 +153,16 @@ def layout_files(out: Path) -> tuple[list[str], list[str]]:
 
     def ranks(rel, e):
         if e.is_dir(follow_symlinks=False) and not e.is_symlink() and RANK_DIR_RE.fullmatch(e.name):
-            walk_dir(rel, lambda r, x: (ours if _regular(x) and _is_layout_name(x.name, RANK_FILE_RE)
-                                        else other).append(r))
+            walk_dir(rel, rank_entry)
         else:
             other.append(rel)
+
+    def rank_entry(rel, e):
+        if e.name == COMPACT_DIR and e.is_dir(follow_symlinks=False) and not e.is_symlink():
+            walk_dir(rel, lambda r, x: (ours if _regular(x) and _is_layout_name(x.name, COMPACT_FILE_RE)
+                                        else other).append(r))  # the bounded capture's tables
+        else:
+            (ours if _regular(e) and _is_layout_name(e.name, RANK_FILE_RE) else other).append(rel)
 
     try:
         entries = sorted(os.scandir(out), key=lambda e: e.name)
