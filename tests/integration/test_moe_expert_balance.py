@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -66,10 +67,9 @@ def _job(tmp_path_factory, skew: str):
                               env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         received = {}
-        for line in proc.stdout.splitlines():
-            if line.startswith("received "):
-                _, r, s, n = line.split()
-                received.setdefault(int(r), []).append(int(n))
+        # the two ranks print to one pipe: their lines can run together
+        for r, _s, n in re.findall(r"received (\d+) (\d+) (\d+)", proc.stdout):
+            received.setdefault(int(r), []).append(int(n))
         _done[skew] = (json.loads((d / "run" / "summary.json").read_text()), received)
     return _done[skew]
 
