@@ -169,6 +169,7 @@ def _step_row(s, p, wall, kept) -> dict:
 # events of one rank's profiled steps whose single-rank path `analyze` computes (the graph is
 # built in Python: ~1 s for a 25k-event GPU step on 2 cores); steps past it are said, not analysed
 FINE_EVENTS_BUDGET = 20_000
+FINE_STEP_MAX = 50_000  # the first step of a rank is analysed up to this size
 
 
 def trace_digest(run, rank, trace) -> dict:
@@ -181,14 +182,14 @@ def trace_digest(run, rank, trace) -> dict:
     for i in range(len(st)):
         lo, hi = int(st["start_ns"][i]), int(st["end_ns"][i])
         n = int(((ts >= lo) & (ts < hi)).sum())
-        if n > budget:  # bounded cost: the graph is built in Python, ~40 µs an event
+        first = not any("length_ms" in x for x in out)
+        if n > (FINE_STEP_MAX if first else budget):  # bounded cost: ~40 µs an event in Python
             out.append({"step": int(st["step"][i]), "span_ms": _ms(hi - lo), "events": n,
-                        "skipped": f"{n:,} events in the step, over the {budget:,} left of this "
-                                   f"rank's budget of {FINE_EVENTS_BUDGET:,} for the profiled "
-                                   f"path"})
-            budget = 0
+                        "skipped": f"{n:,} events in the step, over the profiled path's budget "
+                                   f"({FINE_EVENTS_BUDGET:,} events a rank after its first step "
+                                   f"of up to {FINE_STEP_MAX:,})"})
             continue
-        budget -= n
+        budget = max(0, budget - n)
         chain = _cp_fine.single_chain(trace, lo, hi)
         if chain is not None:  # CPU-only, one driving thread: the path is its chain
             length, kinds, tops = chain
