@@ -31,10 +31,8 @@ import time
 
 from trainprof import settings
 from trainprof.probes import runtime
-from trainprof.rundir.files import close_quietly, dumps_compact
+from trainprof.rundir.files import HEARTBEAT as STREAM, HEARTBEAT_PREV as PREV, close_quietly, dumps_compact
 
-STREAM = "heartbeat.jsonl"
-PREV = "heartbeat.prev.jsonl"
 ENV_INTERVAL = "TRAINPROF_HEARTBEAT_S"
 ROTATE_BYTES = 16 << 20
 MAX_INFLIGHT = 8  # records carried per heartbeat; the count is always exact

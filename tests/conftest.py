@@ -20,9 +20,23 @@ def reference_run(tmp_path_factory):
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", default=False,
+                     help="also run the tests marked `long` (sweeps and scale checks kept out of the "
+                          "default suite; benchmarks/long_tests.py runs them alone)")
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test under tests/integration starts multi-process jobs: marked `multiproc` here, so
-    `-m "not multiproc"` runs the single-process tests (tests/unit) whatever a file declares."""
+    `-m "not multiproc"` runs the single-process tests (tests/unit) whatever a file declares.
+    Tests marked `long` (the further points of a sweep whose first point stays in the suite,
+    1,024-rank scale checks) are deselected unless `--long` is given: the default suite stays
+    within CI's 20 minutes on 2 cores."""
+    keep, long_ = [], []
     for item in items:
         if INTEGRATION in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.multiproc)
+        (long_ if item.get_closest_marker("long") and not config.getoption("--long") else keep).append(item)
+    if long_:
+        config.hook.pytest_deselected(items=long_)
+        items[:] = keep

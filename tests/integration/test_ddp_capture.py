@@ -64,8 +64,10 @@ def _meta(run, rank):
 
 @pytest.mark.parametrize("n,args,tag", [
     (3, [], "ws3"),                                    # 1/3 is inexact: the Reducer's multiply
-    (2, ["--bucket-view", "--accum", "2"], "view"),    # bucket views + no_sync accumulation
-    (2, ["--static", "--unused"], "unused"),        # static graph with an unused layer
+    pytest.param(2, ["--bucket-view", "--accum", "2"], "view",  # bucket views + no_sync accumulation
+                 marks=pytest.mark.long),
+    pytest.param(2, ["--static", "--unused"], "unused",  # static graph with an unused layer
+                 marks=pytest.mark.long),
     (2, ["--hook", "fp16"], "fp16"),                   # the job's own hook, composed
 ])
 def test_bucket_allreduce_recorded_and_numerics_unchanged(tmp_path, n, args, tag):
@@ -127,7 +129,8 @@ def test_job_builtin_hook_is_left_alone_and_said(tmp_path):
 EDGE_JOB = JOBS / "ddp_edge_job.py"
 
 
-@pytest.mark.parametrize("mode", ["late_join_false", "hook_then_builtin", "cpp_hook", "compile"])
+@pytest.mark.parametrize("mode", [pytest.param("late_join_false", marks=pytest.mark.long), "hook_then_builtin",
+                                  pytest.param("cpp_hook", marks=pytest.mark.long), "compile"])
 def test_ddp_corner_cases_keep_the_job_and_are_recorded(tmp_path, mode):
     bare_out, out, run = tmp_path / "bare", tmp_path / "wrapped", tmp_path / "run"
     _run_bare(_torchrun(2) + [str(EDGE_JOB), mode, "--hash-out", str(bare_out)])

@@ -67,7 +67,7 @@ def _normal(text: str) -> str:
     return re.sub(r"Connection (closed|reset)", "Connection lost", text)
 
 
-@pytest.mark.parametrize("mode", ["builtin", "hook"])
+@pytest.mark.parametrize("mode", ["builtin", pytest.param("hook", marks=pytest.mark.long)])
 def test_failed_bucket_allreduce_raises_the_jobs_own_error(tmp_path, mode):
     job = write_script(tmp_path / "uneven_job.py", JOB)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINPROF_")}

@@ -73,6 +73,13 @@ def _steps(out: Path) -> int:
         return 0
 
 
+def _summary_step(out: Path):
+    try:
+        return json.loads((out / "summary.json").read_text())["run"]["last_step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def test_live_snapshot_watch_and_sigkill(tmp_path):
     out = tmp_path / "run"
     log = open(tmp_path / "wrap.err", "w")
@@ -104,8 +111,9 @@ def test_live_snapshot_watch_and_sigkill(tmp_path):
         c.print(render_watch(snap, rows=1))
         text = c.export_text()
         assert "1 more ranks" in text and f"{snap['ranks']} rank(s)" in text
-        # --analyze-every wrote a summary while the job ran
-        assert wait_for(lambda: (out / "summary.json").exists(), timeout=90)
+        # --analyze-every wrote a summary while the job ran (a refresh made in the job's first
+        # seconds says no step yet: wait for one made after step 100)
+        assert wait_for(lambda: (_summary_step(out) or 0) >= 100, timeout=120), err()
         step_at_kill = _steps(out)
     finally:
         _kill_tree(wrap.pid)

@@ -297,6 +297,7 @@ def _pids_of(marker: str) -> list[int]:
 
 
 @pytest.mark.multiproc
+@pytest.mark.long  # a shared --out stays covered by the suite; this kill case: benchmarks/long_tests.py
 def test_shared_out_node_launcher_killed_the_survivor_analyzes(tmp_path):
     """Two nodes sharing one --out; the second node's launcher is SIGKILLed while the job runs
     (its torchrun goes on). The first node, last one left, analyzes on its own, naming the gone

@@ -33,6 +33,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.multiproc
+@pytest.mark.long  # the op diff's unit tests stay in the suite; this real pair: benchmarks/long_tests.py
 def test_real_runs_name_the_injected_matmuls(tmp_path):
     """Two 2-rank gloo jobs, the candidate doing 4 small extra matmuls every step: the op diff
     names aten::mm, on the step's thread, as the top contributor to the change of the step;

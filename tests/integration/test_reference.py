@@ -61,6 +61,7 @@ def test_run_info_and_injected_json(reference_run):
 
 
 @pytest.mark.multiproc
+@pytest.mark.long  # the reference job's own ground truth (a fixture check): benchmarks/long_tests.py
 def test_injections_are_observable_in_raw_data(reference_run):
     """One 4-rank run (dp1·pp2·tp2) with a straggler, a NaN, an imbalanced stage and slow data."""
     run = reference_run("faults4", nproc=4, args=[

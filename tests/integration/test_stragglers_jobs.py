@@ -25,7 +25,7 @@ def _kinds(summary, *kinds):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("rank", [5, 2])
+@pytest.mark.parametrize("rank", [5, pytest.param(2, marks=pytest.mark.long)])
 def test_injected_straggler_found(reference_run, tmp_path, rank):
     delay = straggler_delay_ms(reference_run)
     run = straggler_run(reference_run, rank)

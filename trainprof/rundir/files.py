@@ -33,6 +33,8 @@ META = "meta.json"
 
 # Well-known per-rank streams (ranks/rank-NNNNN/<name>.jsonl). Capability issues add more.
 STEPS = "steps"
+HEARTBEAT = "heartbeat.jsonl"  # rotated to HEARTBEAT_PREV past its size cap (probes/heartbeat.py)
+HEARTBEAT_PREV = "heartbeat.prev.jsonl"
 
 
 def rank_dirname(rank: int) -> str:

@@ -24,10 +24,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from trainprof import safeio
+from trainprof.rundir.files import HEARTBEAT, HEARTBEAT_PREV
 
 LIVE_S = 120.0          # a heartbeat this recent says the job is alive (heartbeats come on progress)
 TAIL_BYTES = 1 << 16    # read at most this much of the end of each heartbeat file
-HEARTBEAT = "heartbeat.jsonl"
 FINAL_STATUSES = ("ok", "failed", "killed", "failed_to_start", "hung")
 
 
@@ -89,7 +89,8 @@ def rank_progress(root: Path) -> list[dict]:
             r = int(d.name.split("-", 1)[1])
         except ValueError:
             continue
-        rec = last_record(d / HEARTBEAT) or {}
+        # (between a rotation and the next beat only the previous file holds the last record)
+        rec = last_record(d / HEARTBEAT) or last_record(d / HEARTBEAT_PREV) or {}
         t = rec.get("t_ns") if isinstance(rec.get("t_ns"), int) else None
         out.append({"rank": r, "step": rec.get("step") if isinstance(rec.get("step"), int) else None,
                     "t_ns": t, "age_s": round((now - t) / 1e9, 1) if t else None,

@@ -108,3 +108,14 @@ def test_unknown_without_launcher_record_or_heartbeat(tmp_path):
     d.mkdir(parents=True)
     (d / "steps.jsonl").write_text(json.dumps({"step": 0, "dur_ms": 1.0}) + "\n")
     assert runstate.state(tmp_path / "r")["state"] == "unknown"
+
+
+def test_last_step_read_from_the_rotated_file_between_rotation_and_the_next_beat(tmp_path):
+    # the heartbeat writer renames heartbeat.jsonl to heartbeat.prev.jsonl past its cap and opens
+    # a new file only at the next beat: a reader in between still sees each rank's last step
+    root = _run(tmp_path / "r", manifest=_manifest(os.getpid()))
+    for r in range(2):
+        d = rank_dir(root, r)
+        os.replace(d / "heartbeat.jsonl", d / "heartbeat.prev.jsonl")
+    st = runstate.state(root)
+    assert st["last_step"] == 50 and [x["step"] for x in st["ranks"]] == [50, 50]
