@@ -137,7 +137,7 @@ def align(run) -> Alignment:
     if off_host:
         _refine(run, base, unc, info, shift, off_host)
     how = ("clock probes (NTP-style round trips to rank 0 at the start and end of the run), "
-           "refined from matched collectives (causality bounds, else their ends) within their uncertainty")
+           "refined from matched collective ends within their uncertainty")
     result = Alignment(base, shift, info, how)
     if cache is not None:
         cache[key] = result
