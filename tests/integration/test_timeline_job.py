@@ -148,6 +148,13 @@ def test_critical_path_in_summary_and_report(strag4, tmp_path):
     for row in cp["per_step"]:
         assert row["length_ms"] <= row["wall_ms"] + 0.01
     assert {r["rank"] for r in cp["profiled"]["ranks"]} == {0, 1, 2, 3}
+    # the straggler finding's estimated gain next to the graph's replay of the same fix (rank 1
+    # running as its peers do): measured 402 ms estimated, 273 ms replayed, of the 300 ms injected
+    (row,) = [w for w in cp["what_if"] if w["kind"] == "straggler"]
+    assert row["ranks"] == [STRAGGLER] and row["change"] == {"remove_excess": STRAGGLER}
+    assert 150 < row["replay_saving_ms"] < 400, row
+    (f,) = [f for f in s["findings"] if f["kind"] == "straggler" and f["ranks"] == [STRAGGLER]]
+    assert f["estimate"]["replay"]["saving_ms"] == row["replay_saving_ms"]
     html = (tmp_path / "report.html").read_text()
     assert "Critical path across ranks" in html and "Critical path per step" in html
 
@@ -176,6 +183,20 @@ def test_path_through_the_heavy_stage_and_the_slow_loader(reference_run):
     # what-if: without rank 0's data wait the step is shorter by about it
     r = critical_path.replay(run, {"scale": {"rank": 0, "kind": "data", "factor": 0.0}})
     assert 200 < r["saving_ms"] < 400, r
+    # ... which the data_starvation finding's estimate carries as its replay; the estimate's
+    # lockstep model (a step = the slowest rank's own time) does not see that stage 0's wait
+    # delays the whole pipeline (measured: 0 ms estimated, 299 ms replayed)
+    from trainprof.analyzers.advice import advise
+    from trainprof.analyzers import stragglers, step_time
+
+    found = stragglers.analyze(run)
+    metrics = {"step_time": step_time.analyze(run).metrics, "stragglers": found.metrics}
+    findings = [f.to_dict() for f in found.findings]
+    advise(metrics, findings)
+    rows = critical_path.replay_findings(run, findings)
+    (data,) = [w for w in rows if w["kind"] == "data_starvation"]
+    assert data["change"] == {"scale": {"rank": [0], "kind": "data", "factor": 0.0}}
+    assert 200 < data["replay_saving_ms"] < 400 and data["replay_saving_ms"] > data["estimate_saving_ms"], data
 
 
 def test_timeline_of_plain_traces(strag4, tmp_path):
