@@ -4,16 +4,27 @@ Base: the probes' clock estimates (analyzers/_clock.py: NTP-style offsets to ran
 and the end of the run, linear in between; identity on rank 0's host). Each estimate bounds the
 true offset: it lies within ± its uncertainty (half the best round trip).
 
-Refinement from matched collective ends: a collective completes on all its members at nearly the
-same moment (everyone leaves once the last one arrived and the transfer is done). For every rank
-on another host than rank 0, the median over the collectives it shares with already aligned ranks
-of (its end − the median end of the others) is an offset estimate whose spread is the ends' own
-spread. It is applied only where it helps: when the rank is on another host (one host, one wall
-clock), when the shift exceeds three standard errors of that median (1.4826 × MAD / √n), and
-clamped to the base estimate's uncertainty interval (the round trips bound the offset; the ends
-only choose within that bound). The residual uncertainty of a rank is then min(base
-uncertainty, three standard errors) — the base uncertainty when the ends pulled against the
-bound — and 0 on rank 0's host.
+Refinement from matched collective ends, where the rank is on another host than rank 0 (one host,
+one wall clock). Two estimates, the first where it exists:
+
+- **bounds from causality**: in a collective where every member's result needs every member's
+  input (all-reduce, all-gather, reduce-scatter, all-to-all, barrier), no member returns before
+  every member has entered. The log's enqueue is taken before the call and its end after the
+  return, so on true clocks end_r >= enqueue_j for every pair: the offset s of rank r's clock
+  (its aligned times minus true times) lies in [max(enqueue_r - end_j), min(end_r - enqueue_j)]
+  over the collectives it shares with already aligned ranks j — a round trip each, like the
+  probes', and as rigorous: a slow wake-up only widens it. Host-side ends only: a CUDA op's
+  wait() returns before the GPU is done (its end says nothing), so only groups of the gloo
+  backend without device times count. Intersected with the probe's own bound, the rank is put at
+  the middle and its residual uncertainty is the half-width;
+- **the ends' median** (no usable bounds: CUDA groups, or too few): the median over the shared
+  collectives of (its end − the median end of the others). It is applied when the shift exceeds
+  three standard errors of that median (1.4826 × MAD / √n) and clamped to the probe's bound; the
+  residual is min(probe bound, three standard errors) — the bound when the ends pulled against
+  it. It is biased by the ranks' wake-up: a rank that waited in the collective returns later
+  than the one that arrived last and never slept (1.7 ms on a loaded 2-core host).
+
+Rank 0's host: uncertainty 0.
 """
 
 from __future__ import annotations
@@ -42,28 +53,65 @@ class Alignment:
         return {r: i.get("uncertainty_us", 0.0) for r, i in self.info.items()}
 
 
-def _ends_table(run, base) -> tuple:
-    """(rank, instance code, aligned end ns) of every completed collective of a ≥2-rank group."""
+# every member's result needs every member's input: no member returns before all have entered
+CAUSAL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "barrier")
+
+
+def _ends_table(run, base) -> dict:
+    """Every completed collective of a ≥2-rank group: rank, instance code, aligned enqueue and
+    end ns, and ``causal``: a host-side op (gloo group, no device time) of CAUSAL_OPS."""
     from trainprof.analyzers import collectives as coll
 
     df = coll._frame(run)
+    empty = {"rank": np.zeros(0, int), "inst": np.zeros(0, int), "enq": np.zeros(0, np.int64),
+             "end": np.zeros(0, np.int64), "causal": np.zeros(0, bool)}
     if df.empty:
-        return np.zeros(0, int), np.zeros(0, int), np.zeros(0, np.int64)
+        return empty
     df = df[~df["p2p"].to_numpy(bool) & (df["gsize"].to_numpy() > 1) & df["end_ns"].notna().to_numpy()]
     if df.empty:
-        return np.zeros(0, int), np.zeros(0, int), np.zeros(0, np.int64)
+        return empty
     ranks = df["rank"].to_numpy(int)
     ordinal = df["ordinal"].to_numpy().astype(np.int64)
     gcode = df["group"].cat.codes.to_numpy().astype(np.int64)
     inst = gcode * (int(ordinal.max()) + 1) + ordinal
-    end = df["end_ns"].astype(np.int64).to_numpy()
-    out = end.copy()
+    end = df["end_ns"].astype(np.int64).to_numpy().copy()
+    enq = df["enqueue_ns"].astype(np.int64).to_numpy().copy()
     for r in np.unique(ranks):
         m = ranks == r
         fn = base.get(int(r))
         if fn is not None:
-            out[m] = np.asarray(fn(end[m]), np.int64)
-    return ranks, inst, out
+            end[m] = np.asarray(fn(end[m]), np.int64)
+            enq[m] = np.asarray(fn(enq[m]), np.int64)
+    backend = {k: str(g.get("backend") or "") for k, g in coll._groups(run).items()}
+    pg = df["pg"].astype(str).to_numpy()
+    host_side = np.array([backend.get((int(r), p), "") == "gloo" for r, p in zip(ranks, pg)], bool)
+    if "device_ms" in df.columns:
+        host_side &= df["device_ms"].isna().to_numpy()
+    causal = host_side & df["op"].isin(CAUSAL_OPS).to_numpy()
+    return {"rank": ranks, "inst": inst, "enq": enq, "end": end, "causal": causal}
+
+
+def causal_bounds(t: dict, r: int, aligned: np.ndarray) -> tuple[float, float, int]:
+    """(lo, hi, n): rank r's clock offset (its aligned times minus true ones) lies in [lo, hi]
+    by causality over the ``n`` causal collectives it shares with the ``aligned`` rows' ranks."""
+    ref = aligned & t["causal"]
+    if not ref.any():
+        return -np.inf, np.inf, 0
+    inst = t["inst"][ref]
+    u, inv = np.unique(inst, return_inverse=True)
+    last_enq = np.full(len(u), np.iinfo(np.int64).min)
+    np.maximum.at(last_enq, inv, t["enq"][ref])
+    first_end = np.full(len(u), np.iinfo(np.int64).max)
+    np.minimum.at(first_end, inv, t["end"][ref])
+    mine = (t["rank"] == r) & t["causal"]
+    j = np.searchsorted(u, t["inst"][mine])
+    ok = (j < len(u)) & (u[np.minimum(j, len(u) - 1)] == t["inst"][mine])
+    if not ok.any():
+        return -np.inf, np.inf, 0
+    j = j[ok]
+    hi = float(np.min(t["end"][mine][ok] - last_enq[j]))
+    lo = float(np.max(t["enq"][mine][ok] - first_end[j]))
+    return lo, hi, int(ok.sum())
 
 
 def align(run) -> Alignment:
@@ -97,7 +145,8 @@ def align(run) -> Alignment:
 
 
 def _refine(run, base, unc, info, shift, off_host) -> None:
-    ranks, inst, end = _ends_table(run, base)
+    t = _ends_table(run, base)
+    ranks, inst, end = t["rank"], t["inst"], t["end"]
     if not len(ranks):
         return
     aligned = np.isin(ranks, [r for r in run.ranks if r not in off_host])
@@ -106,6 +155,17 @@ def _refine(run, base, unc, info, shift, off_host) -> None:
         ref_end.setdefault(int(i), []).append(int(e))
     med = {i: float(np.median(v)) for i, v in ref_end.items()}
     for r in off_host:
+        u = unc.get(r, 0.0)
+        if info[r]["method"].startswith("none"):
+            u = float("inf")  # no bound: the ends alone
+        lo, hi, n = causal_bounds(t, r, aligned)
+        lo, hi = max(lo, -u), min(hi, u)
+        if n >= MIN_MATCHED and np.isfinite(lo) and np.isfinite(hi) and lo <= hi and hi - lo < 2 * u:
+            s = (lo + hi) / 2
+            shift[r] = int(round(s))
+            info[r].update(method=info[r]["method"] + " + collective bounds", matched=n,
+                           shift_us=round(s / 1e3, 1), uncertainty_us=round((hi - lo) / 2e3, 1))
+            continue
         m = ranks == r
         d = np.array([e - med[int(i)] for i, e in zip(inst[m], end[m]) if int(i) in med])
         if len(d) < MIN_MATCHED:
@@ -113,9 +173,6 @@ def _refine(run, base, unc, info, shift, off_host) -> None:
         s = float(np.median(d))
         # the median's standard error (the ends' own jitter, MAD-scaled, over √n matches)
         se = 1.4826 * float(np.median(np.abs(d - s))) / np.sqrt(len(d))
-        u = unc.get(r, 0.0)
-        if info[r]["method"].startswith("none"):
-            u = float("inf")  # no bound: the ends alone
         s_clamped = float(np.clip(s, -u, u))
         if abs(s_clamped) < max(3 * se, 1_000.0):  # within the ends' own noise: no help
             info[r]["matched"] = int(len(d))

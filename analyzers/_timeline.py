@@ -5,7 +5,8 @@
 - ``processes``: [{rank, name "rank N (dp0 pp1 tp0, host)", sort (mesh order), label}]
 - ``slices``: [(rank, track, name, cat, ts_ns, dur_ns, args | None)]
 - ``flows``: [(slice index, slice index)]: one arrow per member of a collective to its last
-  arriving member
+  arriving member (the log's collectives; the traces' GPU collective kernels that carry their
+  process group and sequence number)
 - ``counters``: [(rank, name, ts_ns, {series: value})]
 - ``instants``: [(rank | None, track, name, ts_ns, args)]: findings at their step
 - ``meta``: selection, alignment and each rank's residual uncertainty, limits applied
@@ -88,6 +89,7 @@ def build(run, steps: list[int] | None = None, ranks: list[int] | None = None,
     budget.take(n_core, "log events")
     if profiler:
         traces = _profiler(m, run, al, rset, sset, budget)
+        kernel_flows(m, budget)
         if critical and traces:
             _critical_profiled(m, run, traces, sorted(sset & set(profiled)))
     m["meta"] = {
@@ -368,10 +370,15 @@ def add_trace(m, r, t, shift, sset, budget, clip_steps: bool = True) -> None:
     gpu = np.asarray(ev["is_gpu"])[rows]
     tid = np.asarray(ev["tid"])[rows]
     stream = np.asarray(ev["stream"])[rows]
+    coll = _kernel_collectives(t)
+    insts = m.setdefault("kernel_insts", {})
     for k, row in enumerate(rows):
         track = f"gpu stream {stream[k]}" if gpu[k] else f"cpu {tid[k]}"
+        args = coll.get(int(row)) if gpu[k] else None
         m["slices"].append((r, track, str(ev["name"][int(row)]), str(cat[int(row)]), int(ts[k]),
-                            int(max(0, dur[k])), None))
+                            int(max(0, dur[k])), dict(args) if args else None))
+        if args:
+            insts.setdefault((args["group"], args["seq"]), []).append((int(ts[k]), len(m["slices"]) - 1))
     mem = t.tables.memory
     if len(mem):
         mts = np.asarray(shift(np.asarray(mem["ts_ns"])), np.int64)
@@ -382,6 +389,45 @@ def add_trace(m, r, t, shift, sset, budget, clip_steps: bool = True) -> None:
         for i in idx[:: max(1, len(idx) // max(1, n))][:n]:
             m["counters"].append((r, "memory allocated (MB)", int(mts[i]),
                                   {"allocated": round(float(tot[i]) / 2 ** 20, 3)}))
+
+
+def _kernel_collectives(t) -> dict:
+    """Event row -> args of the GPU collective kernels that carry the trace's own process group
+    and sequence number (NCCL / RCCL kernels of PyTorch 2.x traces)."""
+    comm = t.tables.comm
+    if comm.empty or "seq" not in comm or "pg_name" not in comm:
+        return {}
+    gpu = t.tables.events["is_gpu"]
+    cols = {c: comm[c] for c in ("collective", "in_nelems", "group_size") if c in comm}
+    out = {}
+    for i in range(len(comm)):
+        row, seq = int(comm["row"][i]), comm["seq"][i]
+        if not gpu[row] or seq is None or int(seq) < 0 or comm["pg_name"][i] is None:
+            continue
+        a = {"group": str(comm["pg_name"][i]), "seq": int(seq)}
+        for c, col in cols.items():
+            if col[i] is not None:
+                a[c] = col[i] if isinstance(col[i], str) else int(col[i])
+        out[row] = a
+    return out
+
+
+def kernel_flows(m, budget) -> None:
+    """The same collective's kernels across ranks (process group, sequence number): an arrow
+    from each member's kernel to the one that started last, marked ``last_to_arrive``."""
+    insts = m.pop("kernel_insts", {})
+    for members in insts.values():
+        if len(members) < 2:
+            continue
+        if budget.take(2 * (len(members) - 1), "collective kernel flows") < 2 * (len(members) - 1):
+            continue
+        members.sort()
+        last = members[-1][1]
+        sl = m["slices"][last]
+        m["slices"][last] = sl[:2] + (sl[2] + " (last to arrive)",) + sl[3:6] + (
+            {**sl[6], "last_to_arrive": True},)
+        for _, idx in members[:-1]:
+            m["flows"].append((idx, last))
 
 
 def _build_bare(run, steps, ranks, findings, max_bytes) -> dict:
@@ -407,6 +453,7 @@ def _build_bare(run, steps, ranks, findings, max_bytes) -> dict:
                 m["slices"].append((r, "steps", f"ProfilerStep#{k}", "step", a,
                                     int(st["end_ns"][j]) - int(st["start_ns"][j]), {"step": k}))
         add_trace(m, r, t, lambda ns, s=shift.get(r, 0): np.asarray(ns, np.int64) - s, sset, budget)
+    kernel_flows(m, budget)
     chosen = {r: traces[r] for r in ranks[:MAX_PATH_TRACES]}
     all_steps = sorted({int(x) for t in chosen.values() for x in t.tables.steps["step"]})
     _critical_profiled(m, run, chosen, [s for s in all_steps if steps is None or s in set(steps)],

@@ -239,8 +239,8 @@ def replay(run, change: dict, steps=None) -> dict:
     change (one key):
     - ``{"remove_excess": R}``: rank R's work (compute, host, data) in each step scaled down to
       the median of the other ranks' work that step (no change where R is not above it);
-    - ``{"scale": {"rank": R | None, "kind": K | None, "factor": f}}``: work of that rank / kind
-      times f (0 removes it);
+    - ``{"scale": {"rank": R | [R, ...] | None, "kind": K | None, "factor": f}}``: work of
+      those ranks / kind times f (0 removes it);
     - ``{"hide_collective": {"group": G | None, "op": OP | None}}``: those collectives' transfer
       (join -> end) costs nothing, as if fully overlapped with compute.
 
@@ -265,6 +265,40 @@ def replay(run, change: dict, steps=None) -> dict:
             "saving_ms": round(b - a, 3), "saving_share": round((b - a) / b, 4) if b else None}
 
 
+def finding_change(f: dict) -> dict | None:
+    """The replay change a finding's fix amounts to, where the graph can express it: a
+    straggler (from the log) running as its peers do, starving ranks' data waits removed."""
+    ev = f.get("evidence") or {}
+    if f.get("kind") == "straggler" and ev.get("source") != "profiler traces":
+        k = ev.get("rank", (f.get("ranks") or [None])[0])
+        return {"remove_excess": int(k)} if isinstance(k, int) else None
+    if f.get("kind") == "data_starvation":
+        ranks = sorted(int(r) for r in (ev.get("ranks") or {})) or [int(r) for r in f.get("ranks") or []]
+        return {"scale": {"rank": ranks or None, "kind": "data", "factor": 0.0}}
+    return None
+
+
+def replay_findings(run, findings: list[dict]) -> list[dict]:
+    """Each finding whose estimate (analyzers/estimates.py) has a change the graph can replay
+    gets ``estimate["replay"]``: that change replayed on every analysed step's graph, its saving
+    next to the estimate's. Returns the comparison rows (``metrics.critical_path.what_if``)."""
+    rows = []
+    for f in findings:
+        e = f.get("estimate")
+        change = finding_change(f) if isinstance(e, dict) else None
+        if change is None:
+            continue
+        r = replay(run, change)
+        if r["saving_ms"] is None:
+            continue
+        e["replay"] = {"change": change, "saving_ms": r["saving_ms"], "path_before_ms": r["before_ms"],
+                       "path_after_ms": r["after_ms"], "steps": len(r["steps"]),
+                       "minus_estimate_ms": round(r["saving_ms"] - e["saving_ms"], 3)}
+        rows.append({"kind": f.get("kind"), "ranks": f.get("ranks"), "change": change,
+                     "estimate_saving_ms": e["saving_ms"], "replay_saving_ms": r["saving_ms"]})
+    return rows
+
+
 def _changed(g, change: dict) -> np.ndarray:
     """The edge weights with ``change`` applied (see replay)."""
     w = g.weight.astype(np.float64).copy()
@@ -285,7 +319,9 @@ def _changed(g, change: dict) -> np.ndarray:
     if "scale" in change:
         c = change["scale"]
         r, kind, f = c.get("rank"), c.get("kind"), float(c.get("factor", 0.0))
-        sel = (g.etype != _cp_graph.DEP) & ((g.rank == int(r)) if r is not None else True)
+        on = (np.isin(g.rank, [int(x) for x in r]) if isinstance(r, (list, tuple)) else g.rank == int(r)) \
+            if r is not None else True
+        sel = (g.etype != _cp_graph.DEP) & on
         if kind is None:
             w[sel & work] *= f
         else:

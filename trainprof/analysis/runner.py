@@ -131,6 +131,7 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
             findings.append(f.to_dict())
     findings = withhold_window(metrics, findings)
     actions = _advise(metrics, findings, errors)
+    _replay_estimates(run, metrics, findings, errors)
     from trainprof.analysis.summary_bound import bound_findings, bound_metrics
 
     bound_metrics(metrics)  # per-step series past a few thousand steps: thinned, said so
@@ -200,6 +201,23 @@ def _advise(metrics: dict, findings: list[dict], errors: list) -> list | None:
     except Exception as e:  # noqa: BLE001 - the findings stand without their estimates
         errors.append({"analyzer": "advice", "error": f"{type(e).__name__}: {e}"})
         return None
+
+
+def _replay_estimates(run: RunDir, metrics: dict, findings: list[dict], errors: list) -> None:
+    """The estimates whose change the critical path's graph can replay, replayed: each gets
+    ``estimate.replay``, and ``metrics.critical_path.what_if`` lists them side by side."""
+    cp = metrics.get("critical_path")
+    if not isinstance(cp, dict) or "job" not in cp:
+        return
+    try:
+        from trainprof.analyzers.critical_path import replay_findings
+
+        rows = replay_findings(run, findings)
+    except Exception as e:  # noqa: BLE001 - the estimates stand without their replay
+        errors.append({"analyzer": "critical_path", "error": f"replay of the estimates: {type(e).__name__}: {e}"})
+        return
+    if rows:
+        cp["what_if"] = rows
 
 
 def _saving(f: dict) -> float:

@@ -61,7 +61,10 @@ def test_clock_refined_from_collective_ends_within_the_probes_bound(tmp_path):
         al = align(RunDir(d))
         errs = [abs(al(r, t_mid) - truth(r, t_mid)) / 1e6 for r in node1]
         assert err_ms[0] <= float(np.median(errs)) <= err_ms[1], errs
-        assert "collective ends" in al.info[9]["method"]
+        assert "collective" in al.info[9]["method"]
+        for r in node1:  # where causality bounds the offset, the error is within the bound
+            if al.info[r]["method"].endswith("collective bounds"):
+                assert abs(al(r, t_mid) - truth(r, t_mid)) <= al.info[r]["uncertainty_us"] * 1e3
         assert abs(al.info[9]["shift_us"]) <= bound_ns / 1e3
         for r in range(8):  # rank 0's host: one clock, never moved
             assert al(r, t_mid) == truth(r, t_mid)
