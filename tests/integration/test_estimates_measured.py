@@ -86,3 +86,11 @@ def test_data_loading_in_workers_estimate_matches_the_run_with_workers(tmp_path)
                                   ["--data-ms", "80", "--data-rank", "1", "--workers", "2"],
                                   "data_starvation")
     print(f"data loading: estimate {est:.1f} ms, measured {measured:.1f} ms")
+
+
+def test_larger_ddp_buckets_estimate_matches_the_run_with_default_buckets(tmp_path):
+    # 40 small layers (82 gradients of ≤ 1 KB) in buckets of ~100 bytes: ~40 all-reduces per
+    # step, each paying gloo's fixed cost; the fix is DDP's default bucket_cap_mb (one bucket)
+    model = ["--compute-ms", "40", "--layers", "40", "--width", "16"]
+    est, measured = _checked_pair(tmp_path, [*model, "--bucket-mb", "0.0001"], model, "exposed_comm")
+    print(f"DDP buckets: estimate {est:.1f} ms, measured {measured:.1f} ms")
