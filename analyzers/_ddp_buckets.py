@@ -32,10 +32,11 @@ DEFAULT_CAP_BYTES = 25 << 20    # DDP's default bucket_cap_mb (25 MiB)
 MIN_SAMPLES_PER_SIZE = 3        # a size's median service time takes part in beta's fit
 
 
-def measure(coll, kept_steps, cap_bytes: int | None = None) -> dict | None:
+def measure(coll, kept_steps, cap_bytes: int | None = None, steps=None) -> dict | None:
     """The buckets of each (rank, step) of ``kept_steps`` and their replay with the buckets
     merged to ``target`` (DDP's default cap, or the job's own cap when larger). ``coll``: the
-    run's collective records (run.collectives()). None without DDP bucket records."""
+    run's collective records (run.collectives()); ``steps``: its step records (run.steps()),
+    whose ``dur_ms`` each row then carries as ``step_ms``. None without DDP bucket records."""
     if coll is None or coll.empty or "api" not in coll or "bucket" not in coll:
         return None
     b = coll.loc[coll["api"].eq(API) & coll["end_ns"].notna() & coll["enqueue_ns"].notna()]
@@ -64,13 +65,18 @@ def measure(coll, kept_steps, cap_bytes: int | None = None) -> dict | None:
     gaps = np.concatenate([r["gaps_ns"] for r in rows])
     gap = float(np.median(gaps)) if len(gaps) else 0.0
     target = max(DEFAULT_CAP_BYTES, int(cap_bytes or 0))
+    dur = {}
+    if steps is not None and not steps.empty and {"rank", "step", "dur_ms"} <= set(steps):
+        dur = {(int(a), int(b)): float(c) for a, b, c in
+               steps[["rank", "step", "dur_ms"]].itertuples(index=False)}
     out = []
     for r in rows:
         merged = plan(r["sizes"], target)
         after = replay(merged, gap, alpha, beta)
         out.append({"rank": r["rank"], "step": r["step"], "buckets": r["buckets"],
                     "bytes": r["bytes"], "span_ms": r["span_ns"] / 1e6,
-                    "buckets_after": len(merged), "span_ms_after": after / 1e6})
+                    "buckets_after": len(merged), "span_ms_after": after / 1e6,
+                    "step_ms": dur.get((r["rank"], r["step"]))})
     n = np.array([x["buckets"] for x in out])
     sizes = np.concatenate([r["sizes"] for r in rows])
     return {"per_rank_step": out, "buckets_per_step": float(np.median(n)),

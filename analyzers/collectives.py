@@ -428,7 +428,8 @@ def _ddp_buckets_finding(run, kept, metrics: dict) -> Finding | None:
     from trainprof.analyzers import _ddp_buckets, step_time
     from trainprof.analyzers import estimates as est
 
-    ddp = _ddp_buckets.measure(run.collectives(), kept, _ddp_cap(run))
+    ddp = _ddp_buckets.measure(run.collectives(), kept, _ddp_cap(run),
+                               run.steps().drop_duplicates(["rank", "step"], keep="last"))
     if ddp is None:
         return None
     step_ms = ((step_time.analyze(run).metrics or {}).get("job") or {}).get("median_ms")

@@ -200,6 +200,14 @@ def test_ddp_buckets_merged_replay_by_hand():
     assert row["span_ms"] == pytest.approx(12.0) and row["span_ms_after"] == pytest.approx(6.0)
     e = est.ddp_buckets_merged(m, 50.0)
     assert e["step_ms_after"] == pytest.approx(44.0) and e["saving_ms"] == pytest.approx(6.0)
+    # with the steps' own times, each step replayed: max over ranks of step − 12 + 6
+    steps = pd.DataFrame([{"rank": r, "step": s, "dur_ms": d} for r, s, d in
+                          ((0, 1, 50.0), (1, 1, 53.0), (0, 2, 47.0), (1, 2, 46.0))])
+    m = _ddp_buckets.measure(pd.DataFrame(recs), [1, 2], cap_bytes=100, steps=steps)
+    e = est.ddp_buckets_merged(m, 50.0)  # steps 47 and 41: median 44
+    assert e["step_ms_after"] == pytest.approx(44.0)
+    e = est.ddp_buckets_merged(m, 53.0)
+    assert e["step_ms_before"] == 53.0 and e["saving_ms"] == pytest.approx(9.0)
     # the plan: first bucket capped at 1 MiB, then the cap; a bucket over the cap stays whole
     sizes = np.array([600_000.0, 600_000.0, 30e6, 10.0])
     assert _ddp_buckets.plan(sizes, 25 << 20) == [(0, 600_000.0), (1, 600_000.0), (2, 30e6), (3, 10.0)]
