@@ -788,10 +788,11 @@ def _findings(per_rank: list[dict], exposed: float, late: dict | None = None,
     own = {r["rank"]: adjusted.get(r["rank"], r["exposed_comm_fraction"]) for r in per_rank}
     judged = late["exposed"] if adjusted else exposed
     # raised when hiding it is worth it: the overlap bound (estimates.exposed_comm_hidden) of
-    # the median rank saves ≥ MIN_SAVING of the step
+    # the median rank saves ≥ MIN_SAVING of the step; of an even number of ranks the lower
+    # median (in lockstep a rank's saving shortens the step only if its peers' do too)
     ests = {r["rank"]: exposed_comm_hidden(r, own[r["rank"]]) for r in per_rank}
     ranked = sorted((e for e in ests.values() if e), key=lambda e: e["saving_fraction"])
-    est = ranked[len(ranked) // 2] if ranked else None
+    est = ranked[(len(ranked) - 1) // 2] if ranked else None
     if est and est["saving_fraction"] >= MIN_SAVING:
         worst = sorted(per_rank, key=lambda r: -own[r["rank"]])
         dims: dict[str, float] = {}
