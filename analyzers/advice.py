@@ -242,4 +242,4 @@ def _worst(ests: list) -> dict | None:
 
 def _median_est(ests: list) -> dict | None:
     ests = sorted((e for e in ests if e), key=lambda e: e["saving_fraction"])
-    return ests[len(ests) // 2] if ests else None
+    return ests[(len(ests) - 1) // 2] if ests else None  # the lower of two middle ones

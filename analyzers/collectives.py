@@ -401,7 +401,10 @@ def analyze(run) -> AnalyzerResult:
     # Time spent waiting for a late rank (a straggler, a rank starved of input) is that rank's
     # finding, not communication: it is left out here.
     late = _late_waits(run, blocked)
-    if blocked and late["median_fraction"] is not None and not run.profiler_traces() \
+    ddp = _ddp_buckets_finding(run, kept, metrics)
+    if ddp is not None:
+        findings.append(ddp)
+    elif blocked and late["median_fraction"] is not None and not run.profiler_traces() \
             and late["median_fraction"] >= EXPOSED_FRACTION:
         top = blocked["top_groups"][:3]
         names = ", ".join(f"{t['group']} ({t['mesh_dim'] or 'world/other'}, "
@@ -416,6 +419,55 @@ def analyze(run) -> AnalyzerResult:
     if blocked is not None:
         blocked["median_fraction_excl_late_ranks"] = late["median_fraction"]
     return AnalyzerResult(metrics=metrics, findings=findings)
+
+
+def _ddp_buckets_finding(run, kept, metrics: dict) -> Finding | None:
+    """DDP's gradient buckets (analyzers/_ddp_buckets.py) in ``metrics["ddp_buckets"]``, and
+    the exposed_comm finding their merge to a larger bucket_cap_mb is worth: raised when the
+    replay saves ≥ estimates.MIN_SAVING of the job's median step."""
+    from trainprof.analyzers import _ddp_buckets, step_time
+    from trainprof.analyzers import estimates as est
+
+    ddp = _ddp_buckets.measure(run.collectives(), kept, _ddp_cap(run),
+                               run.steps().drop_duplicates(["rank", "step"], keep="last"))
+    if ddp is None:
+        return None
+    step_ms = ((step_time.analyze(run).metrics or {}).get("job") or {}).get("median_ms")
+    e = est.ddp_buckets_merged(ddp, step_ms)
+    rows = ddp.pop("per_rank_step")
+    metrics["ddp_buckets"] = {**ddp, "estimate": e,
+                              "span_ms_per_step": round(float(np.median([r["span_ms"] for r in rows])), 3)}
+    if not e or e["saving_fraction"] < est.MIN_SAVING:
+        return None
+    mb = lambda b: f"{b / 2 ** 20:.2g} MB"  # noqa: E731
+    cap = ddp["cap_bytes"]
+    now = f"bucket_cap_mb={mb(cap)}: " if cap else ""
+    return Finding(
+        "exposed_comm", "warning", [],
+        f"DDP all-reduces its gradients in {ddp['buckets_per_step']:g} buckets per step "
+        f"({now}median {ddp['median_bucket_bytes'] / 1024:.3g} KB), each paying "
+        f"{ddp['alpha_ms']:.2f} ms of fixed cost: from the first bucket to the last one's "
+        f"completion takes {metrics['ddp_buckets']['span_ms_per_step']:.1f} ms per step; in "
+        f"{ddp['buckets_after']} bucket(s) of ≤ {mb(ddp['target_cap_bytes'])} the step would take "
+        f"{e['saving_ms']:.1f} ms less",
+        evidence={"source": "collective log (DDP buckets)", **{k: v for k, v in ddp.items()}},
+        fix=(f"raise DDP's bucket_cap_mb to {mb(ddp['target_cap_bytes'])} or more "
+             f"(DistributedDataParallel(..., bucket_cap_mb={ddp['target_cap_bytes'] / 2 ** 20:g})): "
+             f"{ddp['buckets_per_step']:g} small all-reduces per step become "
+             f"{ddp['buckets_after']}"),
+        estimate=e)
+
+
+def _ddp_cap(run) -> int | None:
+    """The largest bucket_bytes_cap the ranks' DDP models report (meta.json ``ddp``)."""
+    caps = []
+    for r in list(run.ranks)[:64]:
+        try:
+            caps += [m.get("bucket_bytes_cap") for m in (run.rank_meta(r) or {}).get("ddp") or []]
+        except Exception:  # noqa: BLE001 - meta is optional
+            continue
+    caps = [c for c in caps if isinstance(c, int) and not isinstance(c, bool)]
+    return max(caps) if caps else None
 
 
 def _late_waits(run, blocked) -> dict:

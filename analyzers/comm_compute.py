@@ -20,6 +20,7 @@ from trainprof._lazy import pd
 from trainprof.analyzers import _async_p2p, _coll_kernels, _gpu_calls, _log_labels
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._stats import median
+from trainprof.analyzers.estimates import MIN_SAVING, exposed_comm_hidden
 from trainprof.analyzers._profiled_window import off_training
 from trainprof.analyzers._comm_groups import (coll_types, gloo_event_groups, gpu_event_groups,
                                               group_dims, trace_groups, trace_pg_names)
@@ -29,7 +30,6 @@ from trainprof.trace.threads import main_thread
 from trainprof.wording import ranks_phrase
 
 NAME = "comm_compute"
-EXPOSED_COMM_FINDING = 0.40   # median rank's exposed communication ≥ this share of the step
 HOST_STALL_FINDING = 0.05     # host blocked in synchronizations ≥ this share of the step
 WARMUP_FACTOR = 1.5           # a profiled step this much slower than the others' median is warm-up
 UNTYPICAL_WINDOW = 2.0        # profiled steps this much slower than the job's other steps: the
@@ -107,6 +107,15 @@ def _dim_split(comm_keys, starts, ends, exposed: iv.Set, lo=None, hi=None) -> di
     return out
 
 
+def _tail(comm: iv.Set, exposed: iv.Set) -> int:
+    """Exposed time (ns) of the step's last communication interval: its last collective, which
+    reduces the last gradients (DDP's last bucket, FSDP's last reduce-scatter) and so has no
+    compute left to run under."""
+    if not len(comm[0]):
+        return 0
+    return iv.length(iv.intersect((comm[0][-1:], comm[1][-1:]), exposed))
+
+
 # --------------------------------------------------------------------------- GPU
 def _gpu_rows(trace, dims: dict, split: list | None = None, used: dict | None = None) -> list[dict]:
     ev = trace.tables.events
@@ -149,6 +158,7 @@ def _gpu_rows(trace, dims: dict, split: list | None = None, used: dict | None = 
             "compute_ms": _ms(iv.length(comp) - overlapped), "overlapped_ms": _ms(overlapped),
             "exposed_comm_ms": _ms(iv.length(exposed)), "data_ms": 0.0, "other_ms": _ms(other),
             "idle_ms": _ms(idle), "comm_ms": _ms(iv.length(comm)),
+            "tail_exposed_ms": _ms(_tail(comm, exposed)),
             "comm_by_type_ms": {t: _ms(v) for t, v in _by_key(ctype[cm], ks[cm], ke[cm]).items()},
             "by_dim": _dim_split(kdim[cm], ks[cm], ke[cm], exposed),
             "host_step_ms": _ms(span), "sync_calls": st[0], "sync_ms": _ms(st[1]),
@@ -376,7 +386,7 @@ def _cpu_rows(trace, dims: dict, log=None, split: list | None = None,
             "overlapped_ms": _ms(iv.length(overlapped)), "exposed_comm_ms": _ms(iv.length(exposed)),
             "data_ms": _ms(iv.length(data)), "other_ms": _ms(iv.length(other)),
             "idle_ms": _ms(max(window - iv.length(accounted) - iv.length(other), 0)),
-            "comm_ms": _ms(iv.length(comm)),
+            "comm_ms": _ms(iv.length(comm)), "tail_exposed_ms": _ms(_tail(comm, exposed)),
             "comm_by_type_ms": {t: _ms(v) for t, v in _by_key_in(by_type, lo, hi).items()},
             "by_dim": _dim_split_in(by_dim, exposed, lo, hi),
             "host_step_ms": _ms(window), "sync_calls": 0, "sync_ms": 0.0, "d2h_copies": 0})
@@ -569,6 +579,7 @@ def _rank_summary(rank, rows, hta, kind, coords) -> dict:
         "warmup_steps": warm, "step_window_ms": round(float(median([r["window_ms"] for r in rows])), 3),
         **{k.replace("_ms", "_fraction"): round(tot[k] / w, 4) for k in CATEGORIES},
         "comm_fraction": round(tot["comm_ms"] / w, 4),
+        "tail_exposed_fraction": round(sum(r.get("tail_exposed_ms") or 0.0 for r in use) / w, 4),
         "overlap_of_comm": round(tot["overlapped_ms"] / tot["comm_ms"], 4) if tot["comm_ms"] else 0.0,
         "sync_calls_per_step": round(sum(r["sync_calls"] for r in use) / n, 2),
         "sync_ms_per_step": round(tot["sync_ms"] / n, 3),
@@ -636,6 +647,8 @@ def analyze(run) -> AnalyzerResult:
         summary = _rank_summary(rank, rows, hta, kind, _coords(run, rank))
         if d.get("whole_trace_window"):
             summary["whole_trace_window"] = True
+            # no steps: any collective may be the last of its iteration (nothing to hide it)
+            summary["tail_exposed_fraction"] = summary["exposed_comm_fraction"]
         per_rank.append(summary)
         run_steps = _run_steps(run, rank, len(rows))
         per_step += [{"rank": rank, **r, "run_step": rs, "warmup": r["step"] in summary["warmup_steps"]}
@@ -654,7 +667,7 @@ def analyze(run) -> AnalyzerResult:
     metrics = {"job": job, "exposed_comm_fraction": job["exposed_comm_fraction"],
                "per_rank": per_rank, "per_step": per_step,
                "by_mesh_dim": _mesh_dim_table(per_rank, _log_blocked_by_dim(run, dims)),
-               "group_dims": dims, "thresholds": {"exposed_comm": EXPOSED_COMM_FINDING,
+               "group_dims": dims, "thresholds": {"exposed_comm_saving": MIN_SAVING,
                                                   "host_stall": HOST_STALL_FINDING,
                                                   "warmup_factor": WARMUP_FACTOR},
                "definitions": "docs/comm-compute.md"}
@@ -774,7 +787,13 @@ def _findings(per_rank: list[dict], exposed: float, late: dict | None = None,
     adjusted = (late or {}).get("adjusted") or {}
     own = {r["rank"]: adjusted.get(r["rank"], r["exposed_comm_fraction"]) for r in per_rank}
     judged = late["exposed"] if adjusted else exposed
-    if judged >= EXPOSED_COMM_FINDING:
+    # raised when hiding it is worth it: the overlap bound (estimates.exposed_comm_hidden) of
+    # the median rank saves ≥ MIN_SAVING of the step; of an even number of ranks the lower
+    # median (in lockstep a rank's saving shortens the step only if its peers' do too)
+    ests = {r["rank"]: exposed_comm_hidden(r, own[r["rank"]]) for r in per_rank}
+    ranked = sorted((e for e in ests.values() if e), key=lambda e: e["saving_fraction"])
+    est = ranked[(len(ranked) - 1) // 2] if ranked else None
+    if est and est["saving_fraction"] >= MIN_SAVING:
         worst = sorted(per_rank, key=lambda r: -own[r["rank"]])
         dims: dict[str, float] = {}
         for r in per_rank:
@@ -812,17 +831,23 @@ def _findings(per_rank: list[dict], exposed: float, late: dict | None = None,
             if lb is not None:
                 note += (f"; over the other steps the collective log puts the time blocked in "
                          f"collectives at {lb:.0%} of the step")
-                if lb < EXPOSED_COMM_FINDING:
+                # the share hideable scaled to the other steps' blocked time
+                if judged > 0 and est["saving_fraction"] * lb / judged < MIN_SAVING:
                     severity = "info"
             else:
                 note += "; profile steps further into the run (--profile-steps) to check"
         out.append(Finding(
-            kind="exposed_comm", severity=severity,  # every rank above the threshold
-            ranks=[r["rank"] for r in worst if own[r["rank"]] >= EXPOSED_COMM_FINDING],
+            kind="exposed_comm", severity=severity,  # every rank whose fix is worth it
+            ranks=[r["rank"] for r in worst if ests[r["rank"]]
+                   and ests[r["rank"]]["saving_fraction"] >= MIN_SAVING],
             message=(f"communication not hidden by compute takes {judged:.0%} of the {of}"
-                     f"median rank, threshold {EXPOSED_COMM_FINDING:.0%}); largest: "
+                     f"median rank); hidden under compute, all but the last collective's, it "
+                     f"would save up to {est['saving_fraction']:.0%} of the step; largest: "
                      + ", ".join(f"{t} {v:.1f} {unit}" for t, v in top) + where + note),
-            evidence={"exposed_comm_fraction": judged, "threshold": EXPOSED_COMM_FINDING,
+            estimate=est,
+            evidence={"exposed_comm_fraction": judged, "min_saving": MIN_SAVING,
+                      "tail_exposed_fraction": {str(r["rank"]): r.get("tail_exposed_fraction")
+                                                for r in per_rank},
                       **({"exposed_comm_fraction_with_waits": exposed,
                           "waiting_for_late_ranks_ms": late["wait_ms"], "late_ranks": late["late"]}
                          if adjusted else {}),

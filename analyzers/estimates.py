@@ -219,21 +219,61 @@ def sync_removed_window(row: dict) -> dict | None:
 
 
 def exposed_comm_hidden(row: dict, exposed_fraction: float | None = None) -> dict | None:
-    """Overlap bound: exposed communication hidden under the step's compute, at most all of it
-    and at most as much compute as is not yet overlapping communication."""
+    """Overlap bound: exposed communication hidden under the step's compute, but for the
+    exposed part of the step's last collective (it reduces the last gradients: no compute is
+    left to hide it), and at most as much compute as is not yet overlapping communication."""
     win = row.get("step_window_ms")
     if not _num(win):
         return None
     ex = exposed_fraction if _num(exposed_fraction) else row.get("exposed_comm_fraction") or 0.0
+    tail = row.get("tail_exposed_fraction") or 0.0
     comp = row.get("compute_fraction") or 0.0
-    hide = win * min(ex, comp)
+    hide = win * min(max(ex - tail, 0.0), comp)
     return estimate(win, win - hide,
-                    "overlap bound: the profiled step window minus its exposed communication, "
-                    "at most the compute not yet overlapping communication (min(exposed, compute))",
+                    "overlap bound: the profiled step window minus its exposed communication "
+                    "but the last collective's (min(exposed − last collective's exposed, "
+                    "compute not yet overlapping communication))",
                     ["the collectives are issued early enough to run under independent compute "
                      "(DDP buckets / FSDP prefetch / async TP); the transfers take as long as now",
+                     "the step's last collective stays exposed: it waits for the last gradients",
                      "an upper bound on the saving: dependencies may leave part exposed"],
                     f"profiled step window (rank {row.get('rank')}, comm_compute)")
+
+
+def ddp_buckets_merged(ddp: dict, step_ms: float | None) -> dict | None:
+    """DDP's gradient buckets merged to a larger ``bucket_cap_mb``: each rank's backward from
+    its first bucket launch to its last bucket's completion (the span) replayed with the
+    merged buckets (analyzers/_ddp_buckets.py: the backward compute per bucket and each
+    bucket's all-reduce time ``alpha + beta × bytes`` as measured). Lockstep replay: a step
+    after the fix takes the max over ranks of its step − span + replayed span; the estimate
+    is the median over the analysed steps. Rows without their step time: the job's median
+    step less the median over steps of the median over ranks of span − replayed span."""
+    rows = ddp.get("per_rank_step") or []
+    if not rows or not _num(step_ms) or all(r["buckets_after"] >= r["buckets"] for r in rows):
+        return None  # nothing to merge: the job's buckets are as large as the cap makes them
+    by_step: dict = {}
+    for r in rows:
+        by_step.setdefault(r["step"], []).append(r)
+    if all(_num(r.get("step_ms")) for r in rows):
+        after = float(median([max(r["step_ms"] - r["span_ms"] + r["span_ms_after"] for r in v)
+                              for v in by_step.values()]))
+    else:
+        after = step_ms - float(median([median([r["span_ms"] - r["span_ms_after"] for r in v])
+                                        for v in by_step.values()]))
+    cap = ddp.get("target_cap_bytes") or 0
+    return estimate(step_ms, after,
+                    f"backward replayed with DDP's buckets merged to {cap / 2 ** 20:g} MB "
+                    f"({ddp.get('buckets_per_step'):g} → {ddp.get('buckets_after')} per step): "
+                    "launched as their last gradient is ready (the measured median "
+                    f"{ddp.get('gap_ms', 0):.3f} ms per bucket of backward), each all-reduce "
+                    f"{ddp.get('alpha_ms', 0):.3f} ms + {ddp.get('beta_ms_per_mb', 0):.3f} ms/MB "
+                    "(fitted to the measured buckets), one after the other; each step the max "
+                    "over ranks of step − span + replayed span (span: first launch → last "
+                    "completion), median over steps",
+                    ["an all-reduce costs what the measured ones cost for its size (fixed "
+                     "latency + bytes)", "the backward compute between gradients is unchanged; "
+                     "the per-bucket hook and launch costs go with the buckets"],
+                    f"job step (slowest rank), median over {len(by_step)} analysed steps")
 
 
 def amp(classes: list[dict], peaks: dict | None, row: dict | None, steps: int) -> dict | None:

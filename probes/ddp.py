@@ -364,6 +364,9 @@ def _note(ddp, tap):
                  "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False)),
                  "static_graph": bool(getattr(ddp, "static_graph", False)),
                  "find_unused_parameters": bool(getattr(ddp, "find_unused_parameters", False))}
+        cap = getattr(ddp, "bucket_bytes_cap", None)
+        if isinstance(cap, int) and not isinstance(cap, bool):
+            entry["bucket_bytes_cap"] = cap
         if tap.reason:
             entry["not_recorded"] = tap.reason
             runtime.warn(f"DDP gradient all-reduce not recorded: {tap.reason}")

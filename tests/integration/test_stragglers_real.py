@@ -153,8 +153,13 @@ def test_real_job_sleeping_rank_named(tmp_path):
         assert ev["cause"] == "compute"
     # the clean job's allowance for a rank the machine slowed does not cover a sleep
     assert not _machine_slowed(tmp_path / "sleep", s, f)
-    # exposed communication does not blame rank 0 for waiting
-    assert not [x for x in _kinds(s, "exposed_comm") if 0 in x["ranks"]]
+    # exposed communication does not blame rank 0 for waiting: its waits for rank 1 are left
+    # out (the job's 4 all-reduces after backward may still be worth overlapping: the rest)
+    for x in _kinds(s, "exposed_comm"):
+        ev = x["evidence"]
+        assert "late rank 1" in x["message"] and ev["late_ranks"] == [1], x["message"]
+        assert ev["per_rank"]["0"] <= ev["exposed_comm_fraction_with_waits"], ev
+        assert x["estimate"]["saving_fraction"] <= ev["per_rank"]["0"] + 1e-3, x["estimate"]
     cc = s["metrics"].get("comm_compute") or {}
     if cc:
         assert cc["waiting_for_late_ranks"]["late"] == [1]

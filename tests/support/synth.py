@@ -70,13 +70,14 @@ def ev(name, cat, ts, dur, tid=100):
 
 
 def rank_events(late: str | None, steps: int = 4, profiler_steps: bool = True,
-                wait_us: int = 22_000, mm_us: int = 5_000) -> list:
+                wait_us: int = 22_000, mm_us: int = 5_000, early_us: int = 0) -> list:
     """One rank's events for ``steps`` iterations of STEP_US each. ``late``: how this rank
     spends 20 ms at the start of each iteration ("sleep": in `<built-in function sleep>` under
     a Python frame, as with_stack records it; "host": in a Python function with no call under
     it, as a busy loop; "compute": in aten::mm; "idle": in no event, as a sleep or a busy loop
     without with_stack), then ``mm_us`` of aten::mm and a 2 ms all-reduce; None: a peer that
-    computes 5 ms and then waits ``wait_us`` in the all-reduce."""
+    computes 5 ms and then waits ``wait_us`` in the all-reduce (``early_us``: after an all-reduce
+    of that long at the start of the iteration, one compute could hide)."""
     # a whole-trace window runs from the trace's first event: every rank starts with one
     out = [] if profiler_steps else [ev("aten::empty", "cpu_op", 0, 10)]
     for i in range(steps):
@@ -84,7 +85,10 @@ def rank_events(late: str | None, steps: int = 4, profiler_steps: bool = True,
         if profiler_steps:
             out.append(ev(f"ProfilerStep#{i}", "user_annotation", t, STEP_US))
         if late is None:
-            mm, comm = (t, 5_000), (t + 5_000, wait_us)
+            if early_us:
+                out += [ev("c10d::allreduce_", "cpu_op", t, early_us),
+                        ev("gloo:all_reduce", "user_annotation", t, early_us, tid=200)]
+            mm, comm = (t + early_us, 5_000), (t + early_us + 5_000, wait_us)
         else:
             if late == "sleep":  # with_stack: the frame, and the call in it
                 out += [ev("train.py(12): <module>", "python_function", t, 27_000),

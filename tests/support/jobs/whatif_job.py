@@ -41,6 +41,8 @@ ap.add_argument("--data-ms", type=float, default=0.0)
 ap.add_argument("--data-rank", type=int, default=-1)
 ap.add_argument("--workers", type=int, default=0)
 ap.add_argument("--bucket-mb", type=float, default=25.0)
+ap.add_argument("--layers", type=int, default=1)
+ap.add_argument("--width", type=int, default=64)
 a = ap.parse_args()
 
 dist.init_process_group("gloo")
@@ -66,7 +68,9 @@ class Batches(Dataset):
 delay = a.data_ms / 1e3 if a.data_rank in (-1, rank) else 0.0
 loader = DataLoader(Batches(a.steps, delay), batch_size=None, num_workers=a.workers,
                     **({"prefetch_factor": 2} if a.workers else {}))
-model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)), bucket_cap_mb=a.bucket_mb)
+hidden = [m for _ in range(a.layers - 1) for m in (nn.Linear(a.width, a.width), nn.ReLU())]
+model = DDP(nn.Sequential(nn.Linear(32, a.width), nn.ReLU(), *hidden, nn.Linear(a.width, 4)),
+            bucket_cap_mb=a.bucket_mb)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 extra = a.slow_ms / 1e3 if rank == a.slow_rank else 0.0
 for x, y in loader:

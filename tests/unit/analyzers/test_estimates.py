@@ -8,6 +8,7 @@ import gzip
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from trainprof.analyzers import advice, estimates as est
@@ -74,6 +75,10 @@ def test_exposed_comm_overlap_bound_and_pipeline_micro_batches():
     e = est.exposed_comm_hidden({"rank": 0, "step_window_ms": 200.0, "exposed_comm_fraction": 0.5,
                                  "compute_fraction": 0.3})
     assert e["step_ms_after"] == pytest.approx(140.0)  # at most the compute: 0.3 × 200
+    # the last collective's exposed 25 % stays: 0.5 − 0.25 hidden, under 0.3 of compute
+    e = est.exposed_comm_hidden({"rank": 0, "step_window_ms": 200.0, "exposed_comm_fraction": 0.5,
+                                 "compute_fraction": 0.3, "tail_exposed_fraction": 0.25})
+    assert e["step_ms_after"] == pytest.approx(150.0)
     pipe = {"bubble_fraction": 0.4, "decomposition": {"handovers": 0.1},
             "config": {"micro_batches": 4}, "per_stage": [{"window_ms": 100.0}, {"window_ms": 100.0}]}
     e = est.more_micro_batches(pipe, 120.0)
@@ -164,3 +169,61 @@ def test_amp_for_fp32_tensor_core_work_is_priced_and_raised():
     metrics["launch"]["per_rank"][0]["host_ms_per_step"] = 98.0
     findings = []
     assert advice.advise(metrics, findings) == [] and findings == []
+
+
+def test_ddp_buckets_merged_replay_by_hand():
+    """Two ranks, two steps, four 1 KB buckets launched 1 ms apart; each all-reduce takes 3 ms
+    (the process group runs them one after the other): span = launch 0 → 3 + 3 + 3 + 3 = 12 ms
+    (the queue never empties). Merged into one bucket of 4 KB launched at 3 ms (its last
+    member): 3 + alpha 3 ms = 6 ms. Saving 6 ms of a 50 ms step."""
+    import pandas as pd
+
+    from trainprof.analyzers import _ddp_buckets
+
+    recs = []
+    for rank in (0, 1):
+        for step in (1, 2):
+            t0 = step * 1_000_000_000
+            for i in range(4):
+                recs.append({"rank": rank, "step": step, "api": "ddp.bucket", "bucket": i,
+                             "bytes": 1024, "enqueue_ns": t0 + i * 1_000_000,
+                             "end_ns": t0 + (i + 1) * 3_000_000})
+    # one 16 KB bucket elsewhere in step 1 of rank 0 is not a DDP bucket: ignored
+    recs.append({"rank": 0, "step": 1, "api": None, "bucket": None, "bytes": 16384,
+                 "enqueue_ns": 1_000_000_000, "end_ns": 1_050_000_000})
+    m = _ddp_buckets.measure(pd.DataFrame(recs), [1, 2], cap_bytes=100)
+    assert m["buckets_per_step"] == 4 and m["buckets_after"] == 1
+    assert m["alpha_ms"] == pytest.approx(3.0) and m["beta_ms_per_mb"] == 0.0
+    assert m["gap_ms"] == pytest.approx(1.0) and m["cap_bytes"] == 100
+    assert m["target_cap_bytes"] == 25 << 20
+    row = m["per_rank_step"][0]
+    assert row["span_ms"] == pytest.approx(12.0) and row["span_ms_after"] == pytest.approx(6.0)
+    e = est.ddp_buckets_merged(m, 50.0)
+    assert e["step_ms_after"] == pytest.approx(44.0) and e["saving_ms"] == pytest.approx(6.0)
+    # with the steps' own times, each step replayed: max over ranks of step − 12 + 6
+    steps = pd.DataFrame([{"rank": r, "step": s, "dur_ms": d} for r, s, d in
+                          ((0, 1, 50.0), (1, 1, 53.0), (0, 2, 47.0), (1, 2, 46.0))])
+    m = _ddp_buckets.measure(pd.DataFrame(recs), [1, 2], cap_bytes=100, steps=steps)
+    e = est.ddp_buckets_merged(m, 50.0)  # steps 47 and 41: median 44
+    assert e["step_ms_after"] == pytest.approx(44.0)
+    e = est.ddp_buckets_merged(m, 53.0)
+    assert e["step_ms_before"] == 53.0 and e["saving_ms"] == pytest.approx(9.0)
+    # the plan: first bucket capped at 1 MiB, then the cap; a bucket over the cap stays whole
+    sizes = np.array([600_000.0, 600_000.0, 30e6, 10.0])
+    assert _ddp_buckets.plan(sizes, 25 << 20) == [(0, 600_000.0), (1, 600_000.0), (2, 30e6), (3, 10.0)]
+    assert _ddp_buckets.plan(np.array([1e5] * 4), 25 << 20) == [(3, 4e5)]
+    # buckets already as large as the cap makes them: nothing to estimate
+    one = [dict(r, bucket=0) for r in recs if r["api"] and r["bucket"] == 0]
+    m1 = _ddp_buckets.measure(pd.DataFrame(one), [1, 2])
+    assert m1["buckets_after"] == 1 and est.ddp_buckets_merged(m1, 50.0) is None
+
+
+def test_ddp_bucket_service_time_fit():
+    """alpha + beta × bytes through the median service time of each size."""
+    from trainprof.analyzers import _ddp_buckets
+
+    sizes = np.array([1e3] * 5 + [1e6] * 5)
+    service = 2e5 + 3.0 * sizes  # 0.2 ms + 3 ns per byte
+    service[0] *= 40  # a stall: the medians keep it out
+    alpha, beta = _ddp_buckets._fit(sizes, service)
+    assert beta == pytest.approx(3.0) and alpha == pytest.approx(2e5)

@@ -429,8 +429,11 @@ def test_exposed_comm_leaves_out_waits_for_a_straggler(tmp_path):
     w = stragglers.waits_for_stragglers(run)
     assert w["late"] == [2] and set(w["wait_ms"]) == {0, 1, 3}
     # comm_compute (trace based) leaves the same waits out of the ranks' exposed fractions
+    # the others' last collective is exposed 30 % of the step (rank 2's: all of its 28 %):
+    # the rest, 42 %, is what overlap could hide, were it not waiting for rank 2
     per_rank = [{"rank": r, "exposed_comm_fraction": 0.72 if r != 2 else 0.28,
-                 "step_window_ms": STEP_MS, "by_dim_ms_per_step": {}, "comm_by_type_ms_per_step":
+                 "compute_fraction": 0.28 if r != 2 else 0.72,
+                 "tail_exposed_fraction": 0.3 if r != 2 else 0.28, "step_window_ms": STEP_MS, "by_dim_ms_per_step": {}, "comm_by_type_ms_per_step":
                  {"all_reduce": 720.0}, "sync_fraction": 0.0} for r in range(4)]
     late = comm_compute._late_waits(run, per_rank)
     assert late["late"] == [2]

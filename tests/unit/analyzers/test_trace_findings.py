@@ -89,13 +89,15 @@ def test_straggler_judged_over_one_whole_trace_window(tmp_path):
 
 
 def test_whole_trace_window_clean_job_names_no_straggler_and_no_steps(tmp_path):
-    # both ranks wait 15 ms of 30 in every iteration: exposed communication, no late rank
+    # both ranks wait 15 ms of 30 in every iteration: exposed communication, no late rank; in
+    # one window without steps every collective may be the last of its iteration (the one no
+    # compute is left to hide): no saving can be shown, no finding
     s = summary_of(write_job(tmp_path / "clean", [
-        rank_events(None, 5, profiler_steps=False, wait_us=15_000) for _ in range(2)]))
+        rank_events(None, 5, profiler_steps=False, wait_us=15_000, early_us=3_000) for _ in range(2)]))
     assert not stragglers(s)
     assert s["metrics"]["trace_stragglers"]["whole_trace_window"] is True
-    (f,) = [f for f in s["findings"] if f["kind"] == "exposed_comm"]
-    assert "ms/step" not in f["message"] and "of the traced window" in f["message"], f["message"]
+    assert s["metrics"]["comm_compute"]["exposed_comm_fraction"] > 0.5
+    assert not [f for f in s["findings"] if f["kind"] == "exposed_comm"], s["findings"]
     from trainprof.reports.terminal import key_metrics
 
     assert dict(key_metrics(s))["exposed communication"].endswith("of the traced window")
@@ -103,7 +105,7 @@ def test_whole_trace_window_clean_job_names_no_straggler_and_no_steps(tmp_path):
 
 # ------------------------------------------------------------------ default group = world
 def test_default_group_of_bare_gloo_traces_is_world(tmp_path):
-    s = summary_of(write_job(tmp_path / "ddp", [rank_events(None, 3) for _ in range(2)]))
+    s = summary_of(write_job(tmp_path / "ddp", [rank_events(None, 3, early_us=3_000) for _ in range(2)]))
     cc = s["metrics"]["comm_compute"]
     assert cc["group_dims"] == {"0": "world"}
     assert {r["mesh_dim"] for r in cc["by_mesh_dim"]} == {"world"}
