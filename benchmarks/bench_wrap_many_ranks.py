@@ -2,7 +2,10 @@
 end-of-job analysis, bare vs wrapped.
 
     python benchmarks/bench_wrap_many_ranks.py [--nproc 64] [--steps 8] [--repeats 1]
-        [--variant NAME=WRAP_ARGS ...] [--env K=V ...] [--cprofile DIR] [--keep DIR]
+        [--variant NAME=WRAP_ARGS ...] [--only bare,wrap,...] [--env K=V ...] [--cprofile DIR]
+        [--keep DIR] [--json FILE]
+
+Measured at 64 ranks on the 2-core machine: docs/overhead.md (Many ranks on few cores).
 
 The job: torchrun --nproc-per-node N of a tiny gloo job (an 8 x 8 Linear, one all_reduce per
 parameter and SGD step per step). Every rank stamps wall-clock times (time.time()) into a
