@@ -1,5 +1,5 @@
 """Clock alignment: the NTP estimator, the store round trips with a skewed clock, timeouts,
-the analyzers' offset functions, and offsets measured on one host in a real multi-rank run.
+the analyzers' offset functions, and the offsets a real multi-rank run records on one host.
 
 Single-process cases: tests/unit/probes/test_clock_offsets.py."""
 
@@ -14,7 +14,8 @@ from collective_job import collective_run  # noqa: F401 - shared session fixture
 
 @pytest.mark.multiproc
 def test_offsets_on_one_host_are_near_zero(collective_run):
-    """Every rank of a real run recorded start and end estimates, ~0 on one host."""
+    """Every rank of a real run recorded start and end estimates, 0 on one host: the ranks on
+    rank 0's host record offset 0 without round trips (one host, one wall clock)."""
     from trainprof.analysis.run import RunDir
 
     run = RunDir(collective_run)
@@ -25,6 +26,8 @@ def test_offsets_on_one_host_are_near_zero(collective_run):
         for x in recs:
             assert x["uncertainty_ns"] < 50e6
             assert abs(x["offset_ns"]) <= x["uncertainty_ns"] + 1000, x
+            if r != 0:
+                assert x["rounds"] == 0 and x["same_host"] is True, x
 
 
 # --------------------------------------------------------------------------- a failing process

@@ -44,9 +44,18 @@ ANALYSIS_ROWS = 1_000_000
 MIN_WINDOW = 200
 
 
+def compact_ranks(run) -> int:
+    """How many ranks wrote the bounded format (at least 1). Counted once per run: it is asked
+    at every table and ring read, and a stat of every rank each time would cost ranks x reads
+    (~12,000 stats at 64 ranks)."""
+    key = "series:compact_ranks"
+    if key not in run._cache:
+        run._cache[key] = sum(1 for r in run.ranks if has_compact(run, r)) or 1
+    return run._cache[key]
+
+
 def window_steps(run) -> int:
-    n = sum(1 for r in run.ranks if has_compact(run, r)) or 1
-    return max(MIN_WINDOW, ANALYSIS_ROWS // n)
+    return max(MIN_WINDOW, ANALYSIS_ROWS // compact_ranks(run))
 
 
 def table(run, rank: int, name: str) -> tuple:
@@ -407,8 +416,7 @@ def ring_tail(run, rank: int, name: str):
     from trainprof.rundir import streams as rs
     from trainprof import safeio
 
-    n = sum(1 for r in run.ranks if has_compact(run, r)) or 1
-    budget = max(MIN_DETAIL_BYTES, DETAIL_BYTES // n)
+    budget = max(MIN_DETAIL_BYTES, DETAIL_BYTES // compact_ranks(run))
     chunks = []
     cut = False  # the budget left part of the ring unread
     for p in (run.stream_path(rank, name),

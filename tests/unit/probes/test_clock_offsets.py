@@ -217,3 +217,103 @@ def test_exit_hooks_record_the_failure_and_change_nothing(tmp_path, mode, rc, fa
         assert "'exit_code': 7" in last and p.stderr == ""
     if mode == "thread":  # recorded for the listeners, the traceback printed as before
         assert "ZeroDivisionError" in p.stderr and "main goes on" in p.stdout and "seen=1" in last
+
+
+# --------------------------------------------------------------------------- who measures
+
+
+class _CountingStore:
+    """A store client that counts its calls (every method the clock probe uses)."""
+
+    def __init__(self, store):
+        self._store, self.calls = store, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self._store, name)
+
+        def counted(*args):
+            self.calls += 1
+            return fn(*args)
+
+        return counted
+
+
+def _phase(probes: dict, phase: str, hosts: dict, monkeypatch, timeout_s=20.0):
+    """Run one phase of every probe at once, each on a thread standing for its rank's host."""
+    monkeypatch.setattr(clock, "_host", lambda: hosts[int(threading.current_thread().name)])
+    threads = [threading.Thread(target=p._run, name=str(r),
+                                args=(phase, timeout_s, timeout_s if phase == "end" else None))
+               for r, p in probes.items()]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return time.monotonic() - t0
+
+
+def _probes(tcp_store, world: int, key: str, monkeypatch) -> dict:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", key)
+    probes = {}
+    for r in range(world):
+        p = clock.ClockProbe(_FakeSession(r))
+        p.store, p.world, p.started = _CountingStore(_client(tcp_store)), world, True
+        probes[r] = p
+    return probes
+
+
+def test_ranks_on_rank0s_host_measure_nothing(tcp_store, monkeypatch):
+    """16 ranks on one host: each records offset 0 with no round trip (a few store calls at
+    start, none at exit); rank 0 answers nobody and leaves at once at exit. (Every rank used to
+    run 8 round trips that rank 0 answered one rank after the other, polling the store ~100
+    times a second while it waited, and every rank waited up to its end budget at exit.)"""
+    world = 16
+    probes = _probes(tcp_store, world, "one-host", monkeypatch)
+    hosts = {r: "node-a" for r in probes}
+    _phase(probes, "start", hosts, monkeypatch)
+    assert probes[0].start_complete and probes[0].registered == 0
+    for r in range(1, world):
+        (rec,) = probes[r].session.records
+        assert rec["phase"] == "start" and rec["rounds"] == 0 and rec["same_host"] is True
+        assert rec["offset_ns"] == 0 and rec["uncertainty_ns"] == 0
+        assert probes[r].store.calls <= 4, probes[r].store.calls  # read the host, count itself
+    for p in probes.values():
+        p.store.calls = 0
+    took = _phase(probes, "end", hosts, monkeypatch)
+    assert took < 5  # nobody waits for anybody (the budget here is 20 s)
+    assert sum(p.store.calls for p in probes.values()) == 0
+    for r, p in probes.items():
+        assert [x["phase"] for x in p.session.records] == ["start", "end"]
+        assert all(x["offset_ns"] == 0 for x in p.session.records)
+
+
+def test_ranks_on_other_hosts_are_measured(tcp_store, monkeypatch):
+    """Ranks 2 and 3 run on another host: they register and rank 0 measures them (8 round
+    trips, ~0 offset through a local store), at start and again at exit; rank 1, on rank 0's
+    host, records offset 0 unmeasured."""
+    probes = _probes(tcp_store, 4, "two-hosts", monkeypatch)
+    hosts = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
+    for phase in ("start", "end"):
+        _phase(probes, phase, hosts, monkeypatch)
+    assert probes[0].start_complete and probes[0].registered == 2
+    assert [x["rounds"] for x in probes[1].session.records] == [0, 0]
+    for r in (2, 3):
+        recs = probes[r].session.records
+        assert [x["phase"] for x in recs] == ["start", "end"], recs
+        for x in recs:
+            assert x["rounds"] == clock.ROUNDS and "same_host" not in x
+            assert 0 <= x["uncertainty_ns"] < 50e6
+            assert abs(x["offset_ns"]) <= x["uncertainty_ns"] + 1000, x
+
+
+def test_a_rank_deciding_only_at_exit_is_still_measured(tcp_store, monkeypatch):
+    """Rank 2 (another host) missed the start phase: at exit it registers and rank 0, which
+    did not see every rank decide at start, answers it within the end budget."""
+    probes = _probes(tcp_store, 3, "late", monkeypatch)
+    hosts = {0: "node-a", 1: "node-a", 2: "node-b"}
+    _phase({r: p for r, p in probes.items() if r != 2}, "start", hosts, monkeypatch,
+           timeout_s=0.5)
+    assert not probes[0].start_complete
+    _phase(probes, "end", hosts, monkeypatch, timeout_s=10)
+    (rec,) = probes[2].session.records
+    assert rec["phase"] == "end" and rec["rounds"] == clock.ROUNDS
