@@ -574,8 +574,8 @@ class RunDir(RunDirInputs, RunDirTraces):
         if name == "collectives":  # bounded capture: the newest detail (rundir/series.py)
             from trainprof.rundir import series as rundir_series
 
-            if rundir_series.has_compact(self, rank):
-                return rundir_series.ring_tail(self, rank, name)[0]
+            if rundir_series.has_compact(self, rank):  # the ring and the detail windows
+                return rundir_series.detail_records(self, rank, read_records)
         out: list[dict] = []
         for p in (self.rank_path(rank) / f"{name}.prev.jsonl", self.stream_path(rank, name)):
             if p.name.endswith(".prev.jsonl") and not os.path.lexists(p):
