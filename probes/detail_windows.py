@@ -83,10 +83,12 @@ class StepWatch:
         n = len(base)
         if n < MIN_HISTORY:
             return
+        med, p90 = base[n // 2], base[(9 * (n - 1)) // 10]
+        if dur < JUMP_FACTOR * med and not self.jumped:
+            return  # (the recent median rises past the level with a step above it: most steps stop here)
         recent = list(itertools.islice(reversed(d), SHORT))[::-1]
         short = sorted(recent)
         short = (short[(SHORT - 1) // 2] + short[SHORT // 2]) / 2
-        med, p90 = base[n // 2], base[(9 * (n - 1)) // 10]
         # a new level: 1.4x the median, 2 ms more, and above the baseline's usual range
         if short >= JUMP_FACTOR * med and short - med >= JUMP_MIN_MS and short > p90:
             if not self.jumped:
@@ -141,16 +143,18 @@ class DetailWindows:
         first, last = max(0, anchor - WINDOW_STEPS), step + WINDOW_STEPS
         note = {"kind": kind, "step": int(step), **(info or {})}
         with self.lock:
-            for w in self.windows:
-                if not w["closed"] and first <= w["last"] + 1 and last >= w["first"]:
-                    w["last"] = max(w["last"], last)  # a burst: one window, extended
+            for w in reversed(self.windows):
+                inside = w["first"] <= step <= w["last"]
+                if inside or (not w["closed"] and first <= w["last"] + 1 and last >= w["first"]):
+                    if not w["closed"]:
+                        w["last"] = max(w["last"], last)  # a burst: one window, extended
                     if len(w["anomalies"]) < 8:
                         w["anomalies"].append(note)
                     break
             else:
                 prev = max((w["last"] for w in self.windows), default=-1)
                 first = max(first, prev + 1)  # never twice the same step
-                if first > last:
+                if first > last:  # (a step between two kept windows: the later one's steps)
                     return
                 while len(self.windows) >= MAX_WINDOWS:
                     self._drop(self.windows.pop(0))

@@ -599,8 +599,9 @@ def detail_steps(run, rank: int, stream: str = "collectives") -> tuple | None:
 
 def windows_summary(run) -> dict | None:
     """The detail windows of the run's ranks: {"steps": [[a, b], ...] (held by every rank that
-    holds detail: what the cross-rank analyses read), "by_rank": {rank: [[a, b], ...]},
-    "anomalies": [{"kind", "step", "ranks"}], "dropped", "truncated"} or None without any."""
+    holds detail: what the cross-rank analyses read), "by_rank": {rank: [[a, b], ...]} (the
+    first MAX_LISTED ranks; ``ranks_with_windows`` counts them past that), "anomalies": [{"kind",
+    "step", "ranks"}], "dropped", "truncated"} or None without any."""
     by_rank, kinds, dropped, truncated = {}, {}, 0, 0
     for r in run.ranks:
         if not has_compact(run, r):
@@ -625,8 +626,14 @@ def windows_summary(run) -> dict | None:
     common = [[int(a), int(b)] for a, b in common if b != INF]
     anomalies = [{"kind": k, "step": s, "ranks": len(rs)} for (k, s), rs in sorted(
         kinds.items(), key=lambda kv: kv[0][1])]
-    return {"steps": common, "by_rank": {str(r): v for r, v in by_rank.items()},
-            "anomalies": anomalies[:32], "dropped": dropped, "truncated": truncated}
+    out = {"steps": common, "by_rank": {str(r): v for r, v in list(by_rank.items())[:MAX_LISTED]},
+           "anomalies": anomalies[:MAX_LISTED], "dropped": dropped, "truncated": truncated}
+    if len(by_rank) > MAX_LISTED:  # (summary.json stays small at 1,000+ ranks)
+        out["ranks_with_windows"] = len(by_rank)
+    return out
+
+
+MAX_LISTED = 32
 
 
 def resolution(run) -> dict | None:
