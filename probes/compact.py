@@ -234,6 +234,8 @@ class CompactStore:
                        self.observer(stream), self._rotated,
                        self.windows.feed if stream == self.windows.stream else None)
         self.writers[stream] = w
+        if stream == self.windows.stream:
+            self.windows.ring = w  # a window's steps before its anomaly: read back from the ring
         return w
 
     def heartbeat_cap(self) -> int:

@@ -23,9 +23,10 @@ each (a window cut there is marked ``truncated``); a new window past MAX_WINDOWS
 oldest (``dropped`` counts them). ``compact/state.json`` lists the windows (the compact
 store writes it on every change). Nothing here raises into the job: the store catches.
 
-The records are not serialized twice: the ring's flush hands over the bytes it just wrote
-(a chunk of whole lines, with the steps of its first and last record), and the last chunks
-covering WINDOW_STEPS + SHORT steps stay referenced in memory for the part before an anomaly.
+Nothing is kept in memory and nothing serialized twice: a window's steps before its anomaly are
+read back from the ring's files when it opens, and while it is open each flush of the log hands
+over the bytes it just wrote (whole lines, with the steps of their first and last record).
+Without an open window a flush costs one attribute test.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import bisect
 import collections
 import itertools
 import os
+import re
 import threading
 
 from trainprof.rundir import compact as fmt
@@ -102,7 +104,10 @@ class StepWatch:
 
 
 class DetailWindows:
-    """The windows of one stream of one rank (the collective log)."""
+    """The windows of one stream of one rank (the collective log). ``ring`` (set by the compact
+    store) is that stream's RingWriter: a window's steps before its anomaly are read back from
+    the ring's files under the ring's lock (nothing is kept in memory for them, and a flush
+    cannot slip between the read-back and the window's opening)."""
 
     def __init__(self, compact_dir, stream: str, total_bytes: int, on_change):
         self.dir = compact_dir
@@ -110,23 +115,20 @@ class DetailWindows:
         self.cap = max(4096, int(total_bytes) // MAX_WINDOWS)
         self.on_change = on_change
         self.lock = threading.Lock()
-        self.chunks: collections.deque = collections.deque()  # (lo, hi, bytes)
+        self.ring = None
         self.windows: list[dict] = []  # oldest first; an open one holds its file's fd
+        self.n_open = 0
         self.dropped = 0
-        self.newest = -1
 
-    # -- the ring's flushes (any thread that flushes the stream)
+    # -- the ring's flushes (under the ring's lock)
     def feed(self, recs, data: bytes) -> None:
+        if not self.n_open:  # (every flush of the log: nothing more unless a window is open)
+            return
         lo, hi = _steps_of(recs)
         if lo is None:
             return
         changed = False
         with self.lock:
-            self.chunks.append((lo, hi, data))
-            self.newest = max(self.newest, hi)
-            keep = self.newest - (WINDOW_STEPS + SHORT + 2)
-            while self.chunks and self.chunks[0][1] < keep:
-                self.chunks.popleft()
             for w in self.windows:
                 if w["closed"]:
                     continue
@@ -142,7 +144,8 @@ class DetailWindows:
         anchor = step if anchor is None else min(anchor, step)
         first, last = max(0, anchor - WINDOW_STEPS), step + WINDOW_STEPS
         note = {"kind": kind, "step": int(step), **(info or {})}
-        with self.lock:
+        ring_lock = getattr(self.ring, "_lock", None) or threading.Lock()
+        with ring_lock, self.lock:  # (the order feed() takes them in: the ring's, then ours)
             for w in reversed(self.windows):
                 inside = w["first"] <= step <= w["last"]
                 if inside or (not w["closed"] and first <= w["last"] + 1 and last >= w["first"]):
@@ -162,10 +165,54 @@ class DetailWindows:
                      "first": first, "last": last, "anomalies": [note], "bytes": 0,
                      "closed": False, "truncated": False, "fd": None}
                 self.windows.append(w)
-                for lo, hi, data in list(self.chunks):  # the steps before it
-                    if hi >= first:
-                        self._append(w, data)
+                self.n_open += 1
+                before, whole_from = self._read_back(first)
+                w["first"] = max(first, whole_from)
+                if before:
+                    self._append(w, before)
         self.on_change()
+
+    def _read_back(self, first: int) -> tuple[bytes, int]:
+        """(the ring's lines of steps ≥ ``first``, in file order, within this window's bytes;
+        the first step they hold whole). The ring's files are read from their end back, at
+        most ``cap`` bytes: a ring holding less than that of those steps starts them later."""
+        ring = self.ring
+        if ring is None:
+            return b"", first
+        chunks, left, reached = [], self.cap, False
+        for p in (ring.path, ring.prev):
+            try:
+                with open(p, "rb") as f:
+                    size = f.seek(0, os.SEEK_END)
+                    n = min(size, left + 1)  # one byte more: is the line before it whole?
+                    f.seek(size - n)
+                    data = f.read(n)
+            except OSError:
+                continue
+            left -= len(data)
+            cut = size - n > 0
+            lines = data.split(b"\n")
+            if lines and not lines[-1]:
+                lines.pop()
+            if cut and lines:
+                lines.pop(0)  # a line cut by the read's start
+            keep = []
+            for line in reversed(lines):
+                st = _line_step(line)
+                if st is not None and st < first:
+                    reached = True
+                    break
+                keep.append(line)
+            chunks.insert(0, keep[::-1])
+            if reached or left <= 0:
+                break
+        lines = [x for part in chunks for x in part]
+        if not lines:
+            return b"", first
+        steps = [x for x in map(_line_step, lines) if x is not None]
+        whole_from = first if reached or not steps else min(steps) + 1
+        lines = [x for x in lines if (_line_step(x) or whole_from) >= whole_from]
+        return b"".join(x + b"\n" for x in lines), whole_from
 
     def _append(self, w: dict, data: bytes) -> bool:
         if w["bytes"] + len(data) > self.cap:
@@ -182,7 +229,9 @@ class DetailWindows:
         return False
 
     def _close(self, w: dict) -> bool:
-        w["closed"] = True
+        if not w["closed"]:
+            w["closed"] = True
+            self.n_open -= 1
         if w["fd"] is not None:
             try:
                 os.close(w["fd"])
@@ -209,6 +258,14 @@ class DetailWindows:
             return {"window_steps": WINDOW_STEPS, "max_windows": MAX_WINDOWS,
                     "window_bytes": self.cap, "dropped": self.dropped,
                     "windows": [{k: v for k, v in w.items() if k != "fd"} for w in self.windows]}
+
+
+_STEP = re.compile(rb'"step":(-?\d+)')
+
+
+def _line_step(line: bytes) -> int | None:
+    m = _STEP.search(line)
+    return int(m.group(1)) if m else None
 
 
 def _steps_of(recs) -> tuple:

@@ -146,3 +146,23 @@ def test_a_window_past_its_bytes_is_cut_and_said(tmp_path):
     run = RunDir(tmp_path)
     held = set(run.collectives()["step"].astype(int))
     assert set(range(w["first"], top)) <= held and top not in held  # its last step may be cut
+
+
+def test_the_timeline_shows_the_windows_steps_with_their_collectives(anomalies):
+    from trainprof.analysis.run import RunDir
+    from trainprof.analyzers import _timeline
+
+    root, _ = anomalies
+    m = _timeline.build(RunDir(root), profiler=False, critical=False)
+    meta = m["meta"]
+    for s in (150, 304, 450):  # around each anomaly (±2), with no finding to point there
+        assert set(range(s - 2, s + 3)) <= set(meta["steps"]), meta["steps_selection"]
+    assert "detail windows" in meta["steps_selection"]
+    # the collectives of those steps are on the timeline (2 a step on each of the 2 ranks; the
+    # first analysed step, also shown, has no detail left)
+    W = dw.WINDOW_STEPS
+    detail = [s for s in meta["steps"] if any(a <= s <= b for a, b in (
+        (150 - W, 150 + W), (300 - W, 304 + W), (450 - W, 450 + W)))]
+    assert len(detail) == len(meta["steps"]) - 1
+    pg = [x for x in m["slices"] if str(x[1]).startswith("pg ")]
+    assert len(pg) == 2 * 2 * len(detail), (len(pg), meta["steps"])
