@@ -166,3 +166,19 @@ def test_the_timeline_shows_the_windows_steps_with_their_collectives(anomalies):
     assert len(detail) == len(meta["steps"]) - 1
     pg = [x for x in m["slices"] if str(x[1]).startswith("pg ")]
     assert len(pg) == 2 * 2 * len(detail), (len(pg), meta["steps"])
+
+
+def test_wrap_force_counts_window_files_as_trainprofs_own(anomalies):
+    """`wrap --force` removes a previous run's files that follow trainprof's layout: the detail
+    windows too (trainprof/launch/outdir.py); a stranger's file beside them is not ours."""
+    from trainprof.launch.outdir import layout_files
+
+    root, ds = anomalies
+    (ds[0] / "compact" / "notes.txt").write_text("mine")
+    try:
+        ours, other = layout_files(root)
+    finally:
+        (ds[0] / "compact" / "notes.txt").unlink()
+    wins = [p for p in ours if fmt.WINDOW_RE.fullmatch(p.rsplit("/", 1)[-1])]
+    assert len(wins) == 6  # 3 windows on each of the 2 ranks
+    assert [p for p in other if p.endswith("notes.txt")]
