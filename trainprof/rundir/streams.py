@@ -502,7 +502,9 @@ def _read_ring(run, r: int, name: str):
         from trainprof.rundir import series as rundir_series
 
         if rundir_series.has_compact(run, r):
-            recs, cols = rundir_series.detail_with_columns(run, r, read_records)
+            from trainprof.rundir import detail as rundir_detail
+
+            recs, cols = rundir_detail.detail_with_columns(run, r, read_records)
             return recs, (cols if cols is not None or not recs else _columns(recs))
     got = _read(p, run.problems, name) if run.stream_file_ok(r, p) else ([], None)
     if not (os.path.lexists(prev) and run.stream_file_ok(r, prev)):
