@@ -14,6 +14,16 @@ clock, an *instance* = the same (group, ordinal) on every member; analyzers/coll
 - :func:`waits_caused`: the part of every other member's wait that a given rank's late arrival
   explains, min(wait, its arrival − theirs), per step; the arrival gap is the larger of the
   host one (enqueue times) and the device one (their ``device_ms`` − its ``device_ms``).
+
+Steps the per-collective detail no longer holds (bounded capture keeps it for the recent steps
+and around anomalies) are judged from the compact per-step records (:func:`compact_frame`):
+per (rank, step, group, kind) each rank kept its first enqueue and the mean enqueue offset of
+that kind's collectives in the step, on its own clock. Put on one clock (analyzers/_align.py),
+the mean enqueue of a (step, group, kind) every member logged with the same count is that
+kind's instances averaged: a rank's lateness there (:func:`compact_lateness`) is its mean
+enqueue − the median mean enqueue of its other peers — on 2 ranks exactly the mean of the
+per-instance lateness — and the waits it explains (:func:`compact_waits`) are
+min(the waiter's blocked sum, count × the gap of the mean enqueues).
 """
 
 from __future__ import annotations
@@ -114,30 +124,135 @@ def per_step(df, column: str, how: str) -> pd.DataFrame:
     return d.groupby(["rank", "step"], as_index=False)[column].agg(how)
 
 
-def waits_caused(df, late_rank: int, steps) -> dict:
+def waits_caused(df, late_rank: int, steps, compact=None, compact_steps=()) -> dict:
     """The waits that ``late_rank``'s arrivals explain on every rank sharing a collective with
     it: per waiter, min(its wait, late_rank's arrival − its arrival) summed per step; medians
-    over ``steps`` (a step without such waits counts as 0). Returns ``{"by_rank": {rank: ms per
-    step}, "ops": {op: ms per step, summed over the waiters}}``."""
-    if df.empty or "complete" not in df:
-        return {"by_rank": {}, "ops": {}}
-    c = df.loc[df["complete"] & df["step"].isin(list(steps)),
-               ["rank", "step", "group", "ordinal", "t_enq", "device_ms", "wait_ms", "op"]]
-    mine = c.loc[c["rank"] == late_rank, ["group", "ordinal", "t_enq", "device_ms"]].rename(
-        columns={"t_enq": "t_late", "device_ms": "dev_late"})
-    if mine.empty:
-        return {"by_rank": {}, "ops": {}}
-    w = c[c["rank"] != late_rank].merge(mine, on=["group", "ordinal"])
-    if w.empty:
-        return {"by_rank": {}, "ops": {}}
-    host_gap = (w["t_late"] - w["t_enq"]).clip(lower=0.0)
-    # on the device the late rank runs the shortest kernel: the others' longer ones spun for it
-    dev_gap = (pd.to_numeric(w["device_ms"], errors="coerce")
-               - pd.to_numeric(w["dev_late"], errors="coerce")).clip(lower=0.0).fillna(0.0)
-    w = w.assign(caused=np.minimum(w["wait_ms"], np.maximum(host_gap, dev_gap)))
+    over ``steps`` (a step without such waits counts as 0). ``compact_steps`` (steps the detail
+    does not hold whole) are taken from the compact records ``compact`` (:func:`compact_frame`,
+    :func:`compact_waits`) instead. Returns ``{"by_rank": {rank: ms per step}, "ops": {op: ms
+    per step, summed over the waiters}}``."""
     steps = list(steps)
+    cset = set(compact_steps) & set(steps) if compact is not None else set()
+    parts = []
+    if not df.empty and "complete" in df:
+        c = df.loc[df["complete"] & df["step"].isin([s for s in steps if s not in cset]),
+                   ["rank", "step", "group", "ordinal", "t_enq", "device_ms", "wait_ms", "op"]]
+        mine = c.loc[c["rank"] == late_rank, ["group", "ordinal", "t_enq", "device_ms"]].rename(
+            columns={"t_enq": "t_late", "device_ms": "dev_late"})
+        w = c[c["rank"] != late_rank].merge(mine, on=["group", "ordinal"]) if len(mine) else c.iloc[:0]
+        if not w.empty:
+            host_gap = (w["t_late"] - w["t_enq"]).clip(lower=0.0)
+            # on the device the late rank runs the shortest kernel: the others' longer ones spun
+            dev_gap = (pd.to_numeric(w["device_ms"], errors="coerce")
+                       - pd.to_numeric(w["dev_late"], errors="coerce")).clip(lower=0.0).fillna(0.0)
+            parts.append(w.assign(caused=np.minimum(w["wait_ms"], np.maximum(host_gap, dev_gap)))
+                         [["rank", "step", "op", "caused"]])
+    if cset:
+        parts.append(compact_waits(compact, late_rank, sorted(cset)))
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return {"by_rank": {}, "ops": {}}
+    w = pd.concat(parts, ignore_index=True)
     per = w.groupby(["rank", "step"])["caused"].sum().unstack("step").reindex(columns=steps).fillna(0.0)
     by_rank = {int(r): float(np.median(row)) for r, row in zip(per.index, per.to_numpy(float))}
     n = max(1, len(by_rank))
     ops = (w.groupby("op")["caused"].sum() / max(1, len(steps)) / n).sort_values(ascending=False)
     return {"by_rank": by_rank, "ops": {str(o): float(v) for o, v in ops.items() if v > 0}}
+
+
+P2P_OPS = ("send", "recv", "isend", "irecv")
+COMPACT_COLUMNS = ["rank", "step", "group", "op", "gsize", "count", "blocked_ms", "device_ms",
+                   "t_mean", "complete"]
+
+
+def compact_frame(run) -> pd.DataFrame:
+    """Per (rank, step, group, op) of the compact per-step records (RunDir.collective_steps),
+    collectives only: ``group`` (the collectives analyzer's key: pg and members), ``gsize``,
+    ``count``, ``blocked_ms`` and ``device_ms`` sums, ``t_mean`` (the rank's mean enqueue of
+    that kind in the step, ms on rank 0's clock: analyzers/_align.py) and ``complete`` (every
+    member of a ≥2-rank group logged it with the same count). Cached."""
+    cache = getattr(run, "_cache", None)
+    key = "analyzers._lateness.compact_frame"
+    if cache is not None and key in cache:
+        return cache[key]
+    out = _compact_frame(run)
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def _compact_frame(run) -> pd.DataFrame:
+    from trainprof.analyzers import _align
+    from trainprof.analyzers import collectives as coll
+
+    cs = run.collective_steps()
+    if cs.empty:
+        return pd.DataFrame(columns=COMPACT_COLUMNS)
+    cs = cs[~cs["op"].isin(P2P_OPS) & cs["enqueue_first_ns"].notna()]
+    if cs.empty:
+        return pd.DataFrame(columns=COMPACT_COLUMNS)
+    groups = coll._groups(run)
+    gkey, gsize = {}, {}
+    for r, pg in cs[["rank", "pg"]].drop_duplicates().itertuples(index=False):
+        g = groups.get((int(r), str(pg)))
+        members = tuple(g.get("ranks") or ()) if g else ()
+        gkey[(r, pg)] = f"{pg}:{','.join(map(str, members))}" if members else f"{pg}:?"
+        gsize[(r, pg)] = int(g.get("size") or len(members)) if g else 0
+    rp = list(zip(cs["rank"].to_numpy(), cs["pg"].to_numpy()))
+    ranks = cs["rank"].to_numpy(np.int64)
+    first = cs["enqueue_first_ns"].to_numpy(np.int64).copy()
+    al = _align.align(run)
+    for r in np.unique(ranks):
+        m = ranks == r
+        first[m] = np.asarray(al(int(r), first[m]), np.int64)
+    base = int(first.min())
+    df = pd.DataFrame({
+        "rank": ranks, "step": cs["step"].to_numpy(np.int64),
+        "group": np.array([gkey[k] for k in rp], dtype=object), "op": cs["op"].to_numpy(),
+        "gsize": np.array([gsize[k] for k in rp], dtype=np.int64),
+        "count": cs["count"].to_numpy(np.int64), "blocked_ms": cs["blocked_ms"].to_numpy(float),
+        "device_ms": cs["device_ms"].to_numpy(float),
+        "t_mean": (first - base) / 1e6 + np.nan_to_num(cs["enqueue_mean_ms"].to_numpy(float))})
+    g = df.groupby(["step", "group", "op"], sort=False)
+    df["complete"] = ((df["gsize"] > 1) & (g["rank"].transform("nunique") >= df["gsize"])
+                      & (g["count"].transform("min") == g["count"].transform("max"))).to_numpy()
+    return df.reset_index(drop=True)
+
+
+def compact_lateness(cf, peers: dict | None = None) -> pd.Series:
+    """Per row of :func:`compact_frame`: the rank's mean enqueue − the median mean enqueue of
+    its other peers in that (step, group, kind) (``peers`` as in :func:`lateness`); NaN where
+    the row is not complete or the rank has no peer there."""
+    if cf.empty:
+        return pd.Series(np.zeros(0), index=cf.index)
+    inst = pd.factorize(pd.MultiIndex.from_arrays([cf["step"], cf["op"]]))[0]
+    d = pd.DataFrame({"group": cf["group"].to_numpy(), "ordinal": inst,
+                      "t_enq": cf["t_mean"].to_numpy(float), "rank": cf["rank"].to_numpy(),
+                      "complete": cf["complete"].to_numpy(bool)}, index=cf.index)
+    return lateness(d, peers)
+
+
+def compact_waits(cf, late_rank: int, steps) -> pd.DataFrame:
+    """(rank, step, op, caused): per waiter and (step, group, kind), the part of its wait that
+    ``late_rank``'s later arrival explains: min(its wait, count × (late_rank's mean enqueue −
+    its own)), the gap being the larger of that and the device one (its device_ms − late_rank's)
+    and the wait the larger of its blocked sum and its device_ms − the members' least."""
+    cols = ["rank", "step", "op", "caused"]
+    if cf.empty:
+        return pd.DataFrame(columns=cols)
+    c = cf.loc[cf["complete"].to_numpy(bool) & cf["step"].isin(list(steps)).to_numpy()]
+    if c.empty:
+        return pd.DataFrame(columns=cols)
+    dev_min = c.groupby(["step", "group", "op"], sort=False)["device_ms"].transform("min")
+    c = c.assign(wait=np.maximum(c["blocked_ms"].to_numpy(float),
+                                 np.nan_to_num((c["device_ms"] - dev_min).to_numpy(float))))
+    mine = c.loc[c["rank"] == late_rank, ["step", "group", "op", "t_mean", "device_ms"]].rename(
+        columns={"t_mean": "t_late", "device_ms": "dev_late"})
+    w = c[c["rank"] != late_rank].merge(mine, on=["step", "group", "op"])
+    if w.empty:
+        return pd.DataFrame(columns=cols)
+    host_gap = ((w["t_late"] - w["t_mean"]) * w["count"]).clip(lower=0.0)
+    dev_gap = (w["device_ms"] - w["dev_late"]).clip(lower=0.0).fillna(0.0)
+    caused = np.minimum(w["wait"].to_numpy(float), np.maximum(host_gap, dev_gap).to_numpy(float))
+    return pd.DataFrame({"rank": w["rank"].to_numpy(), "step": w["step"].to_numpy(),
+                         "op": w["op"].to_numpy(), "caused": caused})

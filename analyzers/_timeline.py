@@ -72,7 +72,13 @@ def build(run, steps: list[int] | None = None, ranks: list[int] | None = None,
     else:
         ranks, rank_why = [r for r in ranks if r in set(run.ranks)], "chosen with --ranks"
     if steps is None:
-        steps, step_why = sel.select_steps(all_steps, findings, profiled, _kept(run, all_steps))
+        res = run.resolution() or {}
+        win = res.get("windows") or {}
+        held = win.get("steps") or []
+        anomalies = sorted({a["step"] for a in win.get("anomalies") or []
+                            if any(x <= a["step"] <= y for x, y in held)})
+        steps, step_why = sel.select_steps(all_steps, findings, profiled, _kept(run, all_steps),
+                                           anomalies)
     else:
         steps, step_why = [s for s in steps if s in set(all_steps)], "chosen with --steps"
     for _ in range(3):  # the log's events of too many steps: fewer steps, said

@@ -3,8 +3,9 @@
 Ranks (above ``ALL_RANKS_UP_TO``): rank 0, every rank a finding names (the culprits), their
 peers (the other members of the culprits' process groups, at most ``PEERS_PER_GROUP`` per
 group), and one rank per host; at most ``MAX_RANKS``. Steps (above ``ALL_STEPS_UP_TO``): the
-steps around each finding's step (its onset where known: ± ``AROUND``), the profiled steps, and
-the first analysed step; at most ``MAX_STEPS``.
+steps around each finding's step (its onset where known: ± ``AROUND``), around the anomalies
+the detail windows were kept for (their collectives are there in detail), the profiled steps,
+and the first analysed step; at most ``MAX_STEPS``.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def select_ranks(run, findings: list[dict]) -> tuple[list[int], str]:
 
 
 def select_steps(steps: list[int], findings: list[dict], profiled: list[int],
-                 analysed: list[int]) -> tuple[list[int], str]:
+                 analysed: list[int], anomalies: list[int] = ()) -> tuple[list[int], str]:
+    """``anomalies``: the steps the detail windows were kept around (run.resolution), after the
+    findings' steps."""
     steps = sorted(steps)
     if len(steps) <= ALL_STEPS_UP_TO:
         return steps, f"all {len(steps)} steps"
@@ -80,6 +83,8 @@ def select_steps(steps: list[int], findings: list[dict], profiled: list[int],
         s = finding_step(f)
         if s is not None:
             want.extend(range(s - AROUND, s + AROUND + 1))
+    for s in anomalies:
+        want.extend(range(s - AROUND, s + AROUND + 1))
     want.extend(profiled)
     if analysed:
         want.append(analysed[0])
@@ -87,5 +92,6 @@ def select_steps(steps: list[int], findings: list[dict], profiled: list[int],
     if not picked:
         picked = steps[:MAX_STEPS]
     return picked, (f"{len(picked)} of {len(steps)} steps: around the findings' steps "
-                    f"(±{AROUND}), the profiled steps and the first analysed step; choose "
+                    f"(±{AROUND})" + (" and the detail windows' anomalies" if anomalies else "")
+                    + ", the profiled steps and the first analysed step; choose "
                     f"others with --steps")

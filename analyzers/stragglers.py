@@ -135,7 +135,8 @@ def _table(run, groups_of) -> tuple[pd.DataFrame, pd.DataFrame]:
         blocked, p2p = _beyond_detail(run, fr, blocked, p2p)
         fr = fr.assign(late_ms=_lateness.lateness(
             fr, groups_of(sorted(int(r) for r in fr["rank"].unique()))))
-        late = _lateness.per_step(fr, "late_ms", "median")
+        late = _late_beyond_detail(run, fr, _lateness.per_step(fr, "late_ms", "median"),
+                                   groups_of)
     else:
         if not coll.empty:
             run.problems.append(f"{run.path}/ranks/*/collectives.jsonl: records lack the fields "
@@ -180,6 +181,47 @@ def _beyond_detail(run, fr, blocked, p2p):
         base = frame[(base["_merge"] == "left_only").to_numpy()]
         out.append(pd.concat([base, extra], ignore_index=True))
     return out[0], out[1]
+
+
+def compact_steps(run, fr) -> set[int]:
+    """Steps some rank's per-collective detail does not hold whole (bounded capture): their
+    collective figures come from the compact per-step records. Empty for a run without them."""
+    cache = getattr(run, "_cache", None)
+    key = "analyzers.stragglers.compact_steps"
+    if cache is not None and key in cache:
+        return cache[key]
+    out: set[int] = set()
+    if getattr(run, "resolution", None) is not None and run.resolution() is not None:
+        cs = run.collective_steps()
+        if not cs.empty:
+            n = cs.groupby(["rank", "step"])["count"].sum()
+            have = fr.groupby(["rank", "step"]).size() if not fr.empty else pd.Series(dtype=float)
+            have = have.reindex(n.index)
+            short = n.index[(have.isna() | (have < n)).to_numpy()]
+            out = {int(s) for s in short.get_level_values("step")}
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def _late_beyond_detail(run, fr, late, groups_of):
+    """Arrival lateness of the steps the detail does not hold whole, from the compact per-step
+    records (analyzers/_lateness.py compact_lateness: per (group, kind) the rank's mean enqueue
+    against its other peers', clock-aligned), the median over its (group, kind) rows per step
+    as the detail's is over its collectives."""
+    short = compact_steps(run, fr)
+    if not short:
+        return late
+    cf = _lateness.compact_frame(run)
+    if cf.empty:
+        return late
+    cf = cf[cf["step"].isin(short)]
+    cf = cf.assign(late_ms=_lateness.compact_lateness(
+        cf, groups_of(sorted(int(r) for r in cf["rank"].unique()))))
+    extra = _lateness.per_step(cf, "late_ms", "median")
+    keep = late[~late["step"].isin(short)] if len(late) else late
+    return pd.concat([x for x in (keep, extra) if len(x)], ignore_index=True) \
+        if len(keep) or len(extra) else late
 
 
 def _peer_groups(run, ranks) -> dict[int, str]:
@@ -366,8 +408,10 @@ def _waits_text(w: dict, late_rank: int) -> str:
             f"rank {late_rank} (median)")
 
 
-def _caused(fr, r: int, kept, excess: float) -> dict:
-    c = _lateness.waits_caused(fr, r, kept) if not fr.empty else {"by_rank": {}, "ops": {}}
+def _caused(run, fr, r: int, kept, excess: float) -> dict:
+    short = compact_steps(run, fr) if not fr.empty else set()
+    c = _lateness.waits_caused(fr, r, kept, _lateness.compact_frame(run) if short else None,
+                               short) if not fr.empty else {"by_rank": {}, "ops": {}}
     waiters = sorted(q for q, v in c["by_rank"].items() if v >= WAITER_SHARE * excess and v > 0)
     return {"by_rank": c["by_rank"], "ops": c["ops"], "waiters": waiters,
             "wait_ms": float(np.median([c["by_rank"][q] for q in waiters])) if waiters else 0.0}
@@ -604,7 +648,7 @@ def _straggler_findings(run, per_rank, episodes, k, kept, cols, fr, starving, ha
                 ops_ms = _trace_ops_ms(run)
             why = cause.explain(q, peers, size, ops_ms)
             steps = ep["steps"] if ep else kept
-            waits = _caused(fr, p["rank"], steps, size)
+            waits = _caused(run, fr, p["rank"], steps, size)
             if why["cause"] == "input" and p["rank"] in {x["rank"] for x in starving}:
                 input_late[p["rank"]] = waits  # reported with the data starvation it is
                 continue

@@ -492,6 +492,21 @@ def whole_runs_main(argv: list[str]) -> None:
         cp, cb = statistics.median(pc), statistics.median(bc)
         print(f"CPU per rank and step: probes {cp:.2f} ms, bare {cb:.2f} ms: {100 * (cp - cb) / cb:+.2f} %"
               f"  (spread: probes {min(pc):.2f}–{max(pc):.2f}, bare {min(bc):.2f}–{max(bc):.2f})")
+        # paired by repeat (the two runs of a repeat ran back to back): per pair the ratio of
+        # CPU per rank and step, the median over pairs and its 95 % bootstrap interval
+        pairs = [(p_["cpu_ms"], b_["cpu_ms"]) for p_, b_ in zip(
+            [r for r in results if r["variant"] == "probes"],
+            [r for r in results if r["variant"] == "bare"])
+            if p_["cpu_ms"] is not None and b_["cpu_ms"] is not None]
+        if len(pairs) >= 2:
+            ratios = [x / y for x, y in pairs]
+            rng = random.Random(0)
+            boots = sorted(100 * (statistics.median(rng.choices(ratios, k=len(ratios))) - 1)
+                           for _ in range(4000))
+            lo, hi = boots[int(0.025 * len(boots))], boots[int(0.975 * len(boots)) - 1]
+            print(f"CPU per rank and step, paired by repeat: {100 * (statistics.median(ratios) - 1):+.2f} % "
+                  f"(95 % bootstrap interval {lo:+.2f} .. {hi:+.2f} %; pairs: "
+                  + " ".join(f"{100 * (r - 1):+.1f}" for r in ratios) + ")")
 
 
 

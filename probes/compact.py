@@ -10,6 +10,8 @@ Each rank's always-on data stays within ``TRAINPROF_BUDGET_MB`` (wrap --budget-m
 * the JSONL streams (``collectives.jsonl`` first: ~250 B per collective) are a ring of the most
   recent steps: past its share of the budget a stream's file is renamed to
   ``<stream>.prev.jsonl`` (replacing the older one) and a new one started;
+* the collective log's records around anomalies this rank sees (a slow step, its step time
+  jumping, a NaN) are also kept in detail windows (probes/detail_windows.py), a bounded share;
 * when the compact tables would pass their share, their older half is folded into blocks
   (``<table>.blocks.bin``: per block of 2^k steps each value's min / median / max / sum) and
   when the blocks pass theirs, adjacent blocks merge (twice the steps per block): never a
@@ -27,6 +29,7 @@ import threading
 
 from trainprof.rundir import compact as fmt
 from trainprof.probes import runtime
+from trainprof.probes.detail_windows import NAN_KINDS, DetailWindows, StepWatch
 from trainprof.rundir.files import JsonlWriter
 
 ENV_BUDGET = "TRAINPROF_BUDGET_MB"
@@ -34,7 +37,8 @@ DEFAULT_BUDGET_MB = 256.0
 MIN_BUDGET_MB = 1.0
 STATE = "state.json"
 
-RING_SHARE, COMPACT_SHARE, BLOCKS_SHARE = 0.40, 0.45, 0.10  # the rest: meta, groups, heartbeat
+RING_SHARE, COMPACT_SHARE, BLOCKS_SHARE = 0.34, 0.45, 0.10  # the rest: meta, groups, heartbeat
+WINDOWS_SHARE = 0.06  # detail windows around anomalies (probes/detail_windows.py)
 HEARTBEAT_SHARE = 0.03  # heartbeat.jsonl + heartbeat.prev.jsonl (probes/heartbeat.py)
 RING_WEIGHTS = {"collectives": 0.55, "steps": 0.08, "pipeline": 0.1, "memory": 0.08,
                 "data": 0.05, "nan": 0.06, "telemetry": 0.05, "steps_device": 0.03}
@@ -54,10 +58,11 @@ class RingWriter(JsonlWriter):
     """A deferred stream whose file is rotated to ``<name>.prev.jsonl`` past ``cap`` bytes, and
     whose records are also handed to ``observer(records)`` (on the flushing thread)."""
 
-    def __init__(self, path, cap: int, observer=None, on_rotate=None):
+    def __init__(self, path, cap: int, observer=None, on_rotate=None, tap=None):
         super().__init__(path, deferred=True)
         self.cap = max(4096, int(cap))
         self.observer = observer
+        self.tap = tap  # tap(records, bytes written): the detail windows
         self.on_rotate = on_rotate
         self.prev = self.path.with_name(self.path.name[:-len(".jsonl")] + ".prev.jsonl")
         self._size = 0
@@ -81,6 +86,11 @@ class RingWriter(JsonlWriter):
             except Exception:  # noqa: BLE001 - the compact table is best effort
                 self.errors += 1
         data = self._encode(parts)
+        if self.tap is not None and recs:
+            try:
+                self.tap(recs, data)
+            except Exception:  # noqa: BLE001 - the windows are best effort
+                self.errors += 1
         self.largest_flush = max(self.largest_flush, len(data))
         if self._fd is None:
             self._open()
@@ -110,8 +120,9 @@ class Table:
     """One compact table of this rank: rows queued by the streams' flushes, appended by
     CompactStore.flush (O_APPEND, whole records)."""
 
-    def __init__(self, store: "CompactStore", f: fmt.TableFormat):
+    def __init__(self, store: "CompactStore", f: fmt.TableFormat, on_rows=None):
         self.store, self.fmt = store, f
+        self.on_rows = on_rows  # on_rows(rows) after they are written (the step watch)
         self.path = fmt.table_path(store.dir.parent, f.name)
         self.bpath = fmt.table_path(store.dir.parent, f.name, blocks=True)
         self.pending: collections.deque = collections.deque()
@@ -144,6 +155,8 @@ class Table:
             view = view[os.write(self.fd, view):]
         self.size += len(data)
         self.rows_written += len(rows)
+        if self.on_rows is not None:
+            self.on_rows(rows)
         return len(data)
 
     def close(self) -> None:
@@ -159,7 +172,10 @@ class CompactStore:
     def __init__(self, rank_dir, budget: int):
         self.dir = rank_dir / fmt.COMPACT_DIR
         self.budget = budget
-        self.tables = {name: Table(self, f) for name, f in fmt.TABLES.items()}
+        self.windows = DetailWindows(self.dir, "collectives", budget * WINDOWS_SHARE, self._state)
+        self.watch = StepWatch(self.windows.anomaly)
+        self.tables = {name: Table(self, f, self._watch_rows if name == "steps" else None)
+                       for name, f in fmt.TABLES.items()}
         self.keys: dict[tuple[str, str], int] = {}
         self.keys_path = self.dir / fmt.KEYS
         self.lock = threading.Lock()
@@ -169,12 +185,31 @@ class CompactStore:
         self.closed = False
         self.writers: dict[str, RingWriter] = {}
         self.warned_small = False
+        self.state_lock = threading.Lock()
+
+    def _watch_rows(self, rows) -> None:
+        try:
+            self.watch.rows(rows)
+        except Exception as e:  # noqa: BLE001 - never into the job
+            self.errors += 1
+            if self.errors <= 3:
+                runtime.warn(f"detail windows: {type(e).__name__}: {e}")
 
     # -- observers (run on the thread that flushes the stream)
     def observer(self, stream: str):
         if stream == "collectives":
             tab = self.tables["collectives"]
             return lambda recs: tab.append(fmt.collective_rows(recs, self.key_of))
+        if stream == "nan":  # the NaN watch's detections open a detail window
+            seen = set()
+
+            def nan_obs(recs):
+                for r in recs:
+                    st = r.get("step") if type(r) is dict else None
+                    if r.get("kind") in NAN_KINDS and type(st) is int and st not in seen:
+                        seen.add(st)
+                        self.windows.anomaly(st, "nan")
+            return nan_obs
         conv = fmt.ROW_OF.get(stream)
         if conv is None:
             return None
@@ -196,8 +231,11 @@ class CompactStore:
 
     def ring_writer(self, path, stream: str) -> RingWriter:
         w = RingWriter(path, self.budget * RING_SHARE * RING_WEIGHTS.get(stream, 0.02) / 2,
-                       self.observer(stream), self._rotated)
+                       self.observer(stream), self._rotated,
+                       self.windows.feed if stream == self.windows.stream else None)
         self.writers[stream] = w
+        if stream == self.windows.stream:
+            self.windows.ring = w  # a window's steps before its anomaly: read back from the ring
         return w
 
     def heartbeat_cap(self) -> int:
@@ -282,16 +320,20 @@ class CompactStore:
     def _state(self) -> None:
         from trainprof.rundir.files import write_json_atomic
 
-        write_json_atomic(self.dir / STATE, {
-            "budget_bytes": self.budget, "steps_per_block": self.steps_per_block,
-            "folds": self.folds, "merges": self.merges,
-            "shares": {"ring": RING_SHARE, "compact": COMPACT_SHARE, "blocks": BLOCKS_SHARE},
-            "ring_caps": {k: w.cap for k, w in self.writers.items()}})
+        with self.state_lock:  # (the flushing thread, and a window opened by a NaN detection)
+            write_json_atomic(self.dir / STATE, {
+                "budget_bytes": self.budget, "steps_per_block": self.steps_per_block,
+                "folds": self.folds, "merges": self.merges,
+                "shares": {"ring": RING_SHARE, "compact": COMPACT_SHARE, "blocks": BLOCKS_SHARE,
+                           "windows": WINDOWS_SHARE},
+                "ring_caps": {k: w.cap for k, w in self.writers.items()},
+                "detail_windows": self.windows.state()})
 
     def close(self) -> None:
         self.flush()
         with self.lock:
             try:
+                self.windows.close()
                 self._state()
             except Exception:  # noqa: BLE001
                 pass

@@ -571,11 +571,13 @@ class RunDir(RunDirInputs, RunDirTraces):
     def _ring_records(self, rank: int, name: str, read_records) -> list[dict]:
         """A stream's records: ``<name>.prev.jsonl`` (the older half of a ring, bounded
         capture) then ``<name>.jsonl``."""
-        if name == "collectives":  # bounded capture: the newest detail (rundir/series.py)
+        if name == "collectives":  # bounded capture: the newest detail (rundir/detail.py)
             from trainprof.rundir import series as rundir_series
 
-            if rundir_series.has_compact(self, rank):
-                return rundir_series.ring_tail(self, rank, name)[0]
+            if rundir_series.has_compact(self, rank):  # the ring and the detail windows
+                from trainprof.rundir import detail as rundir_detail
+
+                return rundir_detail.detail_records(self, rank, read_records)
         out: list[dict] = []
         for p in (self.rank_path(rank) / f"{name}.prev.jsonl", self.stream_path(rank, name)):
             if p.name.endswith(".prev.jsonl") and not os.path.lexists(p):
@@ -636,9 +638,9 @@ class RunDir(RunDirInputs, RunDirTraces):
             df = self.frame("collectives")
             if "replay" in df.columns:
                 df = df[df["replay"].ne(True)].reset_index(drop=True)
-            from trainprof.rundir import series as rundir_series
+            from trainprof.rundir import detail as rundir_detail
 
-            df = rundir_series.common_detail(self, df)  # rings: the steps every rank holds
+            df = rundir_detail.common_detail(self, df)  # rings: the steps every rank holds
             self._cache[key] = df
         return self._cache[key]
 

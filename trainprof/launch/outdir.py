@@ -46,7 +46,8 @@ LOCK = ".trainprof.lock"  # held while a launcher decides about --out (prepare_l
 LOCK_WAIT_S, LOCK_STALE_S = 120.0, 60.0
 TOP_FILES = (MANIFEST, SUMMARY, REPORT, INJECTED, HANG_TRIGGER, WORKER_EXITS, LOCK)
 RANK_DIR_RE = re.compile(r"rank-\d{5,}")
-COMPACT_FILE_RE = re.compile(r"[a-z0-9_]+(\.blocks)?\.bin|keys\.jsonl|state\.json")  # rundir/compact.py
+COMPACT_FILE_RE = re.compile(r"[a-z0-9_]+(\.blocks)?\.bin|keys\.jsonl|state\.json"
+                             r"|[a-z_]+\.window-\d+\.jsonl")  # rundir/compact.py
 RANK_FILE_RE = re.compile(r"[a-z0-9_]+(\.prev)?\.jsonl|meta\.json|hang-dump\.json"
                           r"|flight-recorder\.(pkl|json)|(memory|oom)_snapshot\.pickle")
 TRACE_RE = re.compile(r"rank-\d{5,}\.pt\.trace\.json(\.gz)?")

@@ -5,7 +5,8 @@ endian, packed): the step's timings, its data wait, memory and per (process grou
 kind) sums of the collective log. Older steps are folded into blocks (per-block min / median /
 max / sum of every value) when the rank's budget would be exceeded (probes/compact.py); the
 per-collective detail lives in the ring of recent steps (``collectives.jsonl`` +
-``collectives.prev.jsonl``). Format reference: docs/run-directory.md.
+``collectives.prev.jsonl``) and in windows around anomalies (``compact/collectives.window-<first
+step>.jsonl``, listed in ``compact/state.json``). Format reference: docs/run-directory.md.
 
 A table file is a 1024-byte header (``TPCT1`` then one JSON object naming the table and its
 fields, padded with spaces, ending in a newline) followed by records of the size the header
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -31,6 +33,13 @@ KEYS = "keys.jsonl"          # key id -> {"pg", "op"} of the collectives table (
 BLOCK_SUFFIX = ".blocks.bin"
 TABLE_SUFFIX = ".bin"
 STATS = ("min", "med", "max", "sum")
+# detail windows (probes/detail_windows.py): the collective log's records around an anomaly
+WINDOW_RE = re.compile(r"([a-z_]+)\.window-(\d+)\.jsonl")
+
+
+def window_name(stream: str, first: int) -> str:
+    return f"{stream}.window-{int(first)}.jsonl"
+
 
 # flags of a steps record
 F_PROFILED, F_MARKER, F_OPTIMIZER = 1, 2, 4

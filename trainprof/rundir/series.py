@@ -12,6 +12,8 @@ JSONL streams of every step. The functions here give analyzers the same frames e
 - :func:`step_series`: per (rank, step) one row joining them (what onset detection reads);
 - :func:`blocks`: the folded steps, per rank and block;
 - :func:`resolution`: which steps are at which resolution (summary.json ``run.resolution``).
+
+The per-collective detail (the ring and the detail windows) is read by trainprof/rundir/detail.py.
 """
 
 from __future__ import annotations
@@ -377,102 +379,13 @@ def blocks(run):
     return out
 
 
-def common_detail(run, df):
-    """The collective detail of the steps every rank's ring holds whole: a ring rotated (its
-    ``.prev`` file exists) starts wherever its rank's budget ran out, maybe mid-step, and the
-    ranks' rings start at different steps; analyzers match the members of a collective by
-    counting the group's collectives from the first record, so every rank must start at the
-    same step. Records before the latest of the ranks' first whole steps are dropped (not
-    for a run without compact tables: every record of every step is there)."""
-    if df.empty or "step" not in df.columns or not any_compact(run):
-        return df
-    firsts = []
-    for r in run.ranks:
-        sub = df.loc[df["rank"] == r, "step"] if "rank" in df.columns else df["step"]
-        steps = pd.to_numeric(sub, errors="coerce").dropna()
-        if not len(steps):
-            continue
-        rotated = run.rank_file(r, "collectives.prev.jsonl") is not None
-        firsts.append(int(steps.min()) + (1 if rotated else 0))
-    if not firsts:
-        return df
-    start = max(firsts)
-    step = pd.to_numeric(df["step"], errors="coerce")
-    keep = (step >= start).to_numpy()
-    if keep.all():
-        return df
-    return df[keep].reset_index(drop=True)
-
-
-# Per-collective detail the analysis reads, over all ranks: each rank's newest
-# DETAIL_BYTES / ranks bytes of its ring (at least MIN_DETAIL_BYTES).
-DETAIL_BYTES = 64 << 20
-MIN_DETAIL_BYTES = 256 << 10
-
-
-def ring_tail(run, rank: int, name: str):
-    """(records, columns) of the newest bytes of a rank's ring (``<name>.prev.jsonl`` then
-    ``<name>.jsonl``), whole lines only; a malformed line is skipped and reported."""
-    from trainprof.rundir import streams as rs
-    from trainprof import safeio
-
-    budget = max(MIN_DETAIL_BYTES, DETAIL_BYTES // compact_ranks(run))
-    chunks = []
-    cut = False  # the budget left part of the ring unread
-    for p in (run.stream_path(rank, name),
-              run.rank_path(rank) / f"{name}.prev.jsonl"):
-        if not p.exists():
-            continue
-        if budget <= 0:
-            cut = True
-            continue
-        try:
-            fd, size = safeio.open_regular(p)
-        except (OSError, safeio.InputRefused) as e:
-            run.problems.append(str(e) if str(p) in str(e) else f"{p}: {e}")
-            continue
-        with open(fd, "rb") as f:
-            start = max(0, size - budget)
-            f.seek(start)
-            data = f.read(size - start)
-        if start > 0:
-            cut = True
-            data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
-        budget -= len(data)
-        chunks.insert(0, data)
-    if not cut:  # the whole ring fits: read as every stream is, each record type-checked
-        recs = []
-        for p in (run.rank_path(rank) / f"{name}.prev.jsonl", run.stream_path(rank, name)):
-            if p.exists():
-                recs += rs.read_records(p, run.problems, name, run._cache.setdefault("shared_lists", {}))
-        return recs, (rs._columns(recs) if recs else None)
-    data = b"".join(chunks)
-    recs = rs._parse(data) if data else []
-    if recs is None:  # a bad line somewhere: the line-by-line reader skips and says why
-        from trainprof.rundir.files import iter_jsonl
-
-        import tempfile
-
-        with tempfile.NamedTemporaryFile(suffix=f"-{name}.jsonl") as tmp:
-            tmp.write(data)
-            tmp.flush()
-            recs = list(iter_jsonl(tmp.name, None, name))
-        run.problems.append(f"{run.stream_path(rank, name)}: malformed records skipped")
-    return recs, (rs._columns(recs) if recs else None)
-
-
-def detail_steps(run, rank: int, stream: str = "collectives") -> tuple | None:
-    """(first, last) step of a rank's per-record detail of ``stream`` (the ring), or None."""
-    steps = [x.get("step") for x in run.stream(rank, stream)]
-    steps = [s for s in steps if isinstance(s, int)]
-    return (min(steps), max(steps)) if steps else None
-
-
 def resolution(run) -> dict | None:
     """Which steps of the run are kept at which resolution, over the ranks of the bounded
     format (None for a run without compact tables): {"blocks": {"steps": [a, b], "steps_per_block":
     [..]}, "full": {"steps": [a, b]}, "detail": {"steps": [a, b], "ranks_short": n},
     "text": "..."}; the detail is the per-collective ring the post-mortems read."""
+    from trainprof.rundir import detail
+
     if not any_compact(run):
         return None
     bl, full, det, spb, gap = [], [], [], set(), []
@@ -489,7 +402,7 @@ def resolution(run) -> dict | None:
             after = bl[-1][1] + 1 if len(b) else 0
             if full[-1][0] > after:  # full rows on disk before the analysis window
                 gap.append((after, full[-1][0] - 1))
-        d = detail_steps(run, r)
+        d = detail.detail_steps(run, r)
         if d:
             det.append(d)
             if full and d[0] > full[-1][0] or bl:
@@ -513,5 +426,19 @@ def resolution(run) -> dict | None:
         a, z = max(x[0] for x in det), max(x[1] for x in det)
         out["detail"] = {"steps": [a, z], "ranks_short": short}
         parts.append(f"per-collective detail for steps {a}-{z}")
+    win = detail.windows_summary(run)
+    if win:
+        out["windows"] = win
+        if win["steps"]:
+            why = {}
+            for x in win["anomalies"]:
+                why.setdefault(x["kind"].replace("_", " "), []).append(x["step"])
+            parts.append("and around anomalies for steps " + ", ".join(
+                f"{a}-{b}" for a, b in win["steps"][:8]) + (" ..." if len(win["steps"]) > 8 else "")
+                + " (" + "; ".join(f"{k} at step{'s' if len(v) > 1 else ''} "
+                                   + ", ".join(map(str, v[:4])) + (" ..." if len(v) > 4 else "")
+                                   for k, v in why.items()) + ")")
+        if win["dropped"]:
+            parts.append(f"{win['dropped']} older detail window(s) dropped (budget)")
     out["text"] = "; ".join(parts)
     return out

@@ -498,11 +498,14 @@ def _read_ring(run, r: int, name: str):
     bounded capture's ring, when there is one) then ``<name>.jsonl``."""
     p = run.stream_path(r, name)
     prev = p.with_name(f"{name}.prev.jsonl")
-    if name == "collectives":  # bounded capture: the analysis reads the ring's newest bytes
+    if name == "collectives":  # bounded capture: the ring's newest bytes, the detail windows
         from trainprof.rundir import series as rundir_series
 
         if rundir_series.has_compact(run, r):
-            return rundir_series.ring_tail(run, r, name)
+            from trainprof.rundir import detail as rundir_detail
+
+            recs, cols = rundir_detail.detail_with_columns(run, r, read_records)
+            return recs, (cols if cols is not None or not recs else _columns(recs))
     got = _read(p, run.problems, name) if run.stream_file_ok(r, p) else ([], None)
     if not (os.path.lexists(prev) and run.stream_file_ok(r, prev)):
         return got
