@@ -9,7 +9,7 @@ import json
 
 from trainprof.analysis.run import RunDir
 from trainprof.rundir import compact as fmt
-from trainprof.rundir import series
+from trainprof.rundir import detail, series
 
 
 def _run(tmp_path, ranks: int, compact: int) -> RunDir:
@@ -33,7 +33,7 @@ def test_ring_and_window_reads_check_each_rank_once(tmp_path, monkeypatch):
         checks.append((rank, name)), real(self, rank, name))[1])
     for r in run.ranks:  # what every rank's table and ring read asks
         assert series.window_steps(run) == series.ANALYSIS_ROWS // 40
-        recs, _ = series.ring_tail(run, r, "collectives")
+        recs, _ = detail.ring_tail(run, r, "collectives")
         assert [x["op"] for x in recs] == ["all_reduce"]
     compact_checks = [c for c in checks if c[1].startswith(fmt.COMPACT_DIR)]
     assert len(compact_checks) == ranks, len(compact_checks)  # was 2 x 48 x 48 = 4,608
