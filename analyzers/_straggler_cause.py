@@ -137,8 +137,10 @@ def explain(p: dict, peers: list[dict], excess: float, ops_ms: dict | None = Non
 
     Its own extra on-CPU time (≥ OFF_CPU_SHARE of the excess) is its own work and is named
     first, with a CPU wait beyond what that work explains as a second factor; host contention
-    is the cause when its CPU time did not grow that much but it waited for a CPU; off_cpu
-    when its busy time grew with its CPU time and CPU wait flat (sleeping, blocked)."""
+    is the cause when its CPU time did not grow that much but it waited for a CPU (beyond what
+    its extra work explains, or for most of its longer busy time while its CPU time grew by
+    less than OFF_CPU_SHARE of the excess); off_cpu when its busy time grew with its CPU time
+    and CPU wait flat (sleeping, blocked)."""
     data = _diff(p, peers, "data_wait_ms") or 0.0
     cpu_wait = _diff(p, peers, "cpu_wait_ms")
     on_cpu = _diff(p, peers, "cpu_ms")
@@ -176,6 +178,13 @@ def explain(p: dict, peers: list[dict], excess: float, ops_ms: dict | None = Non
     elif _throttled(p.get("telemetry"), peer_tel):
         cause = "device_throttling"
         text = "device throttling: " + telemetry_text(p["telemetry"], peer_tel)
+    elif own_time and on_cpu is not None and cpu_wait is not None and cpu_wait >= CAUSE_SHARE * ex \
+            and busy - max(on_cpu, 0.0) - cpu_wait < CAUSE_SHARE * busy:
+        # hardly more work on the CPU, and most of its longer busy time spent waiting for one
+        # (more than its little extra work explains at its peers' ratio, or not): the host
+        cause = "host_contention"
+        text = ("host contention: " + _contention_text(p, cpu_wait, nivcsw)
+                + ": other processes compete for its cores")
     elif own_time and on_cpu is not None and on_cpu < OFF_CPU_SHARE * busy:
         # longer busy time that is neither on a CPU nor waiting for one
         cause = "off_cpu"

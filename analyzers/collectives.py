@@ -34,7 +34,7 @@ EXPOSED_FRACTION = 0.5  # blocked in collectives for at least this share of the 
 NO_COMM_MIN_STEPS = 3   # a job of several ranks with no collective in this many steps each
 TOP_GROUPS = 10
 USED = ("rank", "step", "pg", "seq", "op", "bytes", "enqueue_ns", "end_ns", "blocked_ms",
-        "device_ms", "peer")
+        "device_ms", "peer", "async")
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -88,7 +88,7 @@ def _build_frame(run):
         return pd.DataFrame()
     # the columns the analyses use (a copy of every record's every field costs memory at scale)
     df = df[[c for c in USED if c in df.columns]].copy(deep=False)
-    for c in ("device_ms", "peer"):
+    for c in ("device_ms", "peer", "async"):
         if c not in df.columns:
             df[c] = None
     # few groups, many records: codes; a record without a group is in group "None" (pandas'

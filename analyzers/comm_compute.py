@@ -381,7 +381,7 @@ def _cpu_rows(trace, dims: dict, log=None, split: list | None = None,
         if split is not None:
             split.append(_dim_split_in(by_pg, exposed, lo, hi))
         out.append({
-            "step": step, "window_ms": _ms(window),
+            "step": step, "start_ns": int(lo), "end_ns": int(hi), "window_ms": _ms(window),
             "compute_ms": _ms(iv.length(compute) - iv.length(overlapped)),
             "overlapped_ms": _ms(iv.length(overlapped)), "exposed_comm_ms": _ms(iv.length(exposed)),
             "data_ms": _ms(iv.length(data)), "other_ms": _ms(iv.length(other)),
@@ -678,9 +678,16 @@ def analyze(run) -> AnalyzerResult:
     if late["wait_ms"]:
         metrics["exposed_comm_fraction_excl_late_ranks"] = late["exposed"]
         metrics["waiting_for_late_ranks"] = {"late": late["late"], "wait_ms_per_step": late["wait_ms"]}
+    arrival = _peer_arrival_waits(run, per_rank, per_step)
+    if arrival:
+        for r in per_rank:
+            if r["rank"] in arrival:
+                r["peer_arrival_wait_fraction"] = arrival[r["rank"]]
+        metrics["exposed_comm_fraction_excl_peer_arrival"] = round(float(median(
+            [max(0.0, r["exposed_comm_fraction"] - arrival.get(r["rank"], 0.0)) for r in per_rank])), 4)
     missing = _missing_ranks(run)
     return AnalyzerResult(metrics=metrics, findings=_findings(per_rank, job["exposed_comm_fraction"], late,
-                                                              missing, window))
+                                                              missing, window, arrival))
 
 
 def _window_vs_other_steps(run) -> dict | None:
@@ -757,6 +764,57 @@ def _late_waits(run, per_rank: list[dict]) -> dict:
     return out
 
 
+def _peer_arrival_waits(run, per_rank: list[dict], per_step: list[dict]) -> dict[int, float]:
+    """CPU traces: rank -> the share of its analysed profiled steps it spent blocked in a
+    collective before the last other member of that collective had arrived (the collective
+    log's complete instances of blocking calls: from its enqueue, min(blocked time, last other
+    member's enqueue − its own)). That is the other ranks' lateness — a slower or descheduled
+    peer, a straggler — not the transfer: on CPU every blocking collective is exposed, and two
+    balanced ranks on a loaded host take turns waiting for each other by tens of ms a step.
+    Counted only inside each step's window and within its exposed time. Empty without a log or
+    for GPU traces (their waits are on the device: _late_waits)."""
+    rows: dict[int, list[dict]] = {}
+    for r in per_rank:
+        if r["kind"] != "cpu" or r.get("whole_trace_window"):
+            continue
+        use = set(r["steps"])
+        rows[r["rank"]] = [x for x in per_step if x["rank"] == r["rank"] and x["step"] in use
+                           and x.get("start_ns") is not None]
+    rows = {k: v for k, v in rows.items() if v}
+    if not rows or not _has_log(run):
+        return {}
+    from trainprof.analyzers import _lateness
+
+    try:
+        df = _lateness.frame(run)
+    except Exception as e:  # noqa: BLE001 - the log only refines the judgement
+        run.problems.append(f"{NAME}: waits for other ranks' arrival unavailable ({type(e).__name__}: {e})")
+        return {}
+    if df.empty:
+        return {}
+    sync = ~df["async"].eq(True).to_numpy(bool) if "async" in df else np.ones(len(df), bool)
+    c = df.loc[df["complete"].to_numpy(bool) & sync & df["rank"].isin(list(rows)).to_numpy(),
+               ["rank", "group", "ordinal", "enqueue_ns", "t_enq", "wait_ms"]]
+    if c.empty:
+        return {}
+    last = df.loc[df["complete"].to_numpy(bool)].groupby(["group", "ordinal"], observed=True)["t_enq"].max()
+    c = c.join(last.rename("t_last"), on=["group", "ordinal"])
+    wait = np.minimum(c["wait_ms"].to_numpy(float), (c["t_last"] - c["t_enq"]).clip(lower=0.0).to_numpy(float))
+    enq = c["enqueue_ns"].astype(np.int64).to_numpy()
+    ends = enq + np.round(np.nan_to_num(wait) * 1e6).astype(np.int64)
+    rank_of = c["rank"].to_numpy()
+    out = {}
+    for rank, rs in rows.items():
+        m = rank_of == rank
+        waits = iv.union(enq[m], ends[m])
+        got = sum(min(iv.length(iv.clip(waits, x["start_ns"], x["end_ns"])) / 1e6, x["exposed_comm_ms"])
+                  for x in rs)
+        win = sum(x["window_ms"] for x in rs)
+        if win > 0:
+            out[rank] = round(got / win, 4)
+    return out
+
+
 def _has_log(run) -> bool:
     from trainprof.analyzers.trace_stragglers import has_collective_log
 
@@ -781,12 +839,18 @@ def _coords(run, rank) -> dict:
 
 
 def _findings(per_rank: list[dict], exposed: float, late: dict | None = None,
-              missing: list[int] | None = None, window: dict | None = None) -> list[Finding]:
+              missing: list[int] | None = None, window: dict | None = None,
+              arrival: dict | None = None) -> list[Finding]:
     out = []
-    # waits for a late rank are that rank's finding (stragglers analyzer), not communication
+    # waits for a late rank are that rank's finding (stragglers analyzer), not communication;
+    # on CPU traces so is any wait for another rank to arrive (_peer_arrival_waits), which
+    # holds the late ranks' share: the larger of the two is left out, never both
     adjusted = (late or {}).get("adjusted") or {}
-    own = {r["rank"]: adjusted.get(r["rank"], r["exposed_comm_fraction"]) for r in per_rank}
-    judged = late["exposed"] if adjusted else exposed
+    arrival = arrival or {}
+    own = {r["rank"]: min(adjusted.get(r["rank"], r["exposed_comm_fraction"]),
+                          max(0.0, r["exposed_comm_fraction"] - arrival.get(r["rank"], 0.0)))
+           for r in per_rank}
+    judged = round(float(median(list(own.values()))), 4) if (adjusted or arrival) else exposed
     # raised when hiding it is worth it: the overlap bound (estimates.exposed_comm_hidden) of
     # the median rank saves ≥ MIN_SAVING of the step; of an even number of ranks the lower
     # median (in lockstep a rank's saving shortens the step only if its peers' do too)
@@ -811,10 +875,14 @@ def _findings(per_rank: list[dict], exposed: float, late: dict | None = None,
             else ("ms/step", "profiled steps (")
         where = ("; exposed most in " + ", ".join(f"{d} {v:.1f} {unit}" for d, v in top_dims)) if top_dims else ""
         note = ""
+        peer = round(float(median([arrival.get(r["rank"], 0.0) for r in per_rank])), 4)
         if adjusted:
             lr = late["late"]
             note = (f" (not counting the time spent waiting for late {ranks_phrase(sorted(lr))}: "
                     f"{exposed:.0%} with it; see that rank's finding)")
+        elif arrival and peer > 0:
+            note = (f" (not counting the time spent waiting for the other ranks to reach each "
+                    f"collective, {peer:.0%} of the step: {exposed:.0%} with it)")
         if missing:  # a rank without data may be the one the others wait for
             note += (f"; {ranks_phrase(sorted(missing))} of the job "
                      f"{'have' if len(missing) > 1 else 'has'} no data here: part of this may be "
@@ -851,6 +919,9 @@ def _findings(per_rank: list[dict], exposed: float, late: dict | None = None,
                       **({"exposed_comm_fraction_with_waits": exposed,
                           "waiting_for_late_ranks_ms": late["wait_ms"], "late_ranks": late["late"]}
                          if adjusted else {}),
+                      **({"exposed_comm_fraction_with_waits": exposed,
+                          "peer_arrival_wait_fraction": {str(k): v for k, v in sorted(arrival.items())}}
+                         if arrival else {}),
                       "per_rank": {str(r["rank"]): own[r["rank"]] for r in per_rank},
                       **({"ranks_without_data": missing} if missing else {}),
                       **({"window_vs_other_steps": window} if window and window["untypical"] else {}),

@@ -17,6 +17,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -73,7 +74,10 @@ def run_once(name, script, launch, env, root: Path) -> dict:
     contention = [f for f in found if f["kind"] == "straggler"
                   and f["evidence"].get("cause") == "host_contention"]
     false = [f for f in found if f not in contention]
+    # why a run failed: the job's last exception line (e.g. Ray's node not starting under load)
+    errors = [x for x in proc.stderr.splitlines() if re.match(r"^[\w.]*(Error|Exception)\b", x)]
     return {"exit": proc.returncode, "wall_s": round(time.monotonic() - t0, 1),
+            "error": errors[-1][:200] if proc.returncode and errors else None,
             "false": [(f["kind"], f["message"][:240]) for f in false],
             "contention": len(contention)}
 
@@ -106,7 +110,7 @@ def main() -> None:
                     print(f"    {kind}: {msg}", flush=True)
             for r in rows:
                 if r["exit"] != 0:
-                    print(f"    run failed (exit {r['exit']})", flush=True)
+                    print(f"    run failed (exit {r['exit']}): {r['error'] or '?'}", flush=True)
     print(f"false-finding rate: {bad}/{total} runs" + (f" = {bad / total:.1%}" if total else ""))
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))

@@ -4,8 +4,11 @@ torch's profiler writes straight to file descriptor 2 from C++: kineto's ``USDT:
 profiler_start`` / ``profiler_stop`` when the window starts and stops recording, and, with
 memory profiling, c10's ``CPUAllocator.cpp ... Memory block of unknown size was allocated
 before the profiling started`` the first time a block allocated before the window is freed
-(then once per 1,000 such frees). Three lines per rank on a wrapped job's stderr, and in the
-file of a job that reused fd 2 for data.
+(then once per 1,000 such frees); and kineto's ``ERROR: External init callback must run in
+same thread as registerClient`` when the window starts on a thread other than the one that
+imported torch (Ray Train runs ``train_func`` on a thread of its worker; the profiler works
+all the same). Three or four lines per rank on a wrapped job's stderr, and in the file of a
+job that reused fd 2 for data.
 
 - Each call trainprof makes into its profiler (start, step, stop, the export) runs with fd 2
   pointed at a temporary file (``quiet()``); afterwards fd 2 is restored and whatever else was
@@ -26,7 +29,8 @@ import os
 import re
 
 NOISE = re.compile(rb"profiler_start|profiler_stop|CPUAllocator\.cpp:\d+\] Memory block of unknown "
-                   rb"size|libkineto|ActivityProfilerController")
+                   rb"size|libkineto|ActivityProfilerController|External init callback must run in "
+                   rb"same thread as registerClient")
 MAX_KEEP = 1 << 20  # bytes written back at most (a job thread logging meanwhile)
 
 

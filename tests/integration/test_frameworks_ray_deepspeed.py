@@ -3,8 +3,12 @@ wrapped unmodified, each written the way its documentation shows with a tiny com
 model and synthetic data. Checked: exit code 0, one step per optimizer update (DeepSpeed's
 gradient accumulation inside), the gradient collectives in the collective log, and no
 findings on the clean runs — in particular no hang when Ray ends its workers without a clean
-exit and takes seconds to shut down. Skipped, with the reason, where the framework is not
-installed (pip install -e '.[test]') or Ray's node cannot start on the machine."""
+exit and takes seconds to shut down. The Ray job reports its steps with a checkpoint (Ray
+Train keeps in ``result.metrics`` only what was reported with one). Skipped, with the reason,
+where the framework is not installed (pip install -e '.[test]') or Ray's node cannot start on
+the machine (Ray 2.60 gives its dashboard agent 15 s to start: not on a heavily loaded host).
+Ray's own start-up (about ten Python processes: GCS, raylet, agents, the Train controller and
+its helper actors, the two workers) dominates the Ray test's time."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from helpers import TRAINPROF, write_script
 
 STEPS, NPROC = 8, 2
 RAY = f"""
-import os, sys, torch, ray
+import os, sys, tempfile, torch, ray
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer, prepare_model
 
@@ -35,8 +39,20 @@ def train_func(config):
         x = torch.randn(8192, 64, generator=g)
         loss = torch.nn.functional.mse_loss(model(x), x)
         opt.zero_grad(); loss.backward(); opt.step()
-    ray.train.report({{"steps": {STEPS}}})
+    # Ray Train keeps in result.metrics what was reported with a checkpoint (rank 0 saves it)
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint = None
+        if ray.train.get_context().get_world_rank() == 0:
+            torch.save(model.module.state_dict(), os.path.join(d, "model.pt"))
+            checkpoint = ray.train.Checkpoint.from_directory(d)
+        ray.train.report({{"steps": step + 1}}, checkpoint=checkpoint)
 
+# a small local cluster on a shared CPU host: no dashboard, no idle workers started ahead, no
+# preemption watcher, and patience for processes that start slowly under load
+for k, v in {{"RAY_enable_worker_prestart": "0", "RAY_worker_register_timeout_seconds": "600",
+             "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+             "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600"}}.items():
+    os.environ.setdefault(k, v)
 ray.init(num_cpus={NPROC}, include_dashboard=False)
 result = TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers={NPROC}, use_gpu=False),
                       run_config=RunConfig(storage_path=os.path.abspath(sys.argv[1]), name="ray")).fit()
@@ -64,14 +80,7 @@ ENV = {"PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu", "RAY_DISABLE_USAGE_S
 _done: dict = {}
 
 
-RAY_KNOWN = ("the Ray Train job has not been seen to pass here (issue 27): on an idle machine "
-             "Ray 2.60 starts and trains, but result.metrics has no 'steps' and Kineto says "
-             "'External init callback must run in same thread as registerClient' in the workers")
-
-
 def _job(tmp_path_factory, name):
-    if name == "ray":
-        pytest.skip(RAY_KNOWN)
     if importlib.util.find_spec(name) is None:
         pytest.skip(f"{name} is not installed (pip install -e '.[test]')")
     if name not in _done:
@@ -85,6 +94,8 @@ def _job(tmp_path_factory, name):
         proc = subprocess.run([*TRAINPROF, "wrap", "--out", str(d / "run"), "--", *job], cwd=d,
                               env=env, capture_output=True, text=True, timeout=900)
         if name == "ray" and proc.returncode != 0 and "node timed out during startup" in proc.stderr:
+            # Ray 2.60's raylet aborts when its dashboard agent has not started within 15 s
+            # (not configurable from ray.init): a bare run fails the same way on a loaded host
             _done[name] = "Ray's node did not start on this machine (its agents timed out under load)"
         else:
             _done[name] = (d / "run", proc)
@@ -96,6 +107,9 @@ def _job(tmp_path_factory, name):
 def _summary(run, proc):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"done {STEPS}" in proc.stdout
+    # trainprof's profiler window runs on Ray's train_func thread: kineto's objection to that
+    # stays out of the job's output (probes/profiler_quiet.py)
+    assert "registerClient" not in proc.stdout + proc.stderr
     return json.loads((run / "summary.json").read_text())
 
 

@@ -315,3 +315,54 @@ def test_a_profiled_window_slower_than_the_other_steps_is_said_and_weighed(tmp_p
     assert res.metrics["window_vs_other_steps"]["untypical"] is False
     (f,) = res.findings
     assert f.severity == "warning" and "profiled steps took" not in f.message
+
+
+def _two_rank_cpu_job(root: Path, spans: dict, arrivals: dict) -> RunDir:
+    """Two CPU ranks, one 1000 µs profiled step each (trace at T µs): per rank, the (start,
+    end) µs of its blocking all-reduces A and B (compute fills the rest of the step) and, in
+    the collective log, the µs at which it entered each — the instances the ranks share."""
+    T = 1_000_000  # µs: the trace's and the log's clock (ns = 1000 × µs)
+    for r in (0, 1):
+        (a0, a1), (b0, b1) = spans[r]
+        write_trace(root, r, [
+            X("ProfilerStep#1", "user_annotation", T, 1000),
+            X("aten::mm", "cpu_op", T, a0), X("c10d::allreduce_", "cpu_op", T + a0, a1 - a0),
+            X("gloo:all_reduce", "user_annotation", T + a0, a1 - a0, tid=2),
+            X("aten::mm", "cpu_op", T + a1, b0 - a1), X("c10d::allreduce_", "cpu_op", T + b0, b1 - b0),
+            X("gloo:all_reduce", "user_annotation", T + b0, b1 - b0, tid=2),
+            X("aten::mm", "cpu_op", T + b1, 1000 - b1)], world=2)
+        d = rank_dir(root, r)
+        log = [{"step": 1, "pg": "0", "seq": i, "op": "all_reduce", "bytes": 4,
+                "enqueue_ns": (T + arrivals[r][i]) * 1000, "end_ns": (T + e) * 1000,
+                "blocked_ms": (e - arrivals[r][i]) / 1000, "async": False}
+               for i, e in enumerate((spans[r][0][1], spans[r][1][1]))]
+        (d / "collectives.jsonl").write_text("".join(json.dumps(c) + "\n" for c in log))
+        (d / "groups.jsonl").write_text(json.dumps({"pg": "0", "ranks": [0, 1], "size": 2,
+                                                    "backend": "gloo"}) + "\n")
+    return RunDir(root)
+
+
+def test_waiting_for_the_other_rank_to_arrive_is_not_exposed_communication(tmp_path):
+    """Two balanced ranks on a loaded CPU host take turns waiting for each other: in A rank 0
+    waits 400 µs for rank 1 (which arrives at 500), in B rank 1 waits 200 µs for rank 0 (at
+    900); each transfer takes 100 µs. Measured exposed: rank 0 600 µs (60 %), rank 1 400 µs
+    (40 %), median 50 % — over the 40 % threshold; without the waits for the other's arrival
+    both are 20 %: no finding. The same ranks arriving together at a 700 µs transfer: 70 %,
+    found, nothing left out."""
+    run = _two_rank_cpu_job(tmp_path / "turns", {0: ((100, 600), (900, 1000)), 1: ((500, 600), (700, 1000))},
+                            {0: (100, 900), 1: (500, 700)})
+    res = comm_compute.analyze(run)
+    per = {r["rank"]: r for r in res.metrics["per_rank"]}
+    assert (per[0]["exposed_comm_fraction"], per[1]["exposed_comm_fraction"]) == pytest.approx((0.6, 0.4))
+    assert res.metrics["exposed_comm_fraction"] == pytest.approx(0.5)
+    assert (per[0]["peer_arrival_wait_fraction"], per[1]["peer_arrival_wait_fraction"]) == pytest.approx((0.4, 0.2))
+    assert res.metrics["exposed_comm_fraction_excl_peer_arrival"] == pytest.approx(0.2)
+    assert not [f for f in res.findings if f.kind == "exposed_comm"]
+
+    run = _two_rank_cpu_job(tmp_path / "slow", {r: ((200, 900), (950, 960)) for r in (0, 1)},
+                            {r: (200, 950) for r in (0, 1)})
+    res = comm_compute.analyze(run)
+    (f,) = [f for f in res.findings if f.kind == "exposed_comm"]
+    assert f.evidence["exposed_comm_fraction"] == pytest.approx(0.71) and f.ranks == [0, 1]
+    assert f.evidence["peer_arrival_wait_fraction"] == {"0": 0.0, "1": 0.0}
+    assert "waiting for the other ranks" not in f.message

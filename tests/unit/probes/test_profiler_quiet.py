@@ -30,3 +30,30 @@ def test_a_closed_fd_2_is_left_alone():
            "with quiet():\n    pass\nprint(os.path.exists('/proc/self/fd/2'))"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == "False", p.stdout + p.stderr
+
+
+THREAD = r"""
+import os, threading, torch
+from trainprof.probes.profiler_quiet import quiet
+def window():  # torch was imported on the main thread: kineto objects to a start from here
+    p = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with quiet():
+        p.start()
+        os.write(2, b"job thread line\n")
+    torch.ones(3).sum()
+    with quiet():
+        p.stop()
+t = threading.Thread(target=window)
+t.start(); t.join()
+"""
+
+
+def test_kineto_objecting_to_a_start_on_another_thread_is_dropped():
+    """Ray Train's workers run train_func on a thread of their own: a profiler window started
+    there makes kineto print an ERROR line (the profiler records all the same)."""
+    bare = subprocess.run([sys.executable, "-c", THREAD.replace("with quiet():", "if True:")],
+                          capture_output=True, timeout=120)
+    assert b"External init callback must run in same thread as registerClient" in bare.stderr
+    p = subprocess.run([sys.executable, "-c", THREAD], capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == b"job thread line\n"
