@@ -76,13 +76,33 @@ def test_every_integration_test_is_marked_multiproc():
     conftest = sys.modules["conftest"]  # tests/conftest.py, as pytest loaded it
 
     class Item:
-        def __init__(self, path):
-            self.fspath, self.marks = path, []
+        def __init__(self, path, long=False):
+            self.fspath, self.marks, self.long = path, [], long
 
         def add_marker(self, mark):
             self.marks.append(mark.name)
 
-    items = [Item(TESTS / "integration" / "test_wrap.py"), Item(TESTS / "unit" / "trainprof" / "test_rundir.py"),
-             Item(TESTS / "support" / "jobs" / "ddp_job.py")]
-    conftest.pytest_collection_modifyitems(None, items)
-    assert [i.marks for i in items] == [["multiproc"], [], []]
+        def get_closest_marker(self, name):
+            return object() if name == "long" and self.long else None
+
+    class Config:
+        def __init__(self, long):
+            self.long, self.deselected = long, []
+            self.hook = type("Hook", (), {"pytest_deselected": lambda _, items: self.deselected.extend(items)})()
+
+        def getoption(self, name):
+            return self.long
+
+    def collect(long):
+        items = [Item(TESTS / "integration" / "test_wrap.py"), Item(TESTS / "unit" / "trainprof" / "test_rundir.py"),
+                 Item(TESTS / "support" / "jobs" / "ddp_job.py"), Item(TESTS / "unit" / "x.py", long=True)]
+        config = Config(long)
+        conftest.pytest_collection_modifyitems(config, items)
+        return items, config
+
+    items, config = collect(long=False)
+    # job tests: multiproc, and one xdist group (one after another on one worker)
+    assert [i.marks for i in items] == [["multiproc", "xdist_group"], [], []]
+    assert [i.fspath.name for i in config.deselected] == ["x.py"]  # `long` left out by default
+    items, config = collect(long=True)
+    assert len(items) == 4 and not config.deselected
