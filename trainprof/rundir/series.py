@@ -25,14 +25,23 @@ COMPACT_STREAMS = ("steps", "data", "memory", "steps_device")
 
 
 def has_compact(run, rank: int) -> bool:
-    return run.rank_file(rank, f"{fmt.COMPACT_DIR}/steps{fmt.TABLE_SUFFIX}") is not None
+    """Whether the rank has compact tables (looked up once per rank and analysis)."""
+    seen = run._cache.setdefault("series:has_compact", {})
+    if rank not in seen:
+        seen[rank] = run.rank_file(rank, f"{fmt.COMPACT_DIR}/steps{fmt.TABLE_SUFFIX}") is not None
+    return seen[rank]
+
+
+def compact_ranks(run) -> int:
+    """How many ranks have compact tables."""
+    key = "series:compact_ranks"
+    if key not in run._cache:
+        run._cache[key] = sum(1 for r in run.ranks if has_compact(run, r))
+    return run._cache[key]
 
 
 def any_compact(run) -> bool:
-    key = "series:any_compact"
-    if key not in run._cache:
-        run._cache[key] = any(has_compact(run, r) for r in run.ranks)
-    return run._cache[key]
+    return compact_ranks(run) > 0
 
 
 # Analysis reads at most this many (rank, step) rows at full resolution, the most recent steps
@@ -45,8 +54,7 @@ MIN_WINDOW = 200
 
 
 def window_steps(run) -> int:
-    n = sum(1 for r in run.ranks if has_compact(run, r)) or 1
-    return max(MIN_WINDOW, ANALYSIS_ROWS // n)
+    return max(MIN_WINDOW, ANALYSIS_ROWS // (compact_ranks(run) or 1))
 
 
 def table(run, rank: int, name: str) -> tuple:
@@ -217,6 +225,7 @@ def collective_steps(run):
         if r in old:
             continue
         rows, _ = table(run, r, "collectives")
+        run._cache.pop(f"series:table:collectives:{r}", None)  # kept once: in the frame below
         if not len(rows):
             continue
         names = keys(run, r)
@@ -407,8 +416,7 @@ def ring_tail(run, rank: int, name: str):
     from trainprof.rundir import streams as rs
     from trainprof import safeio
 
-    n = sum(1 for r in run.ranks if has_compact(run, r)) or 1
-    budget = max(MIN_DETAIL_BYTES, DETAIL_BYTES // n)
+    budget = max(MIN_DETAIL_BYTES, DETAIL_BYTES // (compact_ranks(run) or 1))
     chunks = []
     cut = False  # the budget left part of the ring unread
     for p in (run.stream_path(rank, name),
@@ -454,10 +462,21 @@ def ring_tail(run, rank: int, name: str):
 
 
 def detail_steps(run, rank: int, stream: str = "collectives") -> tuple | None:
-    """(first, last) step of a rank's per-record detail of ``stream`` (the ring), or None."""
-    steps = [x.get("step") for x in run.stream(rank, stream)]
-    steps = [s for s in steps if isinstance(s, int)]
-    return (min(steps), max(steps)) if steps else None
+    """(first, last) step of a rank's per-record detail of ``stream`` (the ring), or None:
+    from the stream's frame (read once for every rank; each rank's records are not kept)."""
+    key = f"series:detail_steps:{stream}"
+    if key not in run._cache:
+        df = run.frame(stream)
+        out = {}
+        if not df.empty and {"rank", "step"} <= set(df.columns):
+            st = df["step"]
+            ok = st.map(type).isin((int, np.int64)) if st.dtype == object else st.notna()
+            d = pd.DataFrame({"rank": df["rank"][ok].to_numpy(),
+                              "step": st[ok].to_numpy().astype(np.int64)})
+            g = d.groupby("rank")["step"]
+            out = {int(r): (int(a), int(b)) for r, a, b in zip(g.min().index, g.min(), g.max())}
+        run._cache[key] = out
+    return run._cache[key].get(rank)
 
 
 def resolution(run) -> dict | None:
