@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainprof._lazy import pd
+
 MIN_MATCHED = 5  # collectives shared with aligned ranks before their ends are trusted
 
 
@@ -150,11 +152,12 @@ def _refine(run, base, unc, info, shift, off_host) -> None:
     if not len(ranks):
         return
     aligned = np.isin(ranks, [r for r in run.ranks if r not in off_host])
-    ref_end: dict[int, list] = {}
-    for i, e in zip(inst[aligned], end[aligned]):
-        ref_end.setdefault(int(i), []).append(int(e))
-    med = {i: float(np.median(v)) for i, v in ref_end.items()}
-    for r in off_host:
+    # per instance, the median end over the aligned ranks (as floats, np.median's arithmetic)
+    med = pd.Series(end[aligned].astype(np.float64)).groupby(inst[aligned]).median()
+    keys, meds = med.index.to_numpy(np.int64), med.to_numpy(np.float64)
+    order = np.argsort(ranks, kind="stable")
+    cuts = np.searchsorted(ranks[order], off_host), np.searchsorted(ranks[order], off_host, "right")
+    for r, a, b in zip(off_host, *cuts):
         u = unc.get(r, 0.0)
         if info[r]["method"].startswith("none"):
             u = float("inf")  # no bound: the ends alone
@@ -166,8 +169,10 @@ def _refine(run, base, unc, info, shift, off_host) -> None:
             info[r].update(method=info[r]["method"] + " + collective bounds", matched=n,
                            shift_us=round(s / 1e3, 1), uncertainty_us=round((hi - lo) / 2e3, 1))
             continue
-        m = ranks == r
-        d = np.array([e - med[int(i)] for i, e in zip(inst[m], end[m]) if int(i) in med])
+        rows = order[a:b]  # the rank's records, in their order
+        j = np.clip(np.searchsorted(keys, inst[rows]), 0, max(0, len(keys) - 1))
+        hit = (keys[j] == inst[rows]) if len(keys) else np.zeros(len(rows), bool)
+        d = end[rows][hit] - meds[j[hit]]
         if len(d) < MIN_MATCHED:
             continue
         s = float(np.median(d))

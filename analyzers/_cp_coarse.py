@@ -37,14 +37,14 @@ def prepare(run, al) -> dict:
     k_ = s["step"].to_numpy(np.int64)
     a_ = s["start_ns"].to_numpy(np.int64).copy()
     b_ = s["end_ns"].to_numpy(np.int64).copy()
-    _align_cols(al, r_, a_, b_)
+    align_cols(al, r_, a_, b_)
     dw = np.zeros(len(s))
     d = run.frame("data")
     if not d.empty and {"rank", "step", "wait_ms"} <= set(d.columns):
         w = d[["rank", "step", "wait_ms"]].dropna().groupby(["rank", "step"])["wait_ms"].sum()
-        idx = dict(zip(zip(w.index.get_level_values(0).astype(int), w.index.get_level_values(1).astype(int)),
-                       w.to_numpy(float)))
-        dw = np.array([idx.get((int(x), int(y)), 0.0) for x, y in zip(r_, k_)])
+        dw = _lookup(w, r_, k_)
+    o = np.argsort(k_, kind="stable")  # by step: a step's windows are one slice
+    r_, k_, a_, b_, dw = r_[o], k_[o], a_[o], b_[o], dw[o]
     out["win"] = {"rank": r_, "step": k_, "start": a_, "end": np.maximum(b_, a_),
                   "dend": np.minimum(np.maximum(b_, a_), a_ + (dw * 1e6).astype(np.int64))}
     df = coll._frame(run)
@@ -56,7 +56,7 @@ def prepare(run, al) -> dict:
     ranks = df["rank"].to_numpy(np.int64)
     enq = df["enqueue_ns"].astype(np.int64).to_numpy().copy()
     end = df["end_ns"].astype(np.int64).to_numpy().copy()
-    _align_cols(al, ranks, enq, end)
+    align_cols(al, ranks, enq, end)
     blocked = (np.nan_to_num(df["blocked_ms"].astype(float).to_numpy()) * 1e6).astype(np.int64)
     wait = np.maximum(enq, end - blocked)
     inst, names = _instances(df, ranks)
@@ -70,7 +70,23 @@ def prepare(run, al) -> dict:
     return out
 
 
-def _align_cols(al, ranks, *cols) -> None:
+def _lookup(w, ranks, steps) -> np.ndarray:
+    """w[(rank, step)] (a Series on a sorted (rank, step) index) per (rank, step), 0 where absent."""
+    if not len(w) or not len(ranks):
+        return np.zeros(len(ranks))
+    kr = w.index.get_level_values(0).to_numpy(np.int64)
+    ks = w.index.get_level_values(1).to_numpy(np.int64)
+    lo = int(min(ks.min(), steps.min()))
+    width = int(max(ks.max(), steps.max())) - lo + 1
+    key, want = (kr * width + (ks - lo)), (ranks * width + (steps - lo))
+    o = np.argsort(key, kind="stable")
+    key, vals = key[o], w.to_numpy(float)[o]
+    i = np.clip(np.searchsorted(key, want), 0, len(key) - 1)
+    return np.where(key[i] == want, vals[i], 0.0)
+
+
+def align_cols(al, ranks, *cols) -> None:
+    """Each column aligned in place, a rank's rows at a time (al: analyzers._align)."""
     for r in np.unique(ranks):
         m = ranks == r
         for c in cols:
@@ -156,7 +172,53 @@ def _place_data(prep, step, wr, ws, dw, epos, ta, tb):
 
 def step_ids(prep: dict) -> list[int]:
     w = prep.get("win") or {}
-    return sorted({int(x) for x in w.get("step", ())})
+    return [int(x) for x in np.unique(w["step"])] if w else []
+
+
+def op_steps(prep: dict) -> set[int]:
+    """The steps in which some rank with a step window logged an op: their graphs join ranks;
+    every other step's graph is one chain per rank (chain_paths)."""
+    w, ops = prep.get("win") or {}, prep.get("ops")
+    if not w or ops is None or not len(ops["step"]):
+        return set()
+    lo = int(min(w["step"].min(), ops["step"].min()))
+    width = int(max(w["step"].max(), ops["step"].max())) - lo + 1
+    have = np.isin(ops["rank"] * width + (ops["step"] - lo), w["rank"] * width + (w["step"] - lo))
+    return {int(x) for x in np.unique(ops["step"][have])}
+
+
+def chain_paths(prep: dict, skip: set) -> dict:
+    """{step: (length ns, rank, start, end, data ns, work edges before the path's)} of every
+    step but ``skip`` at once: each rank's step is one work edge from its start to its end
+    (its data wait at the start: nothing logged in it to place it after), so the longest path
+    is the longest window, the lowest rank's on a tie (step_graph's node order), and its
+    edge id counts the ranks before it with a window longer than 0 (one edge each)."""
+    w = prep.get("win") or {}
+    if not w or not len(w["step"]):
+        return {}
+    sel = ~np.isin(w["step"], np.fromiter(skip, np.int64, len(skip)))
+    k, r = w["step"][sel], w["rank"][sel]
+    if not len(k):
+        return {}
+    a, b, d = w["start"][sel], w["end"][sel], w["dend"][sel]
+    o = np.lexsort((r, k))
+    k, r, a, b, d = k[o], r[o], a[o], b[o], d[o]
+    dur = b - a
+    data = np.clip(np.minimum(b, d) - a, 0, None)
+    first = np.r_[True, k[1:] != k[:-1]]
+    starts = np.flatnonzero(first)
+    longest = np.maximum.reduceat(dur, starts)
+    grp = np.cumsum(first) - 1
+    # the first row of each step with its longest window; edges before it: windows > 0
+    hit = dur == longest[grp]
+    pos = np.arange(len(k))
+    best = np.full(len(starts), len(k))
+    np.minimum.at(best, grp[hit], pos[hit])
+    nonzero = np.cumsum(dur > 0) - (dur > 0)  # windows > 0 before each row, over all steps
+    before = nonzero[best] - nonzero[starts]
+    return {int(k[s]): (int(longest[i]), int(r[j]), int(a[j]), int(b[j]), int(data[j]),
+                        int(before[i]))
+            for i, (s, j) in enumerate(zip(starts, best))}
 
 
 def step_graph(prep: dict, step: int, ranks=None) -> Arrays | None:
@@ -164,10 +226,11 @@ def step_graph(prep: dict, step: int, ranks=None) -> Arrays | None:
     w = prep["win"]
     if not w:
         return None
-    sel = w["step"] == step
+    lo, hi = np.searchsorted(w["step"], [step, step + 1])
+    sel = np.arange(lo, hi)
     if ranks is not None:
-        sel &= np.isin(w["rank"], list(ranks))
-    if not sel.any():
+        sel = sel[np.isin(w["rank"][sel], list(ranks))]
+    if not len(sel):
         return None
     wr, ws, we, wd = w["rank"][sel], w["start"][sel], w["end"][sel], w["dend"][sel]
     order = np.argsort(wr, kind="stable")

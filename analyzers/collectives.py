@@ -211,11 +211,14 @@ def _instances(df) -> pd.DataFrame:
                             "t_enq", "t_end", "device_ms", "dur_ms", "blocked_ms"]]
     if c.empty:
         return pd.DataFrame()
+    # numbers once for every record, not per instance (a Python call per instance: minutes
+    # at a million instances)
+    c = c.assign(device_ms=pd.to_numeric(c["device_ms"], errors="coerce").astype(float))
     agg = c.groupby(["group", "ordinal"]).agg(
         op=("op", "first"), mesh_dim=("mesh_dim", "first"), gsize=("gsize", "first"),
         bytes=("bytes", "max"), step=("step", "min"), members=("rank", "nunique"),
         first_enq=("t_enq", "min"), last_enq=("t_enq", "max"), first_end=("t_end", "min"),
-        device_ms=("device_ms", lambda s: pd.to_numeric(s, errors="coerce").median()),
+        device_ms=("device_ms", "median"),
         rank_dur=("dur_ms", "median"), blocked_ms=("blocked_ms", "mean"))
     agg = agg.reset_index()
     a2c = (agg["first_end"] - agg["last_enq"]).clip(lower=0)

@@ -40,8 +40,10 @@ def prepared(run) -> dict:
 
 
 def data_placement(run) -> dict:
-    """(rank, step) -> (start, end) aligned ns where the step graphs placed the data wait."""
-    step_graphs(run)
+    """(rank, step) -> (start, end) aligned ns where the step graphs placed the data wait; in a
+    step without logged ops (none of the ranks': one chain per rank) it is at the step's start
+    and not listed."""
+    paths(run)
     return prepared(run).get("data_at", {})
 
 
@@ -76,8 +78,17 @@ def paths(run) -> dict:
 
 
 def _paths(run) -> dict:
+    prep = prepared(run)
+    joined = _cp_coarse.op_steps(prep)
+    chains = _cp_coarse.chain_paths(prep, joined)  # every other step, at once
     out = {}
-    for s, g in step_graphs(run).items():
+    for s in _cp_coarse.step_ids(prep):
+        if s in chains:
+            out[s] = _chain_path(*chains[s])
+            continue
+        g = _cp_coarse.step_graph(prep, s)
+        if g is None:
+            continue
         try:
             length, path = _cp_graph.longest_path(g)
         except ValueError:
@@ -87,6 +98,20 @@ def _paths(run) -> dict:
         out[s] = {"length_ns": length, "path": path, "attr": _cp_graph.attribute(g, path),
                   "rows": _path_rows(g, path)}
     return out
+
+
+def _chain_path(length, rank, start, end, data, edge) -> dict:
+    """paths()'s entry of a step whose graph is one chain per rank (_cp_coarse.chain_paths):
+    what longest_path, attribute and _path_rows give on that graph."""
+    if length <= 0:
+        return {"length_ns": 0, "path": np.zeros(0, np.int64),
+                "attr": {"by_rank": {}, "by_kind": {}, "by_rank_kind": {}}, "rows": []}
+    parts = dict.fromkeys(KINDS, 0.0)
+    parts["compute"], parts["data"] = float(length - data), float(data)
+    return {"length_ns": length, "path": np.array([edge], np.int64),
+            "attr": {"by_rank": {rank: float(length)}, "by_kind": parts,
+                     "by_rank_kind": {(rank, k): v for k, v in parts.items() if v > 0}},
+            "rows": [(rank, "compute" if length - data >= data else "data", start, end, None)]}
 
 
 def _kept(run, steps) -> list[int]:
@@ -106,11 +131,17 @@ def _wall(run, al) -> dict:
     out: dict = {}
     if st.empty:
         return out
-    for r, k, a, b in st[["rank", "step", "start_ns", "end_ns"]].dropna().itertuples(index=False):
-        lo, hi = al(int(r), int(a)), al(int(r), int(b))
-        cur = out.get(int(k))
-        out[int(k)] = (min(lo, cur[0]), max(hi, cur[1])) if cur else (lo, hi)
-    return out
+    d = st[["rank", "step", "start_ns", "end_ns"]].dropna()
+    if d.empty:
+        return out
+    r, k = d["rank"].to_numpy().astype(np.int64), d["step"].to_numpy().astype(np.int64)
+    lo, hi = d["start_ns"].to_numpy().astype(np.int64), d["end_ns"].to_numpy().astype(np.int64)
+    _cp_coarse.align_cols(al, r, lo, hi)  # the aligned step windows, rank by rank
+    o = np.argsort(k, kind="stable")
+    k, lo, hi = k[o], lo[o], hi[o]
+    first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    return dict(zip(k[first].tolist(), zip(np.minimum.reduceat(lo, first).tolist(),
+                                           np.maximum.reduceat(hi, first).tolist())))
 
 
 def _summarize(per: dict, steps: list[int]) -> dict:
@@ -146,7 +177,8 @@ def analyze(run) -> AnalyzerResult:
         metrics["source"] = "always-on log: steps, collectives (joined across their group), p2p pairs, data waits"
         metrics["job"] = _summarize(per, kept)
         metrics["job"]["steps_used"] = kept if len(kept) <= 64 else kept[:64]
-        metrics["per_step"] = [_step_row(s, per[s], wall.get(s), s in kept) for s in sorted(per)]
+        kept_set = set(kept)
+        metrics["per_step"] = [_step_row(s, per[s], wall.get(s), s in kept_set) for s in sorted(per)]
         unc = al.uncertainty_us()
         metrics["alignment"] = {"how": al.how,
                                 "max_uncertainty_us": max(unc.values(), default=0.0)}

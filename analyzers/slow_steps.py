@@ -8,8 +8,8 @@ job's step time (the slowest rank's, step_time ``per_step``), m its median and
 after the warm-up, the step after the profiler window's export) is never counted as slow: it
 still pays first-time costs (DDP's bucket rebuild, the trace export's after-effects).
 
-- *Periodic*: a class of steps s ≡ φ (mod P), 2 ≤ P, with at least 3 steps in the analysed
-  range, is slow when at least PERIODIC_MIN of its steps (and at least half of them) are over
+- *Periodic*: a class of steps s ≡ φ (mod P), 2 ≤ P ≤ PERIODIC_MAX_STEPS, with at least 3
+  steps in the analysed range (analyzers/_periodic.py), is slow when at least PERIODIC_MIN of its steps (and at least half of them) are over
   m + max(PERIODIC_K · σ, (PERIODIC_RATIO − 1) · m, MIN_EXTRA_MS) and every one of them is
   over m. The class with the largest mean excess wins.
 - *Otherwise*: the steps over m + max(K · σ, (RATIO − 1) · m, MIN_EXTRA_MS), when at least
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainprof.analyzers import _periodic as _periodic_search
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.wording import plural, ranks_phrase, verb
 
@@ -40,6 +41,7 @@ SINGLE_SHARE = 0.30    # ... or fewer holding ≥ 30 % of the analysed time
 PERIODIC_RATIO = 1.5   # a periodic class: ≥ PERIODIC_MIN steps ≥ 1.5 × median ...
 PERIODIC_K = 2.0       # ... and ≥ median + 2 σ
 PERIODIC_MIN = 3       # (and at least half the class), every step of it over the median
+PERIODIC_MAX_STEPS = 10_000  # P at most (three steps 40,000 apart in a long run are no period)
 MIN_EXTRA_MS = 10.0    # and a slow step is ≥ 10 ms over the median (a few ms of scheduler
                        # jitter on shared cores make a 2 ms step "3×" the median)
 SHARE = 0.10           # finding: the slow steps' time over the median ≥ 10 % of the analysed time
@@ -67,27 +69,8 @@ def _analysed(run):
 
 def _periodic(steps, x, edges, m, sigma):
     """The slow class (P, φ, its steps) with the largest mean excess, or None."""
-    keep = np.array([s not in edges for s in steps], dtype=bool)
-    st, v = np.asarray(steps, dtype=np.int64)[keep], np.asarray(x, dtype=float)[keep]
-    if st.size < PERIODIC_MIN:
-        return None
     lo = m + max(PERIODIC_K * sigma, (PERIODIC_RATIO - 1) * m, MIN_EXTRA_MS)
-    high, low, ex = (v >= lo).astype(float), (v <= m).astype(float), v - m
-    span = int(steps[-1] - steps[0] + 1)
-    best = None
-    for p in range(2, span // PERIODIC_MIN + 1):
-        cls = st % p
-        n = np.bincount(cls, minlength=p)
-        h = np.bincount(cls, weights=high, minlength=p)
-        ok = (n >= PERIODIC_MIN) & (h >= PERIODIC_MIN) & (2 * h >= n) \
-            & (np.bincount(cls, weights=low, minlength=p) == 0)
-        if not ok.any():
-            continue
-        mean = np.bincount(cls, weights=ex, minlength=p) / np.maximum(n, 1)
-        phi = int(np.flatnonzero(ok)[np.argmax(mean[ok])])
-        if best is None or mean[phi] > best[0]:
-            best = (float(mean[phi]), p, phi, [int(s) for s in st[cls == phi]])
-    return None if best is None else best[1:]
+    return _periodic_search.slow_class(steps, x, edges, m, lo, PERIODIC_MIN, PERIODIC_MAX_STEPS)
 
 
 def _who(run, slow: list[int], typical: list[int], extra_ms: float) -> dict:

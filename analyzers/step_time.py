@@ -80,14 +80,17 @@ def _analyze(run) -> AnalyzerResult:
                          "mean_ms": float(d.mean()),
                          "spread_pct": 100.0 * (p90 - med) / med if med > 0 else 0.0})
 
-    by_step = kept.groupby("step")["dur_ms"]
-    per_step = [{"step": int(s), "max_ms": float(g.max()), "median_ms": float(g.median()),
-                 "min_ms": float(g.min()), "ranks": int(g.size)} for s, g in by_step]
-    job_ms = np.array([p["max_ms"] for p in per_step], dtype=float)
+    by_step = kept.groupby("step")["dur_ms"].agg(["max", "median", "min", "size"])
+    job_ms = by_step["max"].to_numpy(dtype=float)
+    per_step = [{"step": s, "max_ms": a, "median_ms": b, "min_ms": c, "ranks": n}
+                for s, a, b, c, n in zip(by_step.index.astype(np.int64).tolist(), job_ms.tolist(),
+                                         by_step["median"].to_numpy(float).tolist(),
+                                         by_step["min"].to_numpy(float).tolist(),
+                                         by_step["size"].to_numpy(np.int64).tolist())]
 
     wide = steps.pivot(index="rank", columns="step", values="dur_ms").sort_index()
     first_step = int(wide.columns.min())
-    step_ms_by_rank = {str(int(r)): [None if np.isnan(v) else float(v) for v in row]
+    step_ms_by_rank = {str(int(r)): [None if v != v else v for v in row.tolist()]
                        for r, row in zip(wide.index, wide.to_numpy(dtype=float))}
 
     tokens = (run.rank_meta(run.ranks[0]).get("run_info") or {}).get("tokens_per_step") \

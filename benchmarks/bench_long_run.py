@@ -1,7 +1,8 @@
 """Whole-run analysis at scale (issue 28): synthesize long bounded-format run directories from a
 real run (benchmarks/synth_long.py) and time `trainprof analyze --no-report` on each, printing
 wall time, peak RSS and summary.json size per size. Targets (2-core CI machine): 1,000,000
-steps x 8 ranks and 100,000 steps x 1,024 ranks each <= 60 s and <= 2 GB.
+steps x 8 ranks and 100,000 steps x 1,024 ranks each <= 60 s and <= 2 GB. Ends with a table
+(wall time follows the machine's load; the CPU time, user + sys, is the figure to compare).
 
     python benchmarks/bench_long_run.py [--sizes 8x1000000,1024x100000] [--keep DIR]
 """
@@ -9,7 +10,6 @@ steps x 8 ranks and 100,000 steps x 1,024 ranks each <= 60 s and <= 2 GB.
 from __future__ import annotations
 
 import argparse
-import resource
 import shutil
 import subprocess
 import sys
@@ -19,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_scale import measure  # noqa: E402
 
 BUDGETS = {8: 256.0, 1024: 2.0}  # MB per rank: the default; a small one keeps 1,024 ranks at ~2 GB on disk
 
@@ -34,15 +35,11 @@ def run(size: str, root: Path) -> dict:
                from_step=steps - steps // 3)
     synth_s = time.perf_counter() - t
     disk = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "trainprof", "analyze", str(out), "--no-report",
-                          "--out", str(root / f"out-{ranks}x{steps}")],
-                         capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    rss = after.ru_maxrss  # the largest child so far: run one size per process for its own
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    # this analyze's own wall, CPU (user + sys) and peak RSS (/usr/bin/time -v, or a fresh child)
+    m = measure([sys.executable, "-m", "trainprof", "analyze", str(out), "--no-report",
+                 "--out", str(root / f"out-{ranks}x{steps}")])
+    wall, cpu, rss = m["wall_s"], m["cpu_s"], m["rss_mb"] * 1024
+    res = subprocess.CompletedProcess([], m["rc"], "", m["stderr"])
     summary = root / f"out-{ranks}x{steps}" / "summary.json"
     import json
 
@@ -62,9 +59,11 @@ def main() -> int:
     ap.add_argument("--keep", type=Path, default=None)
     a = ap.parse_args()
     root = a.keep or Path(tempfile.mkdtemp(prefix="trainprof-long-"))
+    rows = []
     try:
         for size in a.sizes.split(","):
             r = run(size, root)
+            rows.append(r)
             print(f"{r['size']:>14}: analyze {r['wall_s']:.1f} s wall ({r['cpu_s']:.1f} s CPU), peak RSS {r['rss_mb']:.0f} MB, "
                   f"summary {r['summary_mb'] or 0:.2f} MB, rc {r['rc']} | run dir {r['disk_mb']:.0f} MB "
                   f"(budget {r['budget_mb']:g} MB/rank, synthesized in {r['synth_s']:.0f} s) | "
@@ -74,6 +73,12 @@ def main() -> int:
     finally:
         if a.keep is None:
             shutil.rmtree(root, ignore_errors=True)
+    print("\n| ranks x steps | wall s | CPU s | peak RSS MB | summary MB | target (60 s, 2 GB) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        ok = r["cpu_s"] <= 60 and r["rss_mb"] <= 2048
+        print(f"| {r['size']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['rss_mb']:.0f} | "
+              f"{r['summary_mb'] or 0:.2f} | {'met (CPU)' if ok else 'NOT met'} |")
     return 0
 
 

@@ -84,7 +84,7 @@ def ring_tail(run, rank: int, name: str):
     from trainprof.rundir import streams as rs
     from trainprof import safeio
 
-    n = compact_ranks(run)
+    n = compact_ranks(run) or 1
     budget = max(MIN_DETAIL_BYTES, DETAIL_BYTES // n)
     chunks = []
     cut = False  # the budget left part of the ring unread
@@ -197,7 +197,7 @@ def detail_with_columns(run, rank: int, read_records) -> tuple:
     steps = [x for x in steps if isinstance(x, int)]
     rotated = run.rank_file(rank, "collectives.prev.jsonl") is not None
     first = (min(steps) + (1 if rotated else 0)) if steps else None
-    n = compact_ranks(run)
+    n = compact_ranks(run) or 1
     budget = max(MIN_DETAIL_BYTES, WINDOW_READ_BYTES // n)
     got, ranges, info = [], [], []
     for w in reversed(_windows(run, rank)):  # the newest first, within the read budget

@@ -27,14 +27,23 @@ COMPACT_STREAMS = ("steps", "data", "memory", "steps_device")
 
 
 def has_compact(run, rank: int) -> bool:
-    return run.rank_file(rank, f"{fmt.COMPACT_DIR}/steps{fmt.TABLE_SUFFIX}") is not None
+    """Whether the rank has compact tables (looked up once per rank and analysis)."""
+    seen = run._cache.setdefault("series:has_compact", {})
+    if rank not in seen:
+        seen[rank] = run.rank_file(rank, f"{fmt.COMPACT_DIR}/steps{fmt.TABLE_SUFFIX}") is not None
+    return seen[rank]
+
+
+def compact_ranks(run) -> int:
+    """How many ranks have compact tables."""
+    key = "series:compact_ranks"
+    if key not in run._cache:
+        run._cache[key] = sum(1 for r in run.ranks if has_compact(run, r))
+    return run._cache[key]
 
 
 def any_compact(run) -> bool:
-    key = "series:any_compact"
-    if key not in run._cache:
-        run._cache[key] = any(has_compact(run, r) for r in run.ranks)
-    return run._cache[key]
+    return compact_ranks(run) > 0
 
 
 # Analysis reads at most this many (rank, step) rows at full resolution, the most recent steps
@@ -46,18 +55,8 @@ ANALYSIS_ROWS = 1_000_000
 MIN_WINDOW = 200
 
 
-def compact_ranks(run) -> int:
-    """How many ranks wrote the bounded format (at least 1). Counted once per run: it is asked
-    at every table and ring read, and a stat of every rank each time would cost ranks x reads
-    (~12,000 stats at 64 ranks)."""
-    key = "series:compact_ranks"
-    if key not in run._cache:
-        run._cache[key] = sum(1 for r in run.ranks if has_compact(run, r)) or 1
-    return run._cache[key]
-
-
 def window_steps(run) -> int:
-    return max(MIN_WINDOW, ANALYSIS_ROWS // compact_ranks(run))
+    return max(MIN_WINDOW, ANALYSIS_ROWS // (compact_ranks(run) or 1))
 
 
 def table(run, rank: int, name: str) -> tuple:
@@ -228,6 +227,7 @@ def collective_steps(run):
         if r in old:
             continue
         rows, _ = table(run, r, "collectives")
+        run._cache.pop(f"series:table:collectives:{r}", None)  # kept once: in the frame below
         if not len(rows):
             continue
         names = keys(run, r)

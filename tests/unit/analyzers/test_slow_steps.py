@@ -187,3 +187,70 @@ def test_tiny_steps_jitter_is_silent(tmp_path):
 # ------------------------------------------------------------------- a real job under wrap
 
 
+
+
+def _every_class(steps, x, edges, m, lo, min_n, max_period):
+    """Every class of every period in turn: the search as first written, the reference the
+    pruned search (analyzers/_periodic.py) must equal, ties and all."""
+    import numpy as np
+    keep = np.array([s not in edges for s in steps], dtype=bool)
+    st, v = np.asarray(steps, dtype=np.int64)[keep], np.asarray(x, dtype=float)[keep]
+    if st.size < min_n:
+        return None
+    high, low, ex = (v >= lo).astype(float), (v <= m).astype(float), v - m
+    best = None
+    for p in range(2, min(int(steps[-1] - steps[0] + 1) // min_n, max_period) + 1):
+        cls = st % p
+        n = np.bincount(cls, minlength=p)
+        h = np.bincount(cls, weights=high, minlength=p)
+        ok = (n >= min_n) & (h >= min_n) & (2 * h >= n) & (np.bincount(cls, weights=low, minlength=p) == 0)
+        if ok.any():
+            mean = np.bincount(cls, weights=ex, minlength=p) / np.maximum(n, 1)
+            phi = int(np.flatnonzero(ok)[np.argmax(mean[ok])])
+            if best is None or mean[phi] > best[0]:
+                best = (float(mean[phi]), p, phi, [int(s) for s in st[cls == phi]])
+    return None if best is None else best[1:]
+
+
+def test_pruned_period_search_equals_every_class():
+    """Random series of every shape the search prunes differently (periodic, a slow stretch at
+    the end or the start, random slow steps, ties at the median, a gap, edge steps): the pruned
+    search finds the same class as trying every class of every period."""
+    import numpy as np
+
+    from trainprof.analyzers import _periodic
+
+    rng = np.random.default_rng(7)
+    found_some = 0
+    for i in range(120):
+        kind = i % 6
+        n = int(rng.integers(3, 700))
+        steps = np.arange(1, n + 1)
+        x = 100 + rng.normal(0, 3, n)
+        if kind == 0:
+            per = int(rng.integers(2, max(3, n // 4)))
+            x[(steps % per) == int(rng.integers(0, per))] += rng.uniform(50, 200)
+        elif kind in (1, 2):
+            a = int(rng.integers(0, n))
+            x[a:] += 60 if kind == 1 else 0
+            x[:a] += 60 if kind == 2 else 0
+        elif kind == 3:
+            x[rng.random(n) < rng.uniform(0.1, 0.5)] += 150
+        elif kind == 4:
+            x[rng.choice(n, 5)] += 300
+        else:
+            x = np.round(x / 10) * 10
+            x[rng.random(n) < 0.3] += 100
+        if n > 10 and rng.random() < 0.3:
+            g = int(rng.integers(0, n - 5))
+            sel = np.ones(n, bool)
+            sel[g:g + 4] = False
+            steps, x = steps[sel], x[sel]
+        edges = {int(s) for s in rng.choice(steps, int(rng.integers(0, 4)))}
+        m = float(np.median(x))
+        lo = m + max(2 * 1.4826 * float(np.median(np.abs(x - m))), 0.5 * m, 10.0)
+        cap = int(rng.choice([10**9, 40]))
+        want = _every_class(steps, x, edges, m, lo, 3, cap)
+        assert _periodic._fast(steps, x, edges, m, lo, 3, cap) == want, (i, kind, n)
+        found_some += want is not None
+    assert found_some > 20
