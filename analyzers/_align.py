@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainprof.analyzers import _clock, collectives as coll
+
 MIN_MATCHED = 5  # collectives shared with aligned ranks before their ends are trusted
 
 
@@ -44,8 +46,6 @@ class Alignment:
 
 def _ends_table(run, base) -> tuple:
     """(rank, instance code, aligned end ns) of every completed collective of a ≥2-rank group."""
-    from trainprof.analyzers import collectives as coll
-
     df = coll._frame(run)
     if df.empty:
         return np.zeros(0, int), np.zeros(0, int), np.zeros(0, np.int64)
@@ -72,7 +72,6 @@ def align(run) -> Alignment:
     key = "analyzers._align"
     if cache is not None and key in cache:
         return cache[key]
-    from trainprof.analyzers import _clock
 
     base = _clock.offsets(run)
     unc = _clock.uncertainty_ns(run)

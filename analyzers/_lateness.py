@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from trainprof._lazy import pd
+from trainprof.analyzers import collectives as coll
 
 
 def frame(run) -> pd.DataFrame:
@@ -30,7 +31,6 @@ def frame(run) -> pd.DataFrame:
     key = "analyzers._lateness.frame"
     if cache is not None and key in cache:
         return cache[key]
-    from trainprof.analyzers import collectives as coll
 
     df = coll._frame(run)
     if not df.empty:

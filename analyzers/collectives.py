@@ -27,6 +27,7 @@ import numpy as np
 from trainprof._lazy import pd
 from trainprof.analyzers._clock import offsets, uncertainty_ns
 from trainprof.findings import AnalyzerResult, Finding
+from trainprof.analyzers.step_time import excluded_steps
 
 NAME = "collectives"
 P2P = ("send", "recv")
@@ -342,7 +343,6 @@ def _kept_steps(run, df):
     steps = run.steps()
     if steps.empty:
         return None
-    from trainprof.analyzers.step_time import excluded_steps
 
     excl = excluded_steps(steps)
     drop = set(excl["warmup"]) | set(excl["profiler"])
@@ -424,6 +424,7 @@ def _late_waits(run, blocked) -> dict:
            "wait_ms": {}, "note": ""}
     if not blocked:
         return out
+    # lazy: breaks a cycle analyzers.collectives<->analyzers.stragglers
     from trainprof.analyzers.stragglers import waits_or_problem
 
     w = waits_or_problem(run, NAME)

@@ -27,6 +27,9 @@ from trainprof.findings import AnalyzerResult, Finding
 from trainprof.trace._table import Table, objects
 from trainprof.trace.threads import main_thread
 from trainprof.wording import ranks_phrase
+from trainprof.analyzers.ops import nest_parents
+from trainprof.analyzers.stragglers import waits_or_problem
+from trainprof.analyzers.trace_stragglers import has_collective_log, waits
 
 NAME = "comm_compute"
 EXPOSED_COMM_FINDING = 0.40   # median rank's exposed communication ≥ this share of the step
@@ -408,8 +411,6 @@ def _other_by_name(ev, rows: np.ndarray, ops: np.ndarray, other: iv.Set) -> dict
         inside = np.minimum(t, other[1][last]) - other[0][last]
         return cum[np.maximum(k - 1, 0)] + np.where(k > 0, np.maximum(inside, 0), 0)
 
-    from trainprof.analyzers.ops import nest_parents
-
     n = len(idx)
     order, par = nest_parents(ts, end, np.zeros(n, np.int64))  # one thread: the main one
     s, e = ts[order], end[order]
@@ -725,12 +726,9 @@ def _late_waits(run, per_rank: list[dict]) -> dict:
     for a late rank (a straggler or a rank starved of input: the stragglers analyzer's finding,
     from the collective log; ms per step over its analysed steps ÷ the profiled step window)."""
     out = {"late": [], "wait_ms": {}, "adjusted": {}, "exposed": None}
-    from trainprof.analyzers.stragglers import waits_or_problem
 
     w = waits_or_problem(run, NAME)
     if (w is None or not w["wait_ms"]) and not _has_log(run):  # bare traces: judged from them
-        from trainprof.analyzers.trace_stragglers import waits
-
         w = waits(run)
     if w is None or not w["wait_ms"]:
         return out
@@ -745,8 +743,6 @@ def _late_waits(run, per_rank: list[dict]) -> dict:
 
 
 def _has_log(run) -> bool:
-    from trainprof.analyzers.trace_stragglers import has_collective_log
-
     return bool(not run.trace_inputs and has_collective_log(run))
 
 

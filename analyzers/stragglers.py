@@ -59,6 +59,7 @@ from trainprof.analyzers._memo import once
 from trainprof.analyzers import _straggler_cause as cause
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.wording import ranks_phrase
+from trainprof.analyzers.step_time import excluded_steps
 
 NAME = "stragglers"
 SCORE = 1.5          # E / scale for a chronic straggler (clean runs measured ≤ 1.1, injected
@@ -86,8 +87,6 @@ MAX_EPISODES = 8     # straggler episodes of one rank reported (the first ones)
 
 
 def _kept(run, steps):
-    from trainprof.analyzers.step_time import excluded_steps
-
     excluded = excluded_steps(steps.drop_duplicates(["rank", "step"], keep="last"))
     drop = set(excluded["warmup"]) | set(excluded["profiler"])
     all_steps = sorted(int(s) for s in steps["step"].unique())

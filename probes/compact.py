@@ -27,7 +27,8 @@ import threading
 
 from trainprof.rundir import compact as fmt
 from trainprof.probes import runtime
-from trainprof.rundir.files import JsonlWriter
+from trainprof.rundir.files import JsonlWriter, write_json_atomic
+from trainprof import settings
 
 ENV_BUDGET = "TRAINPROF_BUDGET_MB"
 DEFAULT_BUDGET_MB = 256.0
@@ -44,8 +45,6 @@ FIRST_BLOCK_STEPS = 16
 def budget_bytes(environ=None) -> int:
     """The per-rank budget in bytes, read as every setting is (trainprof/settings.py: wrap
     refuses a value under 1 MB; a job started without wrap falls back to the default)."""
-    from trainprof import settings
-
     mb = settings.value(ENV_BUDGET, environ)
     return int((mb if mb and mb >= MIN_BUDGET_MB else DEFAULT_BUDGET_MB) * 2**20)
 
@@ -280,8 +279,6 @@ class CompactStore:
         self._state()
 
     def _state(self) -> None:
-        from trainprof.rundir.files import write_json_atomic
-
         write_json_atomic(self.dir / STATE, {
             "budget_bytes": self.budget, "steps_per_block": self.steps_per_block,
             "folds": self.folds, "merges": self.merges,

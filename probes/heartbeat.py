@@ -30,7 +30,7 @@ import threading
 import time
 
 from trainprof import settings
-from trainprof.probes import runtime
+from trainprof.probes import heartbeat_exit, runtime
 from trainprof.rundir.files import close_quietly, dumps_compact
 
 STREAM = "heartbeat.jsonl"
@@ -43,8 +43,6 @@ COLLECTIVE_FIELDS = ("step", "pg", "seq", "op", "bytes", "dtype", "numel", "enqu
 
 
 def attach(session) -> None:
-    from trainprof.probes import heartbeat_exit
-
     hb = Heartbeat(session)
     session.state["heartbeat"] = hb
     session.on_close(hb.close)
@@ -191,8 +189,6 @@ class Heartbeat:
         self._stopped = True
         failure = None
         try:
-            from trainprof.probes import heartbeat_exit
-
             failure = heartbeat_exit.failure()
         except Exception:  # noqa: BLE001
             pass

@@ -32,7 +32,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from trainprof.rundir import schema as rundir_schema
+from trainprof.rundir import (schema as rundir_schema, series as rundir_series,
+                              streams as rundir_streams)
 from trainprof import safeio
 from trainprof.rundir.files import (
     FATAL_STACKS, INJECTED, JOB_TRACES_DIR, MANIFEST, MAX_FATAL_STACKS_BYTES, MAX_WORKER_EXITS_BYTES,
@@ -43,6 +44,11 @@ from trainprof.rundir.files import (
     write_json_atomic)
 from trainprof.analysis.inputs import RunDirInputs
 from trainprof.analysis.traces import RunDirTraces
+from trainprof.rankranges import ranges
+from trainprof.rundir.worker_exits import STREAM, summarize
+from trainprof.meshinfo import group_coords
+from trainprof.rundir.health import outside_link
+from trainprof.rundir.streams import read_records
 
 __all__ = [
     "FATAL_STACKS", "INJECTED", "JOB_TRACES_DIR", "MANIFEST", "MAX_ABSENT_EXTRA",
@@ -143,6 +149,7 @@ class RunDir(RunDirInputs, RunDirTraces):
         unpickler; None (and a problem naming the file) when it cannot be read."""
         key = f"snapshot:{path}"
         if key not in self._cache:
+            # lazy: start-up time of analyze
             from trainprof.formats.snapshot import SnapshotError, load_snapshot
 
             try:
@@ -183,7 +190,7 @@ class RunDir(RunDirInputs, RunDirTraces):
         """The launcher records of every node (RUN/nodes/*.json of each run directory; with
         several run directories, the manifest.json of one without node records stands for its
         node) merged over the first manifest (trainprof/rundir/nodes.py merge)."""
-        from trainprof.rundir import nodes
+        from trainprof.rundir import nodes  # lazy: start-up time of analyze
 
         def clean(rec, where):
             return rundir_schema.clean_object(rundir_schema.NODE, rec, where, self.problems,
@@ -369,12 +376,8 @@ class RunDir(RunDirInputs, RunDirTraces):
         host each ran on, where known: from the torchrun agents' worker-exits.jsonl, else from
         a present rank of the same node (torchrun numbers each node's ranks contiguously:
         rank // local world size), else from the only node record without ranks."""
-        from trainprof.rankranges import ranges
-
         host: dict[int, str] = {}
         try:
-            from trainprof.rundir.worker_exits import summarize
-
             for r, row in summarize(self.worker_exits()).get("workers", {}).items():
                 if row.get("host") and row["host"] != "None":
                     host[r] = row["host"]
@@ -451,7 +454,6 @@ class RunDir(RunDirInputs, RunDirTraces):
             specs[m.get("profile_ranks") or "?"] += 1
         if not yes and not no:
             return None
-        from trainprof.rankranges import ranges
 
         policy = policies.most_common(1)[0][0]
         return {"count": len(yes), "of": self.world_size, "ranks": yes[:256],
@@ -475,7 +477,6 @@ class RunDir(RunDirInputs, RunDirTraces):
         got = self.rank_meta(rank).get("coords")
         if got or self.trace_inputs:
             return dict(got or {})
-        from trainprof.meshinfo import group_coords
 
         return group_coords(self.stream(rank, "groups"), rank)
 
@@ -514,8 +515,6 @@ class RunDir(RunDirInputs, RunDirTraces):
     def worker_exits(self) -> list[dict]:
         """The records of RUN/worker-exits.jsonl (how the launcher's workers ended); [] when it
         is absent, not a regular file or too large (each a problem)."""
-        from trainprof.rundir.worker_exits import STREAM
-
         out: list[dict] = []
         for p in [root / STREAM for root in self.roots]:
             try:
@@ -551,7 +550,6 @@ class RunDir(RunDirInputs, RunDirTraces):
         of the run directory is refused (a problem naming it and its target), never read."""
         if not _exists(p, self._problems_of(rank)):
             return False
-        from trainprof.rundir.health import outside_link
 
         why = outside_link(p, self._rank_roots.get(rank, self.path))
         if why and why not in self.problems:
@@ -563,8 +561,6 @@ class RunDir(RunDirInputs, RunDirTraces):
         records skipped, each a problem with file and line)."""
         key = f"stream:{name}:{rank}"
         if key not in self._cache:
-            from trainprof.rundir.streams import read_records
-
             self._cache[key] = self._ring_records(rank, name, read_records)
         return self._cache[key]
 
@@ -572,8 +568,6 @@ class RunDir(RunDirInputs, RunDirTraces):
         """A stream's records: ``<name>.prev.jsonl`` (the older half of a ring, bounded
         capture) then ``<name>.jsonl``."""
         if name == "collectives":  # bounded capture: the newest detail (rundir/series.py)
-            from trainprof.rundir import series as rundir_series
-
             if rundir_series.has_compact(self, rank):
                 return rundir_series.ring_tail(self, rank, name)[0]
         out: list[dict] = []
@@ -592,9 +586,6 @@ class RunDir(RunDirInputs, RunDirTraces):
         empty stand-in (rundir_streams.NO_RECORDS) that answers ``.empty`` without pandas."""
         key = f"frame:{name}"
         if key not in self._cache:
-            from trainprof.rundir import series as rundir_series
-            from trainprof.rundir import streams as rundir_streams
-
             if not self._has_rank_dirs():
                 self._cache[key] = rundir_streams.NO_RECORDS
             elif name in rundir_series.COMPACT_STREAMS and rundir_series.any_compact(self):
@@ -614,7 +605,6 @@ class RunDir(RunDirInputs, RunDirTraces):
         key = f"stream:{name}:{rank}"
         if key in self._cache:
             return self._cache[key]
-        from trainprof.rundir.streams import read_records
 
         return self._ring_records(rank, name, read_records)
 
@@ -636,7 +626,6 @@ class RunDir(RunDirInputs, RunDirTraces):
             df = self.frame("collectives")
             if "replay" in df.columns:
                 df = df[df["replay"].ne(True)].reset_index(drop=True)
-            from trainprof.rundir import series as rundir_series
 
             df = rundir_series.common_detail(self, df)  # rings: the steps every rank holds
             self._cache[key] = df
@@ -650,24 +639,16 @@ class RunDir(RunDirInputs, RunDirTraces):
     def collective_steps(self):
         """Per (rank, step, pg, op) sums of the collective log, for every full-resolution step
         (the per-collective detail, ``collectives()``, may hold only the recent steps)."""
-        from trainprof.rundir import series as rundir_series
-
         return rundir_series.collective_steps(self)
 
     def step_series(self):
         """Per (rank, step): timings, input wait, time blocked in collectives, memory."""
-        from trainprof.rundir import series as rundir_series
-
         return rundir_series.step_series(self)
 
     def step_blocks(self):
         """Older steps folded into blocks (min/median/max/sum per block); empty when none."""
-        from trainprof.rundir import series as rundir_series
-
         return rundir_series.blocks(self)
 
     def resolution(self) -> dict | None:
         """Which steps are kept at which resolution (None: every step in full detail)."""
-        from trainprof.rundir import series as rundir_series
-
         return rundir_series.resolution(self)

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainprof.rundir import compact as fmt
+from trainprof.rundir import compact as fmt, streams as rs
 from trainprof._lazy import pd
+from trainprof import safeio
+from trainprof.rundir.streams import Tails
+from trainprof.rundir.files import iter_jsonl
 
 COMPACT_STREAMS = ("steps", "data", "memory", "steps_device")
 
@@ -81,8 +84,6 @@ def _window_first(run, rank: int, win: int):
 
 
 def _read(run, rank, f, name, blocks, win, first):
-    from trainprof import safeio
-
     p = fmt.table_path(run.rank_path(rank), name, blocks)
     empty = np.zeros(0, fmt._dtype(f.block_fields if blocks else f.fields))
     if run.rank_file(rank, f"{fmt.COMPACT_DIR}/{p.name}") is None:
@@ -153,8 +154,6 @@ def _plain_columns(rows, name: str) -> dict:
 def stream_frame(run, name: str):
     """The frame of a compact-backed stream over every rank: compact rows where a rank has
     them (plus its ring's records of later steps), the JSONL records elsewhere."""
-    from trainprof.rundir.streams import Tails
-
     parts = []
     tails = run._cache.setdefault("tails:" + name, Tails())  # each rank's last record (stream_tail)
     for r in run.ranks:
@@ -404,9 +403,6 @@ MIN_DETAIL_BYTES = 256 << 10
 def ring_tail(run, rank: int, name: str):
     """(records, columns) of the newest bytes of a rank's ring (``<name>.prev.jsonl`` then
     ``<name>.jsonl``), whole lines only; a malformed line is skipped and reported."""
-    from trainprof.rundir import streams as rs
-    from trainprof import safeio
-
     n = sum(1 for r in run.ranks if has_compact(run, r)) or 1
     budget = max(MIN_DETAIL_BYTES, DETAIL_BYTES // n)
     chunks = []
@@ -441,8 +437,6 @@ def ring_tail(run, rank: int, name: str):
     data = b"".join(chunks)
     recs = rs._parse(data) if data else []
     if recs is None:  # a bad line somewhere: the line-by-line reader skips and says why
-        from trainprof.rundir.files import iter_jsonl
-
         import tempfile
 
         with tempfile.NamedTemporaryFile(suffix=f"-{name}.jsonl") as tmp:

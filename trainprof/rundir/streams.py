@@ -26,6 +26,7 @@ import numpy as np
 
 from trainprof.rundir import schema as rundir_schema
 from trainprof import safeio
+from trainprof.rundir.files import iter_jsonl
 
 try:
     from orjson import loads as _loads
@@ -165,8 +166,6 @@ def _valid(stream: str | None, keys, cols, types) -> bool:
 
 def _read(path: Path, problems: list[str] | None, stream: str | None):
     """(records, their columns as _columns gives them), records as iter_jsonl gives them."""
-    from trainprof.rundir.files import iter_jsonl
-
     try:
         data = safeio.read_limited(path, what="stream")
     except OSError:
@@ -499,6 +498,7 @@ def _read_ring(run, r: int, name: str):
     p = run.stream_path(r, name)
     prev = p.with_name(f"{name}.prev.jsonl")
     if name == "collectives":  # bounded capture: the analysis reads the ring's newest bytes
+        # lazy: breaks a cycle rundir.streams<->rundir.series
         from trainprof.rundir import series as rundir_series
 
         if rundir_series.has_compact(run, r):
