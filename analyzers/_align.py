@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from trainprof._lazy import pd
+from trainprof.analyzers import _clock, collectives as coll
 
 MIN_MATCHED = 5  # collectives shared with aligned ranks before their ends are trusted
 
@@ -62,8 +63,6 @@ CAUSAL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "barri
 def _ends_table(run, base) -> dict:
     """Every completed collective of a ≥2-rank group: rank, instance code, aligned enqueue and
     end ns, and ``causal``: a host-side op (gloo group, no device time) of CAUSAL_OPS."""
-    from trainprof.analyzers import collectives as coll
-
     df = coll._frame(run)
     empty = {"rank": np.zeros(0, int), "inst": np.zeros(0, int), "enq": np.zeros(0, np.int64),
              "end": np.zeros(0, np.int64), "causal": np.zeros(0, bool)}
@@ -122,7 +121,6 @@ def align(run) -> Alignment:
     key = "analyzers._align"
     if cache is not None and key in cache:
         return cache[key]
-    from trainprof.analyzers import _clock
 
     base = _clock.offsets(run)
     unc = _clock.uncertainty_ns(run)

@@ -21,13 +21,12 @@ from __future__ import annotations
 import numpy as np
 
 from trainprof.analyzers._cp_graph import COLL, DEP, KIND_INDEX, KINDS, WORK, Arrays
+from trainprof.analyzers import collectives as coll
 
 
 def prepare(run, al) -> dict:
     """Aligned inputs of the step graphs: per-(rank, step) step windows and data waits, and the
     log's ops as arrays sorted by step."""
-    from trainprof.analyzers import collectives as coll
-
     out = {"win": {}, "ops": None, "inst_names": []}
     steps = run.steps()
     if steps.empty:

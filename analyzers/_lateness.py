@@ -31,6 +31,8 @@ from __future__ import annotations
 import numpy as np
 
 from trainprof._lazy import pd
+from trainprof.analyzers import collectives as coll
+from trainprof.analyzers import _align
 
 
 def frame(run) -> pd.DataFrame:
@@ -40,7 +42,6 @@ def frame(run) -> pd.DataFrame:
     key = "analyzers._lateness.frame"
     if cache is not None and key in cache:
         return cache[key]
-    from trainprof.analyzers import collectives as coll
 
     df = coll._frame(run)
     if not df.empty:
@@ -182,9 +183,6 @@ def compact_frame(run) -> pd.DataFrame:
 
 
 def _compact_frame(run) -> pd.DataFrame:
-    from trainprof.analyzers import _align
-    from trainprof.analyzers import collectives as coll
-
     cs = run.collective_steps()
     if cs.empty:
         return pd.DataFrame(columns=COMPACT_COLUMNS)

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from trainprof.analyzers import _changepoint as cp
+from trainprof.analyzers import _changepoint as cp, _onset
 
 MIN_LEN = 10        # an episode lasts at least 10 analysed steps ...
 MIN_FRAC = 0.20     # ... and 20 % of them, at most MAX_MIN_LEN: shorter stretches are bursts
@@ -130,8 +130,6 @@ def stamp(finding, run, p: dict, ep: dict | None, kept) -> None:
     """onset / end of a straggler finding: its episode's, or for a chronic straggler the first
     episode's start (the first analysed step when it was slow throughout) and, when its last
     episode is over, the step after it."""
-    from trainprof.analyzers import _onset
-
     eps = p.get("episodes") or []
     if ep is None:
         first = eps[0]["first"] if eps else (kept[0] if kept else 0)

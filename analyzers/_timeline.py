@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainprof.analyzers import _timeline_select as sel
+from trainprof.analyzers import _timeline_select as sel, collectives as coll, critical_path as cp
 from trainprof.analyzers._align import align, align_traces
+from trainprof.analyzers.critical_path import _kept, _step_of_trace, data_placement
+from trainprof.analyzers._cp_coarse import strs
+from trainprof.rankranges import ranges
+from trainprof.trace import TraceError, load_trace
 
 EVENT_BYTES = 220  # JSON bytes per event, as written (measured: 100-210; the writer checks)
 HOST_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function")
@@ -65,7 +69,6 @@ def build(run, steps: list[int] | None = None, ranks: list[int] | None = None,
     all_steps = sorted({int(s) for s in st["step"].dropna().unique()}) if not st.empty else []
     profiled = sorted({int(s) for s in st.loc[st["profiled"].fillna(False).astype(bool), "step"]}) \
         if "profiled" in st.columns and not st.empty else []
-    from trainprof.analyzers.critical_path import _kept
 
     if ranks is None:
         ranks, rank_why = sel.select_ranks(run, findings)
@@ -146,8 +149,6 @@ def _processes(m, run, ranks, info) -> None:
 
 
 def _steps_and_data(m, run, al, rset, sset) -> None:
-    from trainprof.analyzers.critical_path import data_placement
-
     try:
         placed = data_placement(run)
     except Exception:  # noqa: BLE001 - at the step's start then
@@ -177,8 +178,6 @@ def _steps_and_data(m, run, al, rset, sset) -> None:
 
 
 def _collectives(m, run, al, rset, sset) -> None:
-    from trainprof.analyzers import collectives as coll
-
     df = coll._frame(run)
     if df.empty:
         return []
@@ -192,8 +191,6 @@ def _collectives(m, run, al, rset, sset) -> None:
         sl = ranks == r
         enq[sl] = al(int(r), enq[sl])
         end[sl] = al(int(r), end[sl])
-    from trainprof.analyzers._cp_coarse import strs
-    from trainprof.rankranges import ranges
 
     cols = {c: df[c].to_numpy() for c in ("seq", "bytes", "blocked_ms", "step", "p2p",
                                           "peer", "ordinal", "mesh_dim")}
@@ -261,8 +258,6 @@ def _pipeline(m, run, al, rset, sset) -> None:
 
 
 def _critical(m, run, rset, sset) -> None:
-    from trainprof.analyzers import critical_path as cp
-
     try:
         per = cp.paths(run)
     except Exception as e:  # noqa: BLE001 - the timeline stands without the path
@@ -304,7 +299,6 @@ def _profiler(m, run, al, rset, sset, budget) -> dict:
     except Exception:  # noqa: BLE001
         return {}
     wanted = {r: p for r, p in paths.items() if r in rset}
-    from trainprof.trace import TraceError, load_trace
 
     kept = {}
     for r, p in sorted(wanted.items()):
@@ -314,8 +308,6 @@ def _profiler(m, run, al, rset, sset, budget) -> dict:
             run.problems.append(str(e))
             continue
         # the trace numbers its own ProfilerSteps: those lying in the chosen steps of the run
-        from trainprof.analyzers.critical_path import _step_of_trace
-
         st = t.tables.steps
         tsteps = {int(st["step"][i]) for i in range(len(st))
                   if _step_of_trace(run, al, r, int(st["start_ns"][i]), int(st["end_ns"][i]), False) in sset}
@@ -326,8 +318,6 @@ def _profiler(m, run, al, rset, sset, budget) -> dict:
 
 
 def _critical_profiled(m, run, traces, steps, shifts=None) -> None:
-    from trainprof.analyzers import critical_path as cp
-
     try:
         per = cp.profiled_paths(run, traces, steps, shifts)
     except Exception as e:  # noqa: BLE001 - the timeline stands without it

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from trainprof.analyzers import estimates as est
+from trainprof.devices import lookup
 
 # what to change, per kind (a finding's own ``fix`` wins; device_starved by its cause)
 FIXES = {
@@ -201,8 +202,6 @@ def extra_findings(metrics: Mapping, findings: list[dict]) -> list[dict]:
 
 
 def _peaks_of(metrics: Mapping) -> dict | None:
-    from trainprof.devices import lookup
-
     devs = ((metrics.get("gpu_overview") or {}).get("job") or {}).get("devices") or []
     basis = ((metrics.get("roofline") or {}).get("peak") or {}).get("basis") or ""
     for name in list(devs) + [basis.replace("datasheet ", "")]:

@@ -27,6 +27,8 @@ import numpy as np
 from trainprof._lazy import pd
 from trainprof.analyzers._clock import offsets, uncertainty_ns
 from trainprof.findings import AnalyzerResult, Finding
+from trainprof.analyzers.step_time import excluded_steps
+from trainprof.analyzers import _ddp_buckets, estimates as est, step_time
 
 NAME = "collectives"
 P2P = ("send", "recv")
@@ -345,7 +347,6 @@ def _kept_steps(run, df):
     steps = run.steps()
     if steps.empty:
         return None
-    from trainprof.analyzers.step_time import excluded_steps
 
     excl = excluded_steps(steps)
     drop = set(excl["warmup"]) | set(excl["profiler"])
@@ -428,9 +429,6 @@ def _ddp_buckets_finding(run, kept, metrics: dict) -> Finding | None:
     """DDP's gradient buckets (analyzers/_ddp_buckets.py) in ``metrics["ddp_buckets"]``, and
     the exposed_comm finding their merge to a larger bucket_cap_mb is worth: raised when the
     replay saves ≥ estimates.MIN_SAVING of the job's median step."""
-    from trainprof.analyzers import _ddp_buckets, step_time
-    from trainprof.analyzers import estimates as est
-
     ddp = _ddp_buckets.measure(run.collectives(), kept, _ddp_cap(run),
                                run.steps().drop_duplicates(["rank", "step"], keep="last"))
     if ddp is None:
@@ -479,6 +477,7 @@ def _late_waits(run, blocked) -> dict:
            "wait_ms": {}, "note": ""}
     if not blocked:
         return out
+    # lazy: breaks a cycle analyzers.collectives<->analyzers.stragglers
     from trainprof.analyzers.stragglers import waits_or_problem
 
     w = waits_or_problem(run, NAME)

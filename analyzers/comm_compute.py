@@ -18,6 +18,7 @@ import numpy as np
 
 from trainprof._lazy import pd
 from trainprof.analyzers import _async_p2p, _coll_kernels, _gpu_calls, _log_labels
+from trainprof.analyzers import _lateness
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._stats import median
 from trainprof.analyzers.estimates import MIN_SAVING, exposed_comm_hidden
@@ -28,6 +29,9 @@ from trainprof.findings import AnalyzerResult, Finding
 from trainprof.trace._table import Table, objects
 from trainprof.trace.threads import main_thread
 from trainprof.wording import ranks_phrase
+from trainprof.analyzers.ops import nest_parents
+from trainprof.analyzers.stragglers import waits_or_problem
+from trainprof.analyzers.trace_stragglers import has_collective_log, waits
 
 NAME = "comm_compute"
 HOST_STALL_FINDING = 0.05     # host blocked in synchronizations ≥ this share of the step
@@ -418,8 +422,6 @@ def _other_by_name(ev, rows: np.ndarray, ops: np.ndarray, other: iv.Set) -> dict
         inside = np.minimum(t, other[1][last]) - other[0][last]
         return cum[np.maximum(k - 1, 0)] + np.where(k > 0, np.maximum(inside, 0), 0)
 
-    from trainprof.analyzers.ops import nest_parents
-
     n = len(idx)
     order, par = nest_parents(ts, end, np.zeros(n, np.int64))  # one thread: the main one
     s, e = ts[order], end[order]
@@ -745,12 +747,9 @@ def _late_waits(run, per_rank: list[dict]) -> dict:
     for a late rank (a straggler or a rank starved of input: the stragglers analyzer's finding,
     from the collective log; ms per step over its analysed steps ÷ the profiled step window)."""
     out = {"late": [], "wait_ms": {}, "adjusted": {}, "exposed": None}
-    from trainprof.analyzers.stragglers import waits_or_problem
 
     w = waits_or_problem(run, NAME)
     if (w is None or not w["wait_ms"]) and not _has_log(run):  # bare traces: judged from them
-        from trainprof.analyzers.trace_stragglers import waits
-
         w = waits(run)
     if w is None or not w["wait_ms"]:
         return out
@@ -783,8 +782,6 @@ def _peer_arrival_waits(run, per_rank: list[dict], per_step: list[dict]) -> dict
     rows = {k: v for k, v in rows.items() if v}
     if not rows or not _has_log(run):
         return {}
-    from trainprof.analyzers import _lateness
-
     try:
         df = _lateness.frame(run)
     except Exception as e:  # noqa: BLE001 - the log only refines the judgement
@@ -816,8 +813,6 @@ def _peer_arrival_waits(run, per_rank: list[dict], per_step: list[dict]) -> dict
 
 
 def _has_log(run) -> bool:
-    from trainprof.analyzers.trace_stragglers import has_collective_log
-
     return bool(not run.trace_inputs and has_collective_log(run))
 
 

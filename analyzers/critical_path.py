@@ -19,6 +19,7 @@ from trainprof.analyzers import _cp_coarse, _cp_fine, _cp_graph
 from trainprof.analyzers._align import align
 from trainprof.analyzers._memo import once
 from trainprof.findings import AnalyzerResult
+from trainprof.analyzers.step_time import excluded_steps
 
 NAME = "critical_path"
 KINDS = _cp_graph.KINDS
@@ -115,8 +116,6 @@ def _chain_path(length, rank, start, end, data, edge) -> dict:
 
 
 def _kept(run, steps) -> list[int]:
-    from trainprof.analyzers.step_time import excluded_steps
-
     st = run.steps()
     if st.empty:
         return sorted(steps)

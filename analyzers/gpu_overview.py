@@ -37,6 +37,7 @@ import numpy as np
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers import _coll_kernels, _occupancy
 from trainprof.analyzers._tensor_cores import tensor_core_shares
+from trainprof.findings import AnalyzerResult
 
 NAME = "gpu_overview"
 MAX_STEPS = 64
@@ -263,8 +264,6 @@ def _mean(vals):
 
 
 def analyze(run):
-    from trainprof.findings import AnalyzerResult
-
     digests = run.trace_digests(NAME)
     if not digests:
         return AnalyzerResult()

@@ -228,7 +228,7 @@ def postmortem(run) -> dict | None:
     }
     pm["kind"] = kind_of(pm)
     if pm["recovered"]:  # which rank stalled, where, for how long (analyzers/_stall.py)
-        from trainprof.analyzers import _stall
+        from trainprof.analyzers import _stall  # lazy: start-up time of analyze
 
         pm["stall"] = _stall.describe(run, views)
     pm["message"] = pm["stall"]["text"] if pm.get("stall") else _message(pm)

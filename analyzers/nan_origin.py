@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 
 from trainprof.findings import AnalyzerResult, Finding
+from trainprof.analyzers._clock import offsets
+from trainprof.wording import plural, ranks_phrase
 
 NAME = "nan_origin"
 STREAM = "nan"
@@ -63,7 +65,6 @@ def analyze(run) -> AnalyzerResult:
     if not recs:
         return AnalyzerResult()
     try:
-        from trainprof.analyzers._clock import offsets
         align = offsets(run)
     except Exception as e:  # noqa: BLE001 - alignment is a refinement
         run.problems.append(f"clock alignment unavailable for nan_origin: {e}")
@@ -195,8 +196,6 @@ def _model_input(rec: dict, recs: list) -> bool:
 
 def _nonfinite_count(inputs) -> str | None:
     """'1 NaN', '3 NaNs and 2 +Inf' over the input tensors' stats."""
-    from trainprof.wording import plural
-
     tot = {"NaN": 0, "+Inf": 0, "−Inf": 0}
     for x in inputs or []:
         if isinstance(x, dict):
@@ -234,8 +233,6 @@ def _input_batch_message(o: dict) -> str:
 
 
 def origin_finding(o: dict) -> Finding:
-    from trainprof.wording import ranks_phrase
-
     ev = o["evidence"]
     what = o.get("value") or "non-finite value"
     where = o["module"] or "?"

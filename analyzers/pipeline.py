@@ -28,6 +28,7 @@ from trainprof.analyzers._clock import offsets
 from trainprof.analyzers._pipeline_replay import replay_window
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.wording import ranks_phrase
+from trainprof.analyzers.step_time import excluded_steps, partial_note
 
 NAME = "pipeline"
 BUBBLE_MARGIN = 0.10       # finding when measured share > theory + 10 percentage points
@@ -174,8 +175,6 @@ def _pipelines(run, ranks) -> dict[int, str]:
 
 
 def _kept_steps(run, steps_in_spans):
-    from trainprof.analyzers.step_time import excluded_steps
-
     st = run.steps()
     drop = {0}
     excluded = {"warmup": [0], "profiler": []}
@@ -375,8 +374,6 @@ def _imbalance(stage_df, cfg, stage_ranks) -> tuple[list[dict], list[Finding]]:
 def _incomplete(run, df, cfg, ranks) -> tuple[str | None, dict | None]:
     """(why the job-level bubble is withheld, what is missing), or (None, None): ranks of the
     job without files, or a pipeline with fewer stages in its spans than the schedule has."""
-    from trainprof.analyzers.step_time import partial_note
-
     partial = partial_note(run, len(ranks))
     if partial:
         missing = partial.get("missing_ranks") or []

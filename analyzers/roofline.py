@@ -29,7 +29,7 @@ from collections import defaultdict
 import numpy as np
 
 from trainprof import devices as _devices
-from trainprof.analyzers import _trace_device
+from trainprof.analyzers import _trace_device, step_time
 from trainprof.analyzers._stats import median
 from trainprof.analyzers._kernel_ops import kernel_external_ids
 from trainprof.analyzers._opcost import select_ops
@@ -115,8 +115,6 @@ def model_flops_per_token(info: dict) -> dict | None:
 
 
 def mfu_metrics(run, peaks: dict[int, dict]) -> dict:
-    from trainprof.analyzers import step_time
-
     info = (run.rank_meta(run.ranks[0]).get("run_info") or {}) if run.ranks else {}
     per_tok = model_flops_per_token(info)
     tokens = info.get("tokens_per_step")

@@ -32,6 +32,7 @@ import numpy as np
 from trainprof.analyzers import _periodic as _periodic_search
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.wording import plural, ranks_phrase, verb
+from trainprof.analyzers import _lateness, step_time, stragglers
 
 NAME = "slow_steps"
 RATIO = 2.0            # a slow step: ≥ 2 × the median step ...
@@ -53,8 +54,6 @@ MAX_RANKS_EVIDENCE = 32  # per-rank entries kept in the evidence (the largest: 1
 
 def _analysed(run):
     """(steps, job step time per step, edge steps, step_time's job metrics) or None."""
-    from trainprof.analyzers import step_time
-
     st = step_time.analyze(run).metrics
     job = st.get("job") or {}
     if not st or job.get("from_excluded_steps"):
@@ -77,8 +76,6 @@ def _who(run, slow: list[int], typical: list[int], extra_ms: float) -> dict:
     """Per rank over the slow steps: own-time, wait and data-wait growth (sums over the slow
     steps of the value − the rank's median over the typical steps); the ranks slow there, the
     ranks waiting, the ops they wait in, and the cause."""
-    from trainprof.analyzers import stragglers
-
     m = stragglers.analyze(run).metrics or {}
     shown = m.get("steps") or []
     col = {s: i for i, s in enumerate(shown)}
@@ -131,8 +128,6 @@ def _top(by_rank: dict) -> dict:
 
 def _wait_ops(run, ranks, steps) -> list[str]:
     """The collectives the waiting ranks wait in during the slow steps, most time first."""
-    from trainprof.analyzers import _lateness
-
     try:
         fr = _lateness.frame(run)
     except Exception:  # noqa: BLE001 - the collectives analyzer reports an unreadable log

@@ -59,6 +59,7 @@ from trainprof.analyzers._memo import once
 from trainprof.analyzers import _straggler_cause as cause
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.wording import ranks_phrase
+from trainprof.analyzers.step_time import excluded_steps
 
 NAME = "stragglers"
 SCORE = 1.5          # E / scale for a chronic straggler (clean runs measured ≤ 1.1, injected
@@ -86,8 +87,6 @@ MAX_EPISODES = 8     # straggler episodes of one rank reported (the first ones)
 
 
 def _kept(run, steps):
-    from trainprof.analyzers.step_time import excluded_steps
-
     excluded = excluded_steps(steps.drop_duplicates(["rank", "step"], keep="last"))
     drop = set(excluded["warmup"]) | set(excluded["profiler"])
     all_steps = sorted(int(s) for s in steps["step"].unique())
@@ -526,10 +525,51 @@ def _analyze(run) -> AnalyzerResult:
     lateness = _lateness_evidence(fr, kept)
     telemetry = cause.telemetry(run, kept)
     has_sched = all(c in k.columns for c in SCHED_FIELDS) and k["cpu_wait_ms"].notna().any()
-
-    per_rank, starving = [], []
     cols = ["own_ms", "busy_ms", "blocked_ms", "p2p_ms", "data_ms", "dur_ms", "peer_own_ms",
             "peer_busy_ms", "rel_excess"] + ([c for c in SCHED_FIELDS] if has_sched else [])
+    per_rank = _per_rank(run, k, cols, groups, by_excess, by_late, lateness, telemetry, has_sched)
+    starving = [p for p in per_rank if p["data_wait_ms"] >= DATA_MIN_MS and step_ms
+                and p["data_share"] >= DATA_SHARE]
+
+    episodes = _episodes.find_both(k, step_ms, noise, late_noise, sys.modules[__name__])
+    _mark_episodic(per_rank, episodes, kept)
+    findings, input_late = _straggler_findings(run, per_rank, episodes, k, kept, cols, fr,
+                                               starving, has_sched)
+
+    if starving:
+        findings.append(_starvation_finding(starving, per_rank, input_late))
+        _full_waits(run)[("data_starvation", tuple(sorted(input_late)))] = \
+            _sum_waits(input_late.values())
+    metrics = _metrics(run, t, scored, kept, excluded, step_ms, groups, per_rank,
+                       (noise, late_noise), has_sched)
+    return AnalyzerResult(metrics=metrics, findings=findings)
+
+
+def _status(r: int, ex: dict | None, lt: dict | None, med,
+            groups) -> tuple[str, str | None, dict | None, dict | None]:
+    """A rank's (status, signal, judgment the signal comes from, unconfirmed lateness): the
+    worse of its own-time and lateness judgments; lateness its peers' waits do not show is
+    no signal."""
+    status = "ok"
+    for j in (ex, lt):
+        if j and (j["status"] == "chronic" or (j["status"] == "transient" and status == "ok")):
+            status = j["status"]
+    unconfirmed = None
+    if lt and lt["status"] != "ok" and not (ex and ex["status"] == lt["status"]):
+        unconfirmed = _late_unconfirmed(r, lt, med, groups)
+        if unconfirmed is not None:  # lateness the peers' waits do not show: no signal
+            status = ex["status"] if ex else "ok"
+    signal = ("own_time" if ex and ex["status"] == status
+              else "lateness" if lt and lt["status"] == status and unconfirmed is None
+              else None)
+    j = ex if signal == "own_time" else lt if signal == "lateness" else ex
+    return status, signal, j, unconfirmed
+
+
+def _per_rank(run, k, cols, groups, by_excess, by_late, lateness, telemetry,
+              has_sched) -> list[dict]:
+    """Each rank's record over the analysed steps: its medians, judgments and status."""
+    per_rank = []
     med = k.assign(data_share=k["data_ms"] / k["dur_ms"]).groupby("rank")[cols + ["data_share"]].median()
     kg = k.groupby("rank")
     n_steps, max_excess = kg.size(), kg["excess_ms"].max()
@@ -537,27 +577,14 @@ def _analyze(run) -> AnalyzerResult:
         r = int(r)
         m = med.loc[r]
         ex, lt = by_excess.get(r), by_late.get(r)
-        status = "ok"
-        for j in (ex, lt):
-            if j and (j["status"] == "chronic" or (j["status"] == "transient" and status == "ok")):
-                status = j["status"]
-        unconfirmed = None
-        if lt and lt["status"] != "ok" and not (ex and ex["status"] == lt["status"]):
-            unconfirmed = _late_unconfirmed(r, lt, med, groups)
-            if unconfirmed is not None:  # lateness the peers' waits do not show: no signal
-                status = ex["status"] if ex else "ok"
-        signal = ("own_time" if ex and ex["status"] == status
-                  else "lateness" if lt and lt["status"] == status and unconfirmed is None
-                  else None)
-        j = ex if signal == "own_time" else lt if signal == "lateness" else ex
-        data_med = float(m["data_ms"])
+        status, signal, j, unconfirmed = _status(r, ex, lt, med, groups)
         lat = lateness.get(r, {})
         n = int(n_steps[r])
         rec = {"rank": r, "group": groups[r], "coords": run.coords(r),
                "host": run.rank_meta(r).get("host"), "steps": n,
                "own_ms": float(m["own_ms"]), "busy_ms": float(m["busy_ms"]),
                "blocked_ms": float(m["blocked_ms"]), "p2p_ms": float(m["p2p_ms"]),
-               "data_wait_ms": data_med, "data_share": float(m["data_share"]),
+               "data_wait_ms": float(m["data_ms"]), "data_share": float(m["data_share"]),
                "step_ms": float(m["dur_ms"]),
                "peer_own_ms": _f(m["peer_own_ms"]), "peer_busy_ms": _f(m["peer_busy_ms"]),
                "excess_ms": ex["E"] if ex else None, "score": ex["score"] if ex else None,
@@ -576,19 +603,13 @@ def _analyze(run) -> AnalyzerResult:
         if r in telemetry:
             rec["telemetry"] = telemetry[r]
         per_rank.append(rec)
-        if data_med >= DATA_MIN_MS and step_ms and rec["data_share"] >= DATA_SHARE:
-            starving.append(rec)
+    return per_rank
 
-    episodes = _episodes.find_both(k, step_ms, noise, late_noise, sys.modules[__name__])
-    _mark_episodic(per_rank, episodes, kept)
-    findings, input_late = _straggler_findings(run, per_rank, episodes, k, kept, cols, fr,
-                                               starving, has_sched)
 
-    if starving:
-        findings.append(_starvation_finding(starving, per_rank, input_late))
-        _full_waits(run)[("data_starvation", tuple(sorted(input_late)))] = \
-            _sum_waits(input_late.values())
-
+def _metrics(run, t, scored, kept, excluded, step_ms, groups, per_rank, noises,
+             has_sched) -> dict:
+    """The analyzer's metrics: thresholds, per-rank records, statuses and per-step matrices."""
+    noise, late_noise = noises
     shown = [s for s in sorted(int(x) for x in t["step"].unique()) if s not in excluded["warmup"]]
     metrics = {
         "steps_analysed": kept, "excluded_steps": excluded, "median_step_ms": step_ms,
@@ -616,7 +637,7 @@ def _analyze(run) -> AnalyzerResult:
     }
     if has_sched:
         metrics["cpu_wait_ms_by_rank"] = _matrix(t, "cpu_wait_ms", shown)
-    return AnalyzerResult(metrics=metrics, findings=findings)
+    return metrics
 
 
 def _mark_episodic(per_rank: list[dict], episodes: dict, kept) -> None:

@@ -35,8 +35,8 @@ import math
 
 import numpy as np
 
-from trainprof.analyzers import _changepoint as cp
-from trainprof.analyzers import _onset
+from trainprof.analyzers import _changepoint as cp, step_time, stragglers
+from trainprof.analyzers import _onset, step_time, stragglers
 from trainprof.analyzers._memo import once
 from trainprof.findings import AnalyzerResult, Finding
 
@@ -60,8 +60,6 @@ def analyze(run) -> AnalyzerResult:
 
 
 def _analyze(run) -> AnalyzerResult:
-    from trainprof.analyzers import step_time, stragglers
-
     steps, x = _job_steps(run, step_time)
     if steps.size < 2:
         return AnalyzerResult()

@@ -40,8 +40,9 @@ machine noise; the job step time of a run is the median over steps (warm-up step
 the slowest rank's step. Prints per-run numbers, the medians and the overhead in %.
 For each probes run it also times `trainprof analyze` on the captured run (summary + report).
 
-Without `python -m trainprof.reference` (module missing), a built-in FSDP2 + TP + PP job on
-gloo is used. On a shared, busy machine the numbers are noisy: read them with the spread.
+Without `python -m trainprof.reference` (module missing), the FSDP2 + TP + PP job on gloo of
+tests/support/jobs/fsdp_tp_pp_job.py is used. On a shared, busy machine the numbers are
+noisy: read them with the spread.
 """
 
 from __future__ import annotations
@@ -310,58 +311,16 @@ machine noise; the job step time of a run is the median over steps (warm-up step
 the slowest rank's step. Prints per-run numbers, the medians and the overhead in %.
 For each probes run it also times `trainprof analyze` on the captured run (summary + report).
 
-Without `python -m trainprof.reference` (module missing), a built-in FSDP2 + TP + PP job on
-gloo is used. On a shared, busy machine the numbers are noisy: read them with the spread.
+Without `python -m trainprof.reference` (module missing), the FSDP2 + TP + PP job on gloo of
+tests/support/jobs/fsdp_tp_pp_job.py is used. On a shared, busy machine the numbers are
+noisy: read them with the spread.
 """
 
 WARMUP = 3
-BUILTIN_JOB = r'''
-import sys
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-steps = int(sys.argv[1]) if len(sys.argv) > 1 else 30
-H = 256
-dist.init_process_group("gloo")
-world = dist.get_world_size()
-mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "tp"))
-torch.manual_seed(0)
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-class Stage(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = MLP(), MLP()
-    def forward(self, x):
-        return self.b(self.a(x))
-
-model = Stage()
-fully_shard(model.a, mesh=mesh["tp"])
-parallelize_module(model.b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-stage_idx = mesh.get_coordinate()[0]
-stage = PipelineStage(model, stage_idx, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-sched = ScheduleGPipe(stage, n_microbatches=4, loss_fn=lambda o, t: ((o - t) ** 2).mean())
-opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-x = torch.randn(64, H)
-for _ in range(steps):
-    opt.zero_grad()
-    sched.step(x) if stage_idx == 0 else sched.step(target=x)
-    loss = torch.ones(1)
-    dist.all_reduce(loss)
-    opt.step()
-dist.destroy_process_group()
-'''
+# without the reference: the tests' FSDP2 + TP + PP job, wider and with one all_reduce per step
+FSDP_TP_PP_JOB = Path(__file__).resolve().parents[1] / "tests" / "support" / "jobs" / "fsdp_tp_pp_job.py"
+FSDP_TP_PP_ARGS = ["--hidden", "256", "--microbatches", "4", "--batch", "64", "--lr", "1e-3",
+                   "--collectives", "loss"]
 
 
 def worker(out_dir: str, module: str, args: list[str]) -> None:
@@ -462,10 +421,9 @@ def whole_runs_main(argv: list[str]) -> None:
 
         if module == "trainprof.reference" and importlib.util.find_spec(
                 "trainprof.reference.__main__") is None:
-            module = str(tmp / "builtin_job.py")
-            Path(module).write_text(BUILTIN_JOB)
-            args = [str(a.steps)] + args
-            print("trainprof.reference not available: using the built-in FSDP2+TP+PP job")
+            module = str(FSDP_TP_PP_JOB)
+            args = [str(a.steps), *FSDP_TP_PP_ARGS] + args
+            print(f"trainprof.reference not available: using {FSDP_TP_PP_JOB.name} (FSDP2+TP+PP)")
         elif module == "trainprof.reference" and "--steps" not in args:
             args += ["--steps", str(a.steps)]
         results = []

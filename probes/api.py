@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from trainprof.probes import runtime
+from trainprof.probes import bootstrap, runtime
+from trainprof.probes.rank_claim import ENV as ENV_CLAIM
 
 
 def step() -> None:
@@ -43,13 +44,11 @@ def session(out: str | os.PathLike = "traces", profile_steps: str | None = None)
     if existing is not None:
         yield existing
         return
-    from trainprof.probes.rank_claim import ENV as ENV_CLAIM
 
     saved = {k: os.environ.get(k) for k in (runtime.ENV_RUN_DIR, runtime.ENV_PROFILE_STEPS, ENV_CLAIM)}
     os.environ[runtime.ENV_RUN_DIR] = os.fspath(out)
     if profile_steps is not None:
         os.environ[runtime.ENV_PROFILE_STEPS] = profile_steps
-    from trainprof.probes import bootstrap
 
     bootstrap.install_hooks()
     s = runtime.activate(reason="session")

@@ -21,7 +21,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-from trainprof.probes import runtime
+from trainprof.probes import frameworks, runtime
 
 _installed = False
 
@@ -55,6 +55,7 @@ def install() -> None:
         return
     _installed = True
     _watch_frameworks()
+    # lazy: start-up time of trainprof.session() (only wrap runs the agent)
     from trainprof.probes import elastic_agent
 
     elastic_agent.install()  # in the torchrun agent: how each worker ended (worker-exits.jsonl)
@@ -68,8 +69,6 @@ def _watch_frameworks() -> None:
     """Framework-native steps and facts (transformers, Lightning, accelerate) for the jobs that
     import them: probes/frameworks.py (idempotent; nothing is imported on the job's behalf)."""
     try:
-        from trainprof.probes import frameworks
-
         frameworks.install()
     except Exception as e:  # noqa: BLE001
         runtime.warn(f"framework integrations not installed: {type(e).__name__}: {e}")
@@ -85,7 +84,7 @@ def _after_torch_import() -> None:
         return
     _hooks_installed = True
     try:
-        from trainprof.probes import job_profiler
+        from trainprof.probes import job_profiler  # lazy: start-up time of the job's bootstrap
 
         job_profiler.install()  # the job's own profiler, seen from its first start
         _patch_optimizer()

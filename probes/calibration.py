@@ -78,7 +78,7 @@ def _needed(session, device: str) -> bool:
     if not settings.value(ENV) or int(session.meta.get("local_rank") or 0) != 0:
         return False
     if device.startswith("cuda"):
-        from trainprof.devices import lookup
+        from trainprof.devices import lookup  # lazy: start-up time of the job's ranks
 
         return lookup(session.meta.get("device_name")) is None  # known GPUs use the datasheet
     return True

@@ -39,7 +39,7 @@ import time
 from datetime import timedelta
 
 from trainprof import settings
-from trainprof.probes import runtime
+from trainprof.probes import heartbeat_exit, runtime
 
 REF_RANK = 0
 ROUNDS = 8
@@ -295,7 +295,6 @@ class ClockProbe:
     def end(self) -> None:
         if not self.started or self.store is None:
             return
-        from trainprof.probes import heartbeat_exit
 
         if heartbeat_exit.failure() is not None:
             return  # dying of an error: peers may be gone, and must not wait for this one
@@ -359,8 +358,6 @@ class ClockProbe:
 
 
 def attach(session) -> None:
-    from trainprof.probes import heartbeat_exit
-
     heartbeat_exit.install()  # end() asks it whether this process is failing
     probe = ClockProbe(session)
     session.state["clock_probe"] = probe

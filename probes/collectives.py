@@ -30,6 +30,7 @@ import time
 
 from trainprof import settings
 from trainprof.probes import runtime
+from trainprof.probes.rankinfo import MESH_ALIASES
 
 try:  # the per-op hot path in C (setup.py builds it where a compiler is; optional)
     from trainprof.probes import _fastlog as _fast
@@ -379,7 +380,6 @@ def mesh_dim(mesh: dict | None, ranks: list[int], my_rank: int) -> str | None:
     init_device_mesh; dims that mean the same axis (dp_replicate × dp_shard) are merged."""
     if not mesh or not mesh.get("shape") or not ranks:
         return None
-    from trainprof.probes.rankinfo import MESH_ALIASES
 
     names, shape = list(mesh["dim_names"]), [int(s) for s in mesh["shape"]]
     total = 1

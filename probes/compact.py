@@ -30,7 +30,8 @@ import threading
 from trainprof.rundir import compact as fmt
 from trainprof.probes import runtime
 from trainprof.probes.detail_windows import NAN_KINDS, DetailWindows, StepWatch
-from trainprof.rundir.files import JsonlWriter
+from trainprof.rundir.files import JsonlWriter, write_json_atomic
+from trainprof import settings
 
 ENV_BUDGET = "TRAINPROF_BUDGET_MB"
 DEFAULT_BUDGET_MB = 256.0
@@ -48,8 +49,6 @@ FIRST_BLOCK_STEPS = 16
 def budget_bytes(environ=None) -> int:
     """The per-rank budget in bytes, read as every setting is (trainprof/settings.py: wrap
     refuses a value under 1 MB; a job started without wrap falls back to the default)."""
-    from trainprof import settings
-
     mb = settings.value(ENV_BUDGET, environ)
     return int((mb if mb and mb >= MIN_BUDGET_MB else DEFAULT_BUDGET_MB) * 2**20)
 
@@ -318,8 +317,6 @@ class CompactStore:
         self._state()
 
     def _state(self) -> None:
-        from trainprof.rundir.files import write_json_atomic
-
         with self.state_lock:  # (the flushing thread, and a window opened by a NaN detection)
             write_json_atomic(self.dir / STATE, {
                 "budget_bytes": self.budget, "steps_per_block": self.steps_per_block,

@@ -125,7 +125,7 @@ def record(t_ns: int, before: dict, ctx) -> None:
         run_dir = os.environ.get(runtime.ENV_RUN_DIR)
         if not run_dir:
             return
-        from trainprof.rundir.files import dumps_compact
+        from trainprof.rundir.files import dumps_compact  # lazy: start-up time of the job's bootstrap
 
         rows = []
         for lr, w in sorted(before.items()):

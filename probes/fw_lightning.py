@@ -16,6 +16,7 @@ import importlib
 import sys
 
 from trainprof.probes.fw_tracker import Tracker, guard
+from trainprof.probes.frameworks import after_init
 
 _classes: dict = {}
 
@@ -84,8 +85,6 @@ def new_callback(package: str):
 
 
 def _patch(module, package: str) -> None:
-    from trainprof.probes.frameworks import after_init
-
     def add(trainer):
         cls, checkpoint = _classes_of(package)
         cbs = trainer.callbacks

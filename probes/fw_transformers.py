@@ -15,6 +15,7 @@ import sys
 import weakref
 
 from trainprof.probes.fw_tracker import Tracker, guard
+from trainprof.probes.frameworks import after_init
 
 NAME = "transformers"
 _cls = None
@@ -98,6 +99,4 @@ def _add_callback(trainer) -> None:
 
 def patch(module) -> None:
     """Called once ``transformers.trainer`` has been imported by the job."""
-    from trainprof.probes.frameworks import after_init
-
     after_init(module.Trainer, NAME, _add_callback)

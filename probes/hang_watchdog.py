@@ -30,7 +30,8 @@ from pathlib import Path
 
 from trainprof import settings
 from trainprof.probes import runtime
-from trainprof.rundir.files import HANG_DUMP, HANG_TRIGGER
+from trainprof.rundir.files import HANG_DUMP, HANG_TRIGGER, write_json_atomic
+from trainprof.probes.heartbeat import compact, inflight_records
 
 FR_PICKLE = "flight-recorder.pkl"
 FR_JSON = "flight-recorder.json"
@@ -180,9 +181,6 @@ class Watchdog:
             runtime.warn(f"hang dump failed: {type(e).__name__}: {e}")
 
     def dump(self, trigger: dict | None = None) -> Path:
-        from trainprof.probes.heartbeat import compact, inflight_records
-        from trainprof.rundir.files import write_json_atomic
-
         s = self.session
         hb = s.state.get("heartbeat")
         rec = {"trigger_id": (trigger or {}).get("id"), "trigger": trigger, "t_ns": time.time_ns(),

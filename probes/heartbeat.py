@@ -30,7 +30,7 @@ import threading
 import time
 
 from trainprof import settings
-from trainprof.probes import runtime
+from trainprof.probes import heartbeat_exit, runtime
 from trainprof.rundir.files import HEARTBEAT as STREAM, HEARTBEAT_PREV as PREV, close_quietly, dumps_compact
 
 ENV_INTERVAL = "TRAINPROF_HEARTBEAT_S"
@@ -41,8 +41,6 @@ COLLECTIVE_FIELDS = ("step", "pg", "seq", "op", "bytes", "dtype", "numel", "enqu
 
 
 def attach(session) -> None:
-    from trainprof.probes import heartbeat_exit
-
     hb = Heartbeat(session)
     session.state["heartbeat"] = hb
     session.on_close(hb.close)
@@ -189,8 +187,6 @@ class Heartbeat:
         self._stopped = True
         failure = None
         try:
-            from trainprof.probes import heartbeat_exit
-
             failure = heartbeat_exit.failure()
         except Exception:  # noqa: BLE001
             pass

@@ -25,6 +25,8 @@ import time
 
 from trainprof.probes import runtime
 from trainprof.probes.clock import Stop  # store calls refused (and awaited) at exit
+from trainprof.probes.clock import own_client
+from trainprof.rankranges import ranges
 
 PREFIX = "trainprof/hosts"
 WAIT_S = 120.0
@@ -35,9 +37,6 @@ def _run(session, guard: Stop | None = None) -> None:
     guard = guard or Stop()
     try:
         import torch.distributed as dist
-
-        from trainprof.probes.clock import own_client
-        from trainprof.rankranges import ranges
 
         runtime.name_native_thread()
         default = dist.distributed_c10d._get_default_store()

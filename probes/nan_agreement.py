@@ -17,7 +17,7 @@ class PeerAgreement:
     def _locate(self, where):
         """First detection on this rank: replay the step's root calls with module- and op-level
         checks (nan_locate), before the optimizer changes the parameters."""
-        from trainprof.probes import nan_locate
+        from trainprof.probes import nan_locate  # lazy: start-up time of the job's ranks
 
         self.located = True
         first = self.resolver.first or {}

@@ -14,7 +14,7 @@ class RecordBuilder:
     into NanWatch."""
 
     def _nonfinite_record(self, step, kind, phase, role, call, vals, tensors, created, first, t_ns):
-        from trainprof.probes import nan_locate
+        from trainprof.probes import nan_locate  # lazy: start-up time of the job's ranks
 
         rec = {"kind": "nonfinite", "step": step, "t_ns": t_ns or time.time_ns(), "phase": phase,
                "role": role, "created": bool(created), "first": bool(first)}

@@ -161,6 +161,7 @@ class _Resolver:
 
 
 def value_kind_of(s: dict) -> str:
+    # lazy: breaks a cycle probes.nan_values<->probes.nan_locate
     from trainprof.probes.nan_locate import value_kind
 
     return value_kind(s) or "non-finite"

@@ -313,7 +313,7 @@ class NanWatch(ModuleHooks, PeerAgreement, DeferredSteps, RecordBuilder):
         if self.replayed or not self.candidates:
             return
         self.replayed = True
-        from trainprof.probes import nan_locate
+        from trainprof.probes import nan_locate  # lazy: start-up time of the job's ranks
 
         cands, self.candidates = self.candidates, []
         self._off += 1

@@ -11,6 +11,7 @@ import sys
 import threading
 
 from trainprof import settings
+from trainprof.settings import check
 
 ENV_RUN_DIR = "TRAINPROF_RUN_DIR"          # set by `trainprof wrap`: where this run is written
 ENV_PROFILE_STEPS = "TRAINPROF_PROFILE_STEPS"  # e.g. "3-4" (inclusive) or "none"
@@ -46,7 +47,7 @@ def activate(reason: str):
             return _session
         run_dir = os.environ[ENV_RUN_DIR]
         try:
-            from trainprof.probes import rank_claim
+            from trainprof.probes import rank_claim  # lazy: start-up time of the job's bootstrap
 
             if rank_claim.stands_aside(run_dir):  # a process a rank started, not a rank
                 _aside = True
@@ -55,6 +56,7 @@ def activate(reason: str):
             rank_claim = None
         try:
             _warn_bad_settings()
+            # lazy: breaks a cycle probes.runtime<->probes.session
             from trainprof.probes.session import ProbeSession
 
             _session = ProbeSession(run_dir, reason=reason, run_info=_run_info)
@@ -74,8 +76,6 @@ def _warn_bad_settings() -> None:
     """`trainprof wrap` refuses bad TRAINPROF_* values before the job starts; a job that starts
     a session itself (trainprof.session()) gets one warning per bad value instead."""
     try:
-        from trainprof.settings import check
-
         for problem in check(os.environ)[1]:
             if not problem.startswith("TRAINPROF_PROBES_OFF"):  # the session names unknown probes
                 warn(f"{problem} (`trainprof wrap` refuses it)")
@@ -97,7 +97,7 @@ def shutdown() -> None:
         _session = None
     if s is not None:
         try:
-            from trainprof.probes import rank_claim
+            from trainprof.probes import rank_claim  # lazy: start-up time of the job's bootstrap
 
             rank_claim.release()  # a process without a session claims no rank
         except Exception:  # noqa: BLE001

@@ -17,12 +17,14 @@ import weakref
 from pathlib import Path
 
 from trainprof import settings
-from trainprof.probes import runtime
-from trainprof.probes.rankinfo import identity, mesh_info
+from trainprof.probes import compact, job_profiler, profile_ranks, runtime
+from trainprof.probes.rankinfo import device_info, identity, mesh_info
 from trainprof.probes.steps import StepClock
 from trainprof.probes.ticker import Ticker
 from trainprof.rundir.files import (JOB_TRACES_DIR, META, STEPS, JsonlWriter, is_job_trace_name,
                                     job_trace_dir, profiler_trace_path, rank_dir, write_json_atomic)
+from trainprof.probes.compact import RING_WEIGHTS
+from trainprof.probes.profiler_window import ProfilerWindow, parse_steps
 
 DEFAULT_PROFILE_STEPS = "3-4"
 MAX_JOB_TRACES = 20  # paths of the job's own profiler traces kept in meta.json (the last ones)
@@ -64,7 +66,6 @@ class ProbeSession:
         self.state: dict = {}
         self._mesh_numel = 0  # size of the largest DeviceMesh recorded so far
         self.optimizers: weakref.WeakSet = weakref.WeakSet()  # every optimizer seen stepping
-        from trainprof.probes import compact  # bounded capture: compact tables + detail ring
 
         self.compact = compact.attach_store(self)
         self.clock = StepClock(self.stream(STEPS), self.stream("steps_device"))
@@ -97,7 +98,6 @@ class ProbeSession:
         survive a SIGKILL at once are written with ``urgent=True``."""
         if name not in self._writers:
             store = getattr(self, "compact", None)
-            from trainprof.probes.compact import RING_WEIGHTS
 
             if store is not None and name in RING_WEIGHTS:  # a ring within the rank's budget
                 self._writers[name] = store.ring_writer(self.dir / f"{name}.jsonl", name)
@@ -144,8 +144,6 @@ class ProbeSession:
 
     # -- profiler window
     def _profile_window(self):
-        from trainprof.probes.profiler_window import parse_steps
-
         try:
             window = parse_steps(os.environ.get(runtime.ENV_PROFILE_STEPS, DEFAULT_PROFILE_STEPS))
         except ValueError as e:
@@ -163,7 +161,6 @@ class ProbeSession:
         step = self.clock.step  # the step about to run
         if step < first - 1 or step > last:
             return
-        from trainprof.probes import job_profiler
 
         if job_profiler.enabled_now():  # the job's, started before the guard was installed
             self.job_profiler_started({"kind": "profiler", "api": None, "where": None})
@@ -173,8 +170,6 @@ class ProbeSession:
             return
         try:
             import torch
-
-            from trainprof.probes.profiler_window import ProfilerWindow
 
             cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
             self.profiler = ProfilerWindow(profiler_trace_path(self.run_dir, self.rank),
@@ -189,8 +184,6 @@ class ProbeSession:
         (``profiled``, ``profile_policy``, ``profile_ranks``) so that analysis knows a trace
         absent on purpose from a lost one."""
         try:
-            from trainprof.probes import profile_ranks
-
             spec = profile_ranks.canonical(os.environ.get(profile_ranks.ENV))
             mesh = self.meta.get("mesh") or None
             ok, policy = profile_ranks.decide(spec, self.rank, int(self.meta.get("world_size") or 1),
@@ -347,8 +340,6 @@ class ProbeSession:
 
     def _refresh_device(self) -> None:
         """At activation the job may not have chosen its device yet; by the first step it has."""
-        from trainprof.probes.rankinfo import device_info
-
         info = device_info(int(self.meta.get("local_rank", 0)))
         if info.get("device") != self.meta.get("device"):
             self.update_meta(**info)
@@ -408,8 +399,6 @@ class ProbeSession:
 
 def _install_job_profiler_guard(session) -> None:
     try:
-        from trainprof.probes import job_profiler
-
         job_profiler.install()
         before = job_profiler.started_before_session()
         if before is not None:

@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 
 from trainprof.reports import kit
+from trainprof.reports.terminal import printable
 
 INFO_WORD = {"regression": "worse", "improvement": "better"}  # informational metrics never "regress"
 MARK = {"regression": "+", "improvement": "-", "insufficient data": "?", "missing": "?", "runs differ": "?"}
@@ -299,8 +300,6 @@ _OP_CRITICAL = {"kernels": "compute and memory kernels", "cpu_ops": "compute on 
 
 def _op_name(name) -> str:
     """A trace's op name shortened, with control and format characters shown as escapes."""
-    from trainprof.reports.terminal import printable
-
     s = str(name)
     return printable(s if len(s) <= OP_NAME_CHARS else s[:OP_NAME_CHARS - 1] + "…")
 

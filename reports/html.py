@@ -278,6 +278,7 @@ def render_section(name: str, metrics, summary: dict) -> str:
 
 def _section_order(metrics: Mapping) -> list[str]:
     try:
+        # lazy: optional dependency (the report renders without the analyzers)
         from trainprof.analyzers import ANALYZER_MODULES
     except Exception:  # noqa: BLE001
         ANALYZER_MODULES = ()

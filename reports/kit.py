@@ -11,6 +11,8 @@ import math
 import re
 from typing import Any, Callable, Iterable, Mapping
 
+from trainprof.wording import wall_time
+
 
 # control characters and the format characters that reorder or hide text (bidi overrides and
 # isolates, zero-width marks): shown as visible escapes, as the terminal shows them
@@ -116,8 +118,6 @@ EPOCH_NS_MIN = 10 ** 17  # a time in ns since the epoch is after 1973: larger th
 
 def fmt_wall_ns(x) -> str:
     """A wall-clock time in ns since the epoch as '2026-11-25 13:37:59.123 UTC'."""
-    from trainprof.wording import wall_time
-
     return wall_time(x) or fmt_value(x)
 
 

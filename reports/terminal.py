@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from trainprof.reports import kit, ranks as rk
 from trainprof.wording import plural
+from trainprof.reports.actions import coverage_is_the_input, terminal_lines
 
 SEVERITY_STYLES = {"critical": "bold white on red", "error": "bold red", "warning": "yellow",
                    "info": "cyan"}
@@ -114,7 +115,7 @@ def _partial(job) -> str:
 
 
 def _ranks(f: Mapping, summary: Mapping) -> str:
-    from trainprof.reports.html import ranks_text
+    from trainprof.reports.html import ranks_text  # lazy: start-up time of analyze --no-report
 
     return ranks_text(f.get("ranks"), summary, limit=4)
 
@@ -181,15 +182,11 @@ def render_terminal(summary, report_path=None, console=None) -> None:
     for label, value in key_metrics(summary):
         console.print(f"  {escape(label)}: [bold]{escape(value)}[/bold]")
 
-    from trainprof.reports.actions import terminal_lines
-
     for line in terminal_lines(summary):  # what to change first, with its estimated saving
         console.print(escape(line))
     findings = [f for f in (summary.get("findings") or []) if isinstance(f, Mapping)]
     cover = summary.get("coverage")
     if findings and isinstance(cover, Mapping):  # bare traces: the nature of the input, said plainly
-        from trainprof.reports.actions import coverage_is_the_input
-
         label = "what this input allows" if coverage_is_the_input(summary) else "[yellow]coverage[/yellow]"
         console.print(f"{label}: {escape(str(cover.get('text', '')))}")
     if summary.get("nothing_analyzed"):

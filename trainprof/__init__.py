@@ -11,7 +11,7 @@ __all__ = ["__version__", "step", "session", "set_run_info"]
 
 def __getattr__(name):
     if name in ("step", "session", "set_run_info"):
-        from trainprof.probes import api
+        from trainprof.probes import api  # lazy: start-up time of import trainprof
 
         return getattr(api, name)
     raise AttributeError(f"module 'trainprof' has no attribute {name!r}")

@@ -119,7 +119,7 @@ class Setting:
                 raise ValueError
             return ",".join(names)
         if self.kind == "profile_ranks":
-            from trainprof.rankranges import canonical
+            from trainprof.rankranges import canonical  # lazy: start-up time of the job's bootstrap
 
             return canonical(v)  # ValueError when not accepted
         raise AssertionError(self.kind)

@@ -11,6 +11,7 @@ def _trainprof_bootstrap():
     if not os.environ.get("TRAINPROF_RUN_DIR") or off:
         return
     try:
+        # lazy: start-up time of the job's bootstrap (only when the probes are on)
         from trainprof.probes.bootstrap import install
 
         install()

@@ -42,6 +42,11 @@ from trainprof.analysis.pool import GZIP_RATIO_EST, WORKERS_ENV  # noqa: F401 - 
 from trainprof.rundir.files import (PROFILER_DIR, RunDirError, rank_dirname, read_json,
                                     write_json_atomic)
 from trainprof.analysis.run import RunDir
+from trainprof.analyzers import ANALYZER_MODULES
+from trainprof.trace import load_traces
+from trainprof.trace._discover import name_rank, prepare_window, trace_rank
+import trainprof.analyzers
+import trainprof.trace
 
 SCHEMA_VERSION = 1
 KIND = "trainprof-trace-digest"
@@ -74,8 +79,6 @@ def _run_spec(run: RunDir):
 def section_names() -> list[str]:
     """The analyzer modules with a ``trace_digest`` (modules that fail to import are skipped:
     the analysis reports them)."""
-    from trainprof.analyzers import ANALYZER_MODULES
-
     out = []
     for name in ANALYZER_MODULES:
         try:
@@ -95,9 +98,6 @@ def code_fingerprint() -> str:
     a digest built by other code is rebuilt, even within one trainprof version."""
     if not _CODE:
         import hashlib
-
-        import trainprof.analyzers
-        import trainprof.trace
 
         h = hashlib.sha256(__version__.encode())
         files = [Path(__file__), Path(trainprof.trace.__file__).parents[1] / "devices.py"]
@@ -224,8 +224,6 @@ def within_limit(doc: dict, stamp: dict) -> bool:
 
 
 def _parse(path: Path, rank: int | None, pieces: int):
-    from trainprof.trace import load_traces
-
     traces, errors = load_traces({rank if rank is not None else -1: path}, workers=pieces)
     if errors:
         return None, errors[0]
@@ -255,8 +253,6 @@ def _job(job: tuple, run=None, collect: bool = True) -> tuple:
         window, said = None, []
         if kind != "run":  # what the window holds (the caller may choose among a process's
             # windows), its trailing stub steps dropped before any analyzer reads it
-            from trainprof.trace._discover import prepare_window
-
             window, said = prepare_window(tr)
         if kind == "window":
             tr.rank = rank
@@ -270,8 +266,6 @@ def _job(job: tuple, run=None, collect: bool = True) -> tuple:
                     run = _WORKER_RUNS.setdefault(key, RunDir(base))
             doc = digest_trace(run, rank, tr, names)
         else:
-            from trainprof.trace._discover import name_rank, trace_rank
-
             r = rank if rank is not None else trace_rank(tr)
             r = r if r is not None else name_rank(Path(path).name)
             tr.rank = r

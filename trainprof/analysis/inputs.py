@@ -19,6 +19,9 @@ from trainprof import safeio
 from trainprof.rundir.files import (MANIFEST, PROFILER_DIR, RANKS_DIR, SNAPSHOT_SUFFIXES, TRACE_SUFFIXES,
                                     RunDirError, _exists,
                                     _is_dir, _listdir, read_json)
+from trainprof.trace._discover import (SEARCH_DEPTH, is_trace_name, rank_facts, run_facts,
+                                       trace_folders)
+from trainprof.trace import _discover as disc
 
 
 
@@ -50,8 +53,6 @@ class RunDirInputs:
     ``bare_snapshots``, ``roots``, ``input_facts``, ``problems`` and ``_cache``)."""
 
     def _classify(self, path: Path) -> None:
-        from trainprof.trace._discover import is_trace_name
-
         try:
             mode = os.stat(path).st_mode
         except FileNotFoundError:
@@ -101,8 +102,6 @@ class RunDirInputs:
         search, trainprof/trace/_discover.py trace_folders). One folder of them: analyzed, the
         outputs in ``path``, said in a problem line; several: refused, naming them; none:
         refused."""
-        from trainprof.trace._discover import SEARCH_DEPTH, trace_folders
-
         found, cut = trace_folders(path)
         if len(found) == 1:
             self._bare_trace_inputs(found)
@@ -179,8 +178,7 @@ class RunDirInputs:
         the most training, and key them by rank (trainprof/trace/_discover.py); what was found
         and read goes to ``input_facts``. JSON files that are not traces are said once; inputs
         with no trace at all, or traces of several jobs given as several inputs, are refused."""
-        from trainprof.analysis import digest
-        from trainprof.trace import _discover as disc
+        from trainprof.analysis import digest  # lazy: breaks a cycle analysis.inputs<->analysis.digest
 
         files = disc.candidates(self.trace_inputs, self.problems)
         failed: dict[Path, str] = {}
@@ -252,8 +250,6 @@ class RunDirInputs:
                f"JSON but not a Chrome trace (no traceEvents); expected traces written by "
                f"torch.profiler (tensorboard_trace_handler or export_chrome_trace)")
         if len(self.trace_inputs) == 1 and _is_dir(self.trace_inputs[0]):
-            from trainprof.trace._discover import trace_folders
-
             found, _ = trace_folders(self.trace_inputs[0])
             if found:
                 msg += (f"; traces found in {', '.join(_below(f, self.trace_inputs[0]) for f in found[:6])}"
@@ -265,6 +261,7 @@ class RunDirInputs:
         if self.trace_inputs:
             self.profiler_traces()
             return self._cache.get("trace_heads", {})
+        # lazy: breaks a cycle analysis.inputs<->analysis.digest
         from trainprof.analysis.digest import TraceHead
 
         return {r: TraceHead(d) for r, d in self.digest_docs().items()}
@@ -272,8 +269,6 @@ class RunDirInputs:
     def _trace_meta(self, rank: int) -> dict:
         """A rank's facts from its bare trace (distributedInfo, deviceProperties, torch's
         <host>_<pid> file name), checked like meta.json."""
-        from trainprof.trace._discover import rank_facts
-
         head = self._trace_heads().get(rank)
         if head is None:
             return {}
@@ -283,7 +278,5 @@ class RunDirInputs:
     def trace_run_facts(self) -> dict:
         """Run facts only a trace carries (bare traces): the process groups (pg_config) and the
         devices (deviceProperties) of the first rank that has them."""
-        from trainprof.trace._discover import run_facts
-
         heads = self._trace_heads()
         return run_facts([heads[r] for r in self.ranks if r in heads])

@@ -22,6 +22,9 @@ import sys
 
 from trainprof import settings
 from trainprof.rankranges import ranges
+from trainprof.analysis import digest
+from trainprof.rundir.files import RunDirError
+from trainprof.analysis.run import RunDir
 
 
 def share(ranks: list[int], rank: int, world: int) -> list[int]:
@@ -39,8 +42,6 @@ def _env_int(name: str, default: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--pool":  # trainprof.analysis.pool.pool_in_child's process
-        from trainprof.analysis import digest
-
         return digest.pool_child_main(argv[1])
     ap = argparse.ArgumentParser(prog="python -m trainprof.analysis.reduce", description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", help="a trainprof run directory")
@@ -48,10 +49,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="processes of the local pool (default: CPUs / LOCAL_WORLD_SIZE)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
-
-    from trainprof.analysis import digest
-    from trainprof.rundir.files import RunDirError
-    from trainprof.analysis.run import RunDir
 
     world = max(1, _env_int("WORLD_SIZE", 1))
     me = min(max(0, _env_int("RANK", 0)), world - 1)

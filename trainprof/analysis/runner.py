@@ -12,6 +12,15 @@ from trainprof.rundir import health as stream_health
 from trainprof.findings import SUMMARY_SCHEMA_VERSION
 from trainprof.meshinfo import group_sizes, mesh_sizes
 from trainprof.analysis.run import RunDir
+from trainprof.rankranges import ranges
+from trainprof.analyzers import load_all
+from trainprof.analyzers.critical_path import replay_findings
+from trainprof.analysis.summary_bound import bound_findings, bound_metrics
+from trainprof.analyzers.advice import actions as ranked, advise
+from trainprof.analyzers._onset import stamp_findings
+from trainprof.settings import flag_on
+from trainprof.rundir.files import REPORT, RunDirError, SUMMARY, write_json_atomic
+from trainprof.analysis import outputs
 
 SEVERITY_ORDER = {"critical": 0, "error": 1, "warning": 2, "info": 3}
 SNAPSHOT_ANALYZERS = ("memory", "fragmentation")
@@ -74,7 +83,7 @@ def live_state(run: RunDir) -> dict:
     if run.trace_inputs or run.snapshot_only:
         return {}
     try:
-        from trainprof.rundir.state import state
+        from trainprof.rundir.state import state  # lazy: start-up time of analyze
 
         st = state(run.path, run.launcher)
     except Exception as e:  # noqa: BLE001 - the state is a note, never a reason to fail
@@ -93,16 +102,12 @@ def _group_sizes(run: RunDir) -> dict:
 
 
 def _nodes(records: list[dict]) -> list[dict]:
-    from trainprof.rankranges import ranges
-
     return [{"node": n.get("node"), "host": n.get("host"), "status": n.get("status"),
              "exit_code": n.get("exit_code"), "signal_name": n.get("signal_name"),
              "ranks": ranges(n.get("ranks") or []), "file": n.get("file")} for n in records]
 
 
 def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
-    from trainprof.analyzers import load_all
-
     modules, errors = load_all()
     if run.snapshot_only:  # bare allocator snapshots: only the memory analyzers have input
         modules = [m for m in modules if m.NAME in SNAPSHOT_ANALYZERS]
@@ -132,15 +137,12 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
     findings = withhold_window(metrics, findings)
     actions = _advise(metrics, findings, errors)
     _replay_estimates(run, metrics, findings, errors)
-    from trainprof.analysis.summary_bound import bound_findings, bound_metrics
 
     bound_metrics(metrics)  # per-step series past a few thousand steps: thinned, said so
     bound_findings(findings)
     # by severity, then by what fixing it would save (analyzers/advice.py), largest first
     findings.sort(key=lambda f: (SEVERITY_ORDER.get(f["severity"], 9), -_saving(f), f["kind"], f["ranks"]))
     if actions is not None:
-        from trainprof.analyzers.advice import actions as ranked
-
         actions = ranked(findings)
     info = run_info(run)
     info.update(live_state(run))
@@ -185,8 +187,6 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
 def _stamp_onsets(run: RunDir, found) -> None:
     """onset / end on findings whose analyzer names their steps (analyzers/_onset.py)."""
     try:
-        from trainprof.analyzers._onset import stamp_findings
-
         stamp_findings(run, found)
     except Exception as e:  # noqa: BLE001 - a finding without its onset is still a finding
         run.problems.append(f"onsets: {type(e).__name__}: {e}")
@@ -195,8 +195,6 @@ def _stamp_onsets(run: RunDir, found) -> None:
 def _advise(metrics: dict, findings: list[dict], errors: list) -> list | None:
     """``fix`` and ``estimate`` on every finding (analyzers/advice.py); None when it failed."""
     try:
-        from trainprof.analyzers.advice import advise
-
         return advise(metrics, findings)
     except Exception as e:  # noqa: BLE001 - the findings stand without their estimates
         errors.append({"analyzer": "advice", "error": f"{type(e).__name__}: {e}"})
@@ -210,8 +208,6 @@ def _replay_estimates(run: RunDir, metrics: dict, findings: list[dict], errors: 
     if not isinstance(cp, dict) or "job" not in cp:
         return
     try:
-        from trainprof.analyzers.critical_path import replay_findings
-
         rows = replay_findings(run, findings)
     except Exception as e:  # noqa: BLE001 - the estimates stand without their replay
         errors.append({"analyzer": "critical_path", "error": f"replay of the estimates: {type(e).__name__}: {e}"})
@@ -359,7 +355,6 @@ def lost_traces(run: RunDir) -> str | None:
     lost = [r for r in run.ranks if run.rank_meta(r).get("profiled") is True and r not in have]
     if not lost:
         return None
-    from trainprof.rankranges import ranges
 
     return (f"{len(lost)} rank(s) that were to record the profiler window left no trace "
             f"(ranks {ranges(lost)}: the job ended before the window, or the trace was lost): "
@@ -375,7 +370,6 @@ def nothing_captured(run: RunDir) -> str | None:
         return _nothing_in_traces(run)
     if run.ranks:
         return None
-    from trainprof.settings import flag_on
 
     man = run.launcher
     config = man.get("config") if isinstance(man.get("config"), dict) else {}
@@ -407,10 +401,6 @@ def analyze_and_write(run_dir, out_dir=None, report: bool = True, progress=None)
     """Analyze a run directory, write summary.json (and report.html). Returns
     (summary, summary_path, report_path_or_None)."""
     from pathlib import Path
-
-    from trainprof.rundir.files import REPORT, SUMMARY, RunDirError, write_json_atomic
-
-    from trainprof.analysis import outputs
 
     if out_dir and (why := outputs.refusal(Path(out_dir))):  # wrap --out's rule: never the user's files
         raise RunDirError(why)
@@ -448,7 +438,7 @@ def analyze_and_write(run_dir, out_dir=None, report: bool = True, progress=None)
         outputs.clean_stale_tmp(out, names)  # a killed analyze's temporaries
         write_json_atomic(summary_path, summary, indent=None if many else 2)
         if report:
-            from trainprof.reports.html import write_html
+            from trainprof.reports.html import write_html  # lazy: start-up time of analyze --no-report
 
             writing = report_path
             write_html(summary, report_path)
@@ -461,8 +451,6 @@ def _refuse_foreign(path, marker: bytes) -> None:
     """RunDirError when ``path`` exists and does not look written by trainprof (no ``marker``
     in its first 64 KB)."""
     import os
-
-    from trainprof.rundir.files import RunDirError
 
     try:
         with open(path, "rb") as f:

@@ -7,6 +7,10 @@ import json
 from pathlib import Path
 
 from trainprof.analysis.run import RunDir
+from trainprof.analysis.runner import analyze as run_analysis
+from trainprof.analyzers import _timeline
+from trainprof.reports import chrome_trace
+from trainprof.rundir.files import RunDirError
 
 DEFAULT_MAX_MB = 100
 
@@ -45,7 +49,6 @@ def _findings(run: RunDir, analyze: bool) -> tuple[list[dict], str]:
             run.problems.append(f"{p}: not read ({e}); findings computed again")
     if not analyze:
         return [], "not shown (--no-findings)"
-    from trainprof.analysis.runner import analyze as run_analysis
 
     return run_analysis(run).get("findings") or [], "computed now (no summary.json)"
 
@@ -54,13 +57,8 @@ def make(inputs, out, steps=None, ranks=None, gz: bool = False, max_mb: float = 
          findings=True) -> dict:
     """Write the timeline; returns what was written and chosen (for the verb to print).
     ``findings``: True (summary.json, else an analysis now), False (none), or a list."""
-    from trainprof.analyzers import _timeline
-    from trainprof.reports import chrome_trace
-
     run = RunDir(inputs)
     if not run.ranks and not run.trace_inputs:
-        from trainprof.rundir.files import RunDirError
-
         raise RunDirError(f"{run.path}: no rank data and no profiler trace: nothing to show")
     if isinstance(findings, list):
         found, source = findings, "given"

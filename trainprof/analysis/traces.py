@@ -14,6 +14,8 @@ from pathlib import Path
 from trainprof.rundir.files import (JOB_TRACES_DIR, META, PROFILER_DIR, RANKS_DIR, RunDirError,
                                     _is_dir, _is_file, _listdir, _same_file, _size_mtime,
                                     is_job_trace_name, job_trace_dir, rank_dirname, read_json)
+from trainprof.trace import _discover as disc, load_traces
+from trainprof.trace._discover import prepare_window
 
 # what choosing among a job's windows reads of each (kept with the rank's digest)
 _WINDOW_FACTS = ("path", "whole_trace_window", "span_ns", "steps", "window")
@@ -137,8 +139,7 @@ class RunDirTraces:
         holds is read from the rank's digest when it lists those very files (same path, size
         and mtime), else parsed (in the digest pool, no analyzer run) and kept with the digest
         (trainprof/analysis/digest.py ensure)."""
-        from trainprof.analysis import digest
-        from trainprof.trace import _discover as disc
+        from trainprof.analysis import digest  # lazy: breaks a cycle analysis.traces<->analysis.digest
 
         known: dict[tuple[int, Path], dict] = {}
         stamps: dict[tuple[int, Path], dict] = {}
@@ -182,7 +183,7 @@ class RunDirTraces:
     def _cached_windows(self, path: Path) -> list[dict]:
         """The windows a rank's cached digest lists (``windows``: what each of the job's traces
         holds), when the digest is of this code; [] otherwise."""
-        from trainprof.analysis import digest
+        from trainprof.analysis import digest  # lazy: breaks a cycle analysis.traces<->analysis.digest
 
         try:
             os.stat(path)
@@ -209,11 +210,8 @@ class RunDirTraces:
         trace_digests(), which needs one trace in memory at a time."""
         paths = self.profiler_traces()
         if "traces" not in self._cache:
-            from trainprof.trace import load_traces
-
             traces, errors = load_traces(paths, progress=progress)
             self.problems.extend(errors)
-            from trainprof.trace._discover import prepare_window
 
             if self.trace_inputs:  # a bare trace is the rank its discovery gave it
                 for r, t in traces.items():
@@ -278,7 +276,7 @@ class RunDirTraces:
         time, and (``write``: what `trainprof analyze` does when its outputs go into the run
         directory) cached there; bare trace inputs are never written beside.
         ``extra``: an analyzer whose section is wanted besides ANALYZER_MODULES' ones."""
-        from trainprof.analysis import digest
+        from trainprof.analysis import digest  # lazy: breaks a cycle analysis.traces<->analysis.digest
 
         self.profiler_traces()  # bare traces are digested while their ranks are found
         names = digest.section_names()

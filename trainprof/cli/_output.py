@@ -19,14 +19,14 @@ class InputError(click.ClickException):
     exit_code = EXIT_INPUT
 
     def __init__(self, message: str):
-        from trainprof.reports.terminal import printable
+        from trainprof.reports.terminal import printable  # lazy: start-up time of trainprof --help
 
         super().__init__(printable(message))
 
 
 def max_input_option(f):
     """--max-input-mb: the largest input file read (see trainprof/safeio.py)."""
-    from trainprof.safeio import DEFAULT_MAX_INPUT_MB, ENV
+    from trainprof.safeio import DEFAULT_MAX_INPUT_MB, ENV  # lazy: start-up time of trainprof --help
 
     return click.option(
         "--max-input-mb", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MB",
@@ -37,7 +37,7 @@ def max_input_option(f):
 
 def apply_input_limit(mb: float | None) -> None:
     """Set the input limit for this process; InputError when the environment's value is bad."""
-    from trainprof import safeio
+    from trainprof import safeio  # lazy: start-up time of trainprof --help
 
     try:
         safeio.set_max_input_mb(mb)
@@ -65,9 +65,9 @@ def analyze_and_print(run_dir, out_dir=None, as_json=False, report=True, quiet=F
     ``err``: print on stderr (wrap: its stdout is the job's)."""
     import json
 
-    from trainprof.analysis.runner import analyze_and_write
+    from trainprof.analysis.runner import analyze_and_write  # lazy: start-up time of trainprof --help
 
-    from trainprof.analysis.outputs import OutputsNotWritten
+    from trainprof.analysis.outputs import OutputsNotWritten  # lazy: start-up time of trainprof --help
 
     failed = None
     with progress_status(enabled=not as_json and not quiet) as progress:
@@ -81,6 +81,7 @@ def analyze_and_print(run_dir, out_dir=None, as_json=False, report=True, quiet=F
     elif not quiet:
         from rich.console import Console
 
+        # lazy: start-up time of trainprof --help
         from trainprof.reports.terminal import printable, render_terminal
 
         stream = sys.stderr if err else sys.stdout

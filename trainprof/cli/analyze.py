@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from trainprof.cli._output import InputError, apply_input_limit, max_input_option
+from trainprof.cli._output import InputError, analyze_and_print, apply_input_limit, max_input_option
 from trainprof.rundir.files import RunDirError
 
 NOTHING_ANALYZED_EXIT = 3  # no rank's data, no trace read, or no event in the traces read
@@ -60,9 +60,8 @@ def analyze(inputs, out, as_json, no_report, quiet, max_input_mb):
     could be read; the traces read hold no events), 4 analyzed and printed but summary.json or
     report.html could not be written (a full disk, a read-only folder).
     """
+    # lazy: start-up time of trainprof --help
     from trainprof.analysis.outputs import EXIT_NOT_WRITTEN, OutputsNotWritten
-    from trainprof.cli._output import analyze_and_print
-
     apply_input_limit(max_input_mb)
     run_dir = inputs[0] if len(inputs) == 1 else list(inputs)
     try:
@@ -70,7 +69,7 @@ def analyze(inputs, out, as_json, no_report, quiet, max_input_mb):
     except RunDirError as e:
         raise InputError(str(e)) from e
     except OutputsNotWritten as e:  # a full disk: the findings were printed; one line, exit 4
-        from trainprof.reports.terminal import printable
+        from trainprof.reports.terminal import printable  # lazy: start-up time of trainprof --help
 
         click.echo(f"trainprof: {printable(e)}: the findings printed above are not saved; free "
                    f"space or write them elsewhere with --out DIR", err=True)

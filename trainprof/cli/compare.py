@@ -29,7 +29,7 @@ class CompareCommand(click.Command):
 
 
 def known_versions() -> range:
-    from trainprof.findings import SUMMARY_SCHEMA_VERSION
+    from trainprof.findings import SUMMARY_SCHEMA_VERSION  # lazy: start-up time of trainprof --help
 
     return range(1, SUMMARY_SCHEMA_VERSION + 1)
 
@@ -38,7 +38,7 @@ def load_summary(path: Path, role: str) -> tuple[dict, Path]:
     """A summary from a summary.json file or a run directory (analyzed in memory when it has no
     summary.json yet: nothing is written into it). Anything that cannot be trusted -> InputError
     naming the file."""
-    from trainprof.rundir.files import MANIFEST, SUMMARY
+    from trainprof.rundir.files import MANIFEST, SUMMARY  # lazy: start-up time of trainprof --help
 
     if not path.exists():
         raise InputError(f"{role} {path}: no such file or directory")
@@ -46,8 +46,8 @@ def load_summary(path: Path, role: str) -> tuple[dict, Path]:
         if (path / SUMMARY).is_file():
             path = path / SUMMARY
         elif (path / MANIFEST).is_file():
-            from trainprof.analysis.runner import analyze
-            from trainprof.analysis.run import RunDir
+            from trainprof.analysis.runner import analyze  # lazy: start-up time of trainprof --help
+            from trainprof.analysis.run import RunDir  # lazy: start-up time of trainprof --help
 
             click.echo(f"{role}: {path} has no {SUMMARY}; analyzing it", err=True)
             try:
@@ -75,6 +75,7 @@ def load_summary(path: Path, role: str) -> tuple[dict, Path]:
 def _check(summary, path, role) -> dict:
     """The shape compare relies on: an object with a known schema_version, `run` and `metrics`
     objects, and the metrics it reads of the right types."""
+    # lazy: start-up time of trainprof --help
     from trainprof.gate.regression import BUILTIN, SAMPLES, malformed, peak_memory, step_samples
 
     if not isinstance(summary, dict):
@@ -111,7 +112,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def is_run(path: Path) -> bool:
-    from trainprof.rundir.files import MANIFEST, SUMMARY
+    from trainprof.rundir.files import MANIFEST, SUMMARY  # lazy: start-up time of trainprof --help
 
     return path.is_file() or (path / SUMMARY).is_file() or (path / MANIFEST).is_file()
 
@@ -200,7 +201,7 @@ def _percent(text, what) -> float:
 
 
 def _split(spec: str, option: str) -> tuple[str, str | None]:
-    from trainprof.gate.regression import canonical
+    from trainprof.gate.regression import canonical  # lazy: start-up time of trainprof --help
 
     name, sep, th = spec.rpartition(":")
     if not sep:
@@ -211,6 +212,7 @@ def _split(spec: str, option: str) -> tuple[str, str | None]:
 
 
 def build_settings(alpha, min_effect, fail_on, metric, config):
+    # lazy: start-up time of trainprof --help
     from trainprof.gate.regression import (BUILTIN, DEFAULT_ALPHA, DEFAULT_MIN_EFFECT, Settings,
                                       ThresholdError, canonical, parse_threshold)
 
@@ -252,7 +254,7 @@ def _who(role, path, bases, cands) -> str:
 
 def environment_mismatches(bases, cands) -> list[str]:
     """Every run against the first baseline run: device, world size, mesh, torch version."""
-    from trainprof.gate.regression import fingerprint, same_fact
+    from trainprof.gate.regression import fingerprint, same_fact  # lazy: start-up time of trainprof --help
 
     ref = fingerprint(bases[0][0])
     out = []
@@ -268,7 +270,7 @@ def environment_mismatches(bases, cands) -> list[str]:
 def job_mismatches(bases, cands) -> list[str]:
     """Every run against the first baseline run: the job it ran (script, framework, model and
     batch facts the probes recorded; regression.JOB_FACTS)."""
-    from trainprof.gate.regression import job_differences
+    from trainprof.gate.regression import job_differences  # lazy: start-up time of trainprof --help
 
     out = []
     for role, runs in (("baseline", bases[1:]), ("candidate", cands)):
@@ -279,7 +281,7 @@ def job_mismatches(bases, cands) -> list[str]:
 
 
 def _side(runs, label=None) -> dict:
-    from trainprof.gate.regression import fingerprint, side_info
+    from trainprof.gate.regression import fingerprint, side_info  # lazy: start-up time of trainprof --help
 
     info = side_info([s for s, _ in runs])
     return {"path": label or str(runs[0][1]), "paths": [str(p) for _, p in runs],
@@ -289,6 +291,7 @@ def _side(runs, label=None) -> dict:
 def comparison_result(bases, cands, settings, allow_mismatch=False, mismatches=(),
                       base_label=None, notes=(), job_diffs=()) -> dict:
     """Everything the outputs render (and --json prints). `bases`/`cands`: [(summary, path)]."""
+    # lazy: start-up time of trainprof --help
     from trainprof.gate.regression import compare_runs, overall_verdict
 
     results, absent = compare_runs([s for s, _ in bases], [s for s, _ in cands], settings)
@@ -320,7 +323,7 @@ def comparison_result(bases, cands, settings, allow_mismatch=False, mismatches=(
 def _underpowered(results) -> list[str]:
     """Gated metrics that moved beyond their threshold the bad way without significance; the
     throughput and MFU of the same steps are one hypothesis with step time (named once)."""
-    from trainprof.gate.regression import SAME_TEST
+    from trainprof.gate.regression import SAME_TEST  # lazy: start-up time of trainprof --help
 
     weak = [r.metric for r in results if r.gate and r.underpowered]
     return [m for m in weak if SAME_TEST.get(m) not in weak]
@@ -329,7 +332,7 @@ def _underpowered(results) -> list[str]:
 def _op_diff(bases, cands) -> dict:
     """Which ops moved (trainprof/gate/opdiff.py): informational, never part of the verdict."""
     try:
-        from trainprof.gate.opdiff import op_diff
+        from trainprof.gate.opdiff import op_diff  # lazy: start-up time of trainprof --help
 
         return op_diff(bases, cands)
     except Exception as e:  # noqa: BLE001 - the gate's answer must not depend on it
@@ -369,6 +372,7 @@ def split_runs(args: tuple[str, ...], baseline_dir) -> tuple[list[Path], list[Pa
 def load_history(directory: Path, keep: int, cands, allow_mismatch: bool,
                  allow_different: bool = False) -> tuple[list, list[str]]:
     """The newest `keep` baselines of the history that can be used, and notes on the others."""
+    # lazy: start-up time of trainprof --help
     from trainprof.gate.regression import fingerprint, fingerprint_mismatches, job_differences, run_problems
 
     files = history_files(directory)[-keep:]
@@ -489,8 +493,9 @@ def compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min
 
 def _compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min_effect, config,
              allow_mismatch, markdown_path, junit_path, as_json, allow_different=None):
+    # lazy: start-up time of trainprof --help
     from trainprof.gate.regression import ThresholdError, run_problems
-    from trainprof.reports import comparison as out
+    from trainprof.reports import comparison as out  # lazy: start-up time of trainprof --help
 
     if save_baseline and baseline_dir is None:
         raise click.UsageError("--save-baseline needs --baseline-dir")

@@ -64,7 +64,7 @@ def demo(out, force, steps, nproc, dp, pp, tp, schedule, inject, profile_steps, 
         cmd += ["--inject", spec]
     click.echo(f"trainprof demo: {nproc} ranks on {device} (dp{layout['dp']} x pp{layout['pp']} x "
                f"tp{layout['tp']}), {steps} steps -> {out}", err=True)
-    from trainprof.cli.wrap import check_before_start, finish
+    from trainprof.cli.wrap import check_before_start, finish  # lazy: start-up time of trainprof --help
 
     settings, before = check_before_start(out, force)
     try:

@@ -10,7 +10,8 @@ from pathlib import Path
 import click
 
 from trainprof.cli._output import InputError, apply_input_limit, max_input_option
-from trainprof.rundir.files import RunDirError
+from trainprof.rundir.files import (HANG_DUMP as DUMP, HANG_TRIGGER as TRIGGER, RANKS_DIR,
+                                    RunDirError, read_json, write_json_atomic)
 from trainprof.wording import ranks_phrase, share_label, verb
 
 
@@ -34,9 +35,9 @@ def hang(run_dir, as_json, request_dump, wait_s, max_input_mb):
     read, or of a newer schema), 3 nothing analyzed (no heartbeats, hang dumps or flight
     recorder, e.g. a folder of profiler traces).
     """
-    from trainprof.analyzers.hang import postmortem
-    from trainprof.cli.analyze import NOTHING_ANALYZED_EXIT
-    from trainprof.analysis.run import RunDir
+    from trainprof.analyzers.hang import postmortem  # lazy: start-up time of trainprof --help
+    from trainprof.cli.analyze import NOTHING_ANALYZED_EXIT  # lazy: start-up time of trainprof --help
+    from trainprof.analysis.run import RunDir  # lazy: start-up time of trainprof --help
 
     apply_input_limit(max_input_mb)
     try:
@@ -47,7 +48,7 @@ def hang(run_dir, as_json, request_dump, wait_s, max_input_mb):
     except RunDirError as e:
         raise InputError(str(e)) from e
     except Exception as e:  # noqa: BLE001 - a broken input found a gap: one line, not a traceback
-        from trainprof.reports.terminal import printable
+        from trainprof.reports.terminal import printable  # lazy: start-up time of trainprof --help
 
         raise click.ClickException(printable(
             f"{run_dir}: the hang analysis failed on this run directory ({type(e).__name__}: "
@@ -58,7 +59,7 @@ def hang(run_dir, as_json, request_dump, wait_s, max_input_mb):
     else:
         render(pm, run)
     if pm is None:  # never "no hang" about a directory that holds no hang data
-        from trainprof.reports.terminal import printable
+        from trainprof.reports.terminal import printable  # lazy: start-up time of trainprof --help
 
         click.echo(printable(f"trainprof: nothing analyzed: {run_dir}: {_found(run)}"), err=True)
         raise SystemExit(NOTHING_ANALYZED_EXIT)
@@ -80,9 +81,6 @@ def _found(run) -> str:
 
 
 def _request_dump(run_dir: Path, wait_s: float) -> None:
-    from trainprof.rundir.files import HANG_DUMP as DUMP, HANG_TRIGGER as TRIGGER
-    from trainprof.rundir.files import RANKS_DIR, read_json, write_json_atomic
-
     ranks = sorted((run_dir / RANKS_DIR).glob("rank-*"))
     if not ranks:
         raise RunDirError(f"{run_dir}: no ranks/ yet; is the job running under trainprof wrap?")
@@ -111,8 +109,8 @@ def render(pm: dict | None, run) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from trainprof.reports.terminal import printable as pr
-    from trainprof.reports.terminal import text as escape
+    from trainprof.reports.terminal import printable as pr  # lazy: start-up time of trainprof --help
+    from trainprof.reports.terminal import text as escape  # lazy: start-up time of trainprof --help
 
     console = Console()
     if pm is None:  # said on stderr by the caller (exit 3)

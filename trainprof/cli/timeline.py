@@ -31,8 +31,8 @@ def timeline(inputs, out, steps, ranks, gz, max_mb, no_findings, max_input_mb):
 
     At more than 64 ranks or 40 steps a default selection is shown (culprits, their peers,
     one rank per host; the steps around findings), said on stderr and in the file."""
-    from trainprof.rundir.files import RunDirError
-    from trainprof.analysis.timeline import make, parse_spec
+    from trainprof.rundir.files import RunDirError  # lazy: start-up time of trainprof --help
+    from trainprof.analysis.timeline import make, parse_spec  # lazy: start-up time of trainprof --help
 
     apply_input_limit(max_input_mb)
     try:

@@ -29,8 +29,8 @@ def watch(run_dir, interval, window, rows, once):
     """
     from rich.console import Console
 
-    from trainprof.analyzers.live import snapshot
-    from trainprof.reports.live import render_watch
+    from trainprof.analyzers.live import snapshot  # lazy: start-up time of trainprof --help
+    from trainprof.reports.live import render_watch  # lazy: start-up time of trainprof --help
 
     if not (run_dir / "ranks").is_dir() and not (run_dir / "manifest.json").is_file():
         raise InputError(f"{run_dir}: not a run directory (no manifest.json, no ranks/)")

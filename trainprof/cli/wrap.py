@@ -8,6 +8,12 @@ import click
 
 from trainprof.launch.launcher import (HANG_EXIT_CODE, HangPolicy, JobResult, LaunchError, exit_like,
                                 prepare_run_dir, reason, run_job)
+from trainprof.rundir.nodes import job_id_of
+from trainprof.launch.outdir import OutDirError
+from trainprof.settings import SettingsError, validated_env
+from trainprof.rundir import nodes
+from trainprof.rundir.worker_exits import how
+from trainprof.rundir.files import MANIFEST, RunDirError, read_json
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -80,7 +86,7 @@ def wrap(out, force, no_analyze, profile_steps, profile_ranks, job_id, hang_time
         cmd = cmd[1:]
     if not cmd:
         raise click.UsageError("give the command to run after --, e.g. trainprof wrap -- python train.py")
-    from trainprof.probes.profiler_window import parse_steps
+    from trainprof.probes.profiler_window import parse_steps  # lazy: start-up time of trainprof --help
 
     if on_hang and hang_timeout is None:
         raise click.UsageError("--on-hang needs --hang-timeout SECONDS")
@@ -89,13 +95,12 @@ def wrap(out, force, no_analyze, profile_steps, profile_ranks, job_id, hang_time
         parse_steps(profile_steps)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    from trainprof.rundir.nodes import job_id_of
 
     settings, before = check_before_start(out, force, job_id=job_id_of(cmd, explicit=job_id),
                                           profile_ranks=profile_ranks, budget_mb=budget_mb)
     live = None
     if analyze_every is not None:
-        from trainprof.launch.live_analysis import PeriodicAnalysis
+        from trainprof.launch.live_analysis import PeriodicAnalysis  # lazy: start-up time of wrap
 
         live = PeriodicAnalysis(out, analyze_every * 60).start()
     try:
@@ -125,9 +130,6 @@ def check_before_start(out: Path, force: bool, job_id: str | None = None,
     trainprof.launch.outdir.Prepared, which also says whether this launcher joined another node's run
     of the same job). ``profile_ranks``: --profile-ranks, over TRAINPROF_PROFILE_RANKS."""
     import os
-
-    from trainprof.launch.outdir import OutDirError
-    from trainprof.settings import SettingsError, validated_env
 
     environ = dict(os.environ)
     if profile_ranks is not None:
@@ -173,7 +175,7 @@ def finish(out: Path, result: JobResult, analyze: bool) -> None:
         notes.append(f"could not finish the node record ({reason(e)})")
     if analyze and result.probes_ran and analyzes_here(out, result):
         try:
-            from trainprof.cli._output import analyze_and_print
+            from trainprof.cli._output import analyze_and_print  # lazy: start-up time of wrap
 
             analyze_and_print(out, err=True)  # stdout is the job's alone
         except KeyboardInterrupt:
@@ -195,7 +197,7 @@ def reduce_local_ranks(out: Path, result: JobResult, notes: list[str]) -> None:
     if not result.local_ranks:
         return
     try:
-        from trainprof.analysis import digest
+        from trainprof.analysis import digest  # lazy: start-up time of wrap
     except ImportError:
         return
     try:
@@ -214,8 +216,6 @@ def analyzes_here(out: Path, result: JobResult) -> bool:
     of this host whose process is gone, one of another host whose record stopped changing),
     this node is the last survivor and analyzes, naming them. A node that the analyzing node
     took for gone, and that finishes after all, analyzes again with its own data."""
-    from trainprof.rundir import nodes
-
     rec = result.record
     if rec is None:
         return True
@@ -266,14 +266,10 @@ def _say(msg: str) -> None:
 
 
 def describe_exit(row: dict) -> str:
-    from trainprof.rundir.worker_exits import how
-
     return how(row)
 
 
 def _hung(out: Path) -> bool:
-    from trainprof.rundir.files import MANIFEST, RunDirError, read_json
-
     try:
         return read_json(out / MANIFEST).get("status") == "hung"
     except (RunDirError, AttributeError):

@@ -22,6 +22,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from trainprof.analyzers import ops as ops_analyzer
+from trainprof.analysis.run import RunDir
+from trainprof.rundir.files import MANIFEST, SUMMARY
+from trainprof.analyzers.ops import CRITICAL, ROLES, WAITING, is_wait, key_sum
+
 TOP = 20           # contributors listed per table
 TOP_APART = 10     # waiting / other-thread ops listed per table
 LISTED = 20        # added / removed ops listed per table
@@ -44,9 +49,6 @@ def run_ops(summary: Mapping, path: Path | None) -> tuple[dict | None, str | Non
         return (dict(ops), None) if has else \
             (None, "no op breakdown in the summary and no run directory beside it")
     try:
-        from trainprof.analyzers import ops as ops_analyzer
-        from trainprof.analysis.run import RunDir
-
         metrics = ops_analyzer.analyze(RunDir(run_dir)).metrics
     except Exception as e:  # noqa: BLE001 - informational: a run that cannot be read has no diff
         if has:
@@ -60,8 +62,6 @@ def _has_roles(ops: Mapping) -> bool:
 
 
 def _run_dir(path: Path | None) -> Path | None:
-    from trainprof.rundir.files import MANIFEST, SUMMARY
-
     if path is None:
         return None
     path = Path(path)
@@ -84,7 +84,6 @@ def _role(table: str, row: Mapping, legacy: bool) -> str:
         return "communication" if row.get("group") == "communication" else "compute"
     if not legacy and row.get("role"):
         return str(row["role"])
-    from trainprof.analyzers.ops import is_wait
 
     return ("communication" if name.startswith("gloo:") else "wait") if is_wait(name) else "compute"
 
@@ -103,8 +102,6 @@ def _side(runs: list[tuple[dict, set | None, bool]], key: tuple[str, str], table
     """One op on one side: the mean over its runs of the op's value — the row's value; 0 when
     a run's checksums say the op never ran there (in that role), and also (counted in
     below_top) when it ran but is below that run's top tables."""
-    from trainprof.analyzers.ops import key_sum
-
     name, role = key
     value, type_key, _ = KINDS[table]
     vals, calls, kind, absent, below = [], [], None, 0, 0
@@ -142,8 +139,6 @@ def _by_role(ops_list: list[Mapping], table: str) -> dict[str, float]:
 
 
 def _table_diff(bases: list[Mapping], cands: list[Mapping], table: str) -> dict:
-    from trainprof.analyzers.ops import CRITICAL, ROLES, WAITING
-
     measure = KINDS[table][2]
     ib, ic = [_index(o, table) for o in bases], [_index(o, table) for o in cands]
     keys = list(dict.fromkeys(k for rows, _, _ in (*ib, *ic) for k in rows))

@@ -317,18 +317,41 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
     the job. Nothing that goes wrong with trainprof's own files changes it: a run directory
     that cannot be written at the start makes the job run without probes, and every later
     failure is one line in JobResult.notes."""
-    config = dict(config or {})
-    env_extra = dict(env_extra or {})
+    config, env_extra = _with_hang_watch(dict(config or {}), dict(env_extra or {}), hang)
     notes: list[str] = []
+    node = getattr(before, "node", None) or nodes.new_node_id()
+    env_extra[nodes.ENV_NODE] = node
+    manifest = _start_record(cmd, out, profile_steps, config, settings, before, node, notes)
+    probes_ran = _open_run_dir(out, manifest, env_extra, notes)
+    proc = _start_job(cmd, out, profile_steps, env_extra, settings, manifest, probes_ran)
+    watch = HangWatch(out, hang, proc.pid, manifest.data, manifest.save) \
+        if hang and probes_ran else None
+    rc, watch = _wait_forwarding_signals(proc, manifest, watch, notes)
+    result = _result(rc, proc, watch, notes, probes_ran, manifest)
+    if probes_ran:
+        try:
+            _record_end(out, manifest, rc, watch, before or set(), result)
+        except Exception as e:  # noqa: BLE001 - the job's outcome is decided already
+            notes.append(f"could not finish the run record ({reason(e)})")
+    return result
+
+
+def _with_hang_watch(config: dict, env_extra: dict, hang: HangPolicy | None) -> tuple[dict, dict]:
+    """The hang policy recorded in the config, and the flight recorder turned on for the dumps
+    (unless the job sets its buffer size itself)."""
     if hang is not None:
         config.update(hang_timeout_s=hang.timeout_s, on_hang=hang.action)
         fr_vars = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
         if not any(k in os.environ for k in fr_vars):
             env_extra.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # flight recorder for the dumps
+    return config, env_extra
+
+
+def _start_record(cmd: list[str], out: Path, profile_steps: str | None, config: dict,
+                  settings: dict | None, before, node: str, notes: list[str]) -> _Manifest:
+    """This launcher's record of the job as it starts (saved by _open_run_dir)."""
     disabled = runtime.ENV_DISABLE in (settings or {}) and (settings or {})[runtime.ENV_DISABLE]
-    node = getattr(before, "node", None) or nodes.new_node_id()
-    env_extra[nodes.ENV_NODE] = node
-    manifest = _Manifest(out, {
+    return _Manifest(out, {
         "schema_version": SCHEMA_VERSION,
         "kind": outdir.RUN_KIND,
         "job_id": getattr(before, "job_id", None),
@@ -346,7 +369,11 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
         "status": "running",
         "heartbeat_s": nodes.HEARTBEAT_S,
     }, notes, node, owner=not getattr(before, "joined", False))
-    probes_ran = True
+
+
+def _open_run_dir(out: Path, manifest: _Manifest, env_extra: dict, notes: list[str]) -> bool:
+    """Create the run directory and write the first record, then beat this node's heartbeat.
+    False when nothing can be written: the job then runs as it is, without probes."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         ok = manifest.save()
@@ -354,16 +381,22 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
         notes.append(f"could not create {out} ({reason(e)})")
         ok = False
     if not ok:  # nowhere to write: run the job as it is, without probes
-        probes_ran = False
         notes[-1] += ": the job ran without probes"
         env_extra[runtime.ENV_DISABLE] = "1"
-    else:
-        try:  # until this launcher exits: the other nodes tell it from a killed one
-            nodes.Heartbeat(nodes.node_path(out, node)).start()
-        except Exception as e:  # noqa: BLE001 - bookkeeping, never the job
-            notes.append(f"node heartbeat not started ({reason(e)})")
+        return False
+    try:  # until this launcher exits: the other nodes tell it from a killed one
+        nodes.Heartbeat(nodes.node_path(out, manifest.node)).start()
+    except Exception as e:  # noqa: BLE001 - bookkeeping, never the job
+        notes.append(f"node heartbeat not started ({reason(e)})")
+    return True
+
+
+def _start_job(cmd: list[str], out: Path, profile_steps: str | None, env_extra: dict,
+               settings: dict | None, manifest: _Manifest, probes_ran: bool) -> subprocess.Popen:
+    """The job in its own process group, the bootstrap on its PYTHONPATH; LaunchError (and a
+    "failed_to_start" record) when it cannot be started."""
     try:
-        proc = subprocess.Popen(cmd, env=job_env(out, profile_steps, env_extra, settings),
+        return subprocess.Popen(cmd, env=job_env(out, profile_steps, env_extra, settings),
                                 process_group=0)
     except OSError as e:
         manifest.data.update(status="failed_to_start", end_time=_now(), error=str(e))
@@ -371,8 +404,13 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
             manifest.save()
         raise LaunchError(f"cannot start {cmd[0]!r}: {e.strerror or e}") from e
 
-    # The job runs in its own process group; signals sent to us (Ctrl-C reaches only our group)
-    # are passed on to the whole job group, as a terminal would have done without us.
+
+def _wait_forwarding_signals(proc: subprocess.Popen, manifest: _Manifest, watch,
+                             notes: list[str]) -> tuple[int, "HangWatch | None"]:
+    """Wait for the job, the hang watchdog running, and pass on the signals sent to us: the job
+    runs in its own process group and Ctrl-C reaches only ours, so each is sent to the whole
+    job group, as a terminal would have done without us. Returns (the job leader's return code,
+    the watchdog or None when it could not start)."""
     def forward(signum, frame):
         try:
             os.killpg(proc.pid, signum)
@@ -384,8 +422,6 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
         except Exception:  # noqa: BLE001
             pass
 
-    watch = HangWatch(out, hang, proc.pid, manifest.data, manifest.save) \
-        if hang and probes_ran else None
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     try:
         if watch:
@@ -405,6 +441,13 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
             signal.signal(s, h)
         if watch:
             watch.finish()
+    return rc, watch
+
+
+def _result(rc: int, proc: subprocess.Popen, watch, notes: list[str], probes_ran: bool,
+            manifest: _Manifest) -> JobResult:
+    """How the job ended in the shell's terms; a job the watchdog terminated ends with
+    HANG_EXIT_CODE, its orphaned workers killed."""
     sig = -rc if rc < 0 else None
     code = 128 + sig if sig else rc
     result = JobResult(code, sig, notes, probes_ran=probes_ran, record=manifest)
@@ -412,11 +455,6 @@ def run_job(cmd: list[str], out: Path, profile_steps: str | None = None,
         if _group_alive(proc.pid):
             _killpg(proc.pid, signal.SIGKILL)  # workers orphaned by their launcher
         result.code, result.sig = HANG_EXIT_CODE, None
-    if probes_ran:
-        try:
-            _record_end(out, manifest, rc, watch, before or set(), result)
-        except Exception as e:  # noqa: BLE001 - the job's outcome is decided already
-            notes.append(f"could not finish the run record ({reason(e)})")
     return result
 
 

@@ -15,8 +15,9 @@ from trainprof.reference import faults as faultlib
 from trainprof.reference.config import Config, parse_args
 from trainprof.reference.data import loader
 from trainprof.reference.model import build_full, extract_stage, loss_fn, param_counts
-from trainprof.reference.parallel import (allreduce_grads, apply_fsdp, apply_tp, layer_layout,
-                                          make_mesh, stage_ids)
+from trainprof.reference.parallel import (TP_PLAN, allreduce_grads, apply_fsdp, apply_tp,
+                                          layer_layout, make_mesh, stage_ids)
+from trainprof.rundir.files import INJECTED, write_json_atomic
 
 
 def _init_distributed(cfg: Config) -> tuple[torch.device, str]:
@@ -61,7 +62,6 @@ def _write_injected(faults, layout, world, cfg, coords_of) -> None:
     run_dir = os.environ.get("TRAINPROF_RUN_DIR")
     if not run_dir:
         return
-    from trainprof.rundir.files import INJECTED, write_json_atomic
 
     entries = []
     for f in faults:
@@ -252,8 +252,6 @@ def _train(cfg, modules, my_stages, n_stages, mesh, device, dp_rank, injector, s
 def _stage_params(full, layout, n_stages) -> list[dict]:
     """Per pipeline stage: parameter count and how many of them tensor parallel shards (the
     memory analyzer's expected bytes per rank come from this and the mesh)."""
-    from trainprof.reference.parallel import TP_PLAN
-
     out = []
     for s, ids in enumerate(layout):
         total = sharded = 0

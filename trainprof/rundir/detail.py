@@ -19,6 +19,9 @@ import os
 import numpy as np
 
 from trainprof.rundir import compact as fmt
+from trainprof import safeio
+from trainprof.rundir import streams as rs
+from trainprof.rundir.files import RunDirError, iter_jsonl, read_json
 from trainprof.rundir.series import any_compact, compact_ranks, has_compact
 from trainprof._lazy import pd
 
@@ -81,9 +84,6 @@ MIN_DETAIL_BYTES = 256 << 10
 def ring_tail(run, rank: int, name: str):
     """(records, columns) of the newest bytes of a rank's ring (``<name>.prev.jsonl`` then
     ``<name>.jsonl``), whole lines only; a malformed line is skipped and reported."""
-    from trainprof.rundir import streams as rs
-    from trainprof import safeio
-
     n = compact_ranks(run) or 1
     budget = max(MIN_DETAIL_BYTES, DETAIL_BYTES // n)
     chunks = []
@@ -118,8 +118,6 @@ def ring_tail(run, rank: int, name: str):
     data = b"".join(chunks)
     recs = rs._parse(data) if data else []
     if recs is None:  # a bad line somewhere: the line-by-line reader skips and says why
-        from trainprof.rundir.files import iter_jsonl
-
         import tempfile
 
         with tempfile.NamedTemporaryFile(suffix=f"-{name}.jsonl") as tmp:
@@ -137,8 +135,6 @@ WINDOW_READ_BYTES = 32 << 20
 
 def window_state(run, rank: int) -> dict:
     """The ``detail_windows`` part of a rank's ``compact/state.json`` ({} when absent)."""
-    from trainprof.rundir.files import RunDirError, read_json
-
     p = run.rank_file(rank, f"{fmt.COMPACT_DIR}/state.json")
     if p is None:
         return {}

@@ -34,6 +34,8 @@ import socket
 import time
 from pathlib import Path
 
+from trainprof.rundir.files import RunDirError, read_json
+
 NODES_DIR = "nodes"
 NODE_KIND = "trainprof-node"
 CLAIM = ".analysis-claim"
@@ -88,8 +90,6 @@ def read_records(run: str | os.PathLike, problems: list[str] | None = None,
                  clean=None) -> list[dict]:
     """Every node record in RUN/nodes/ (sorted by start time), each with ``_file``; files that
     cannot be read are problems. ``clean(spec_obj, where)``: the reader's field-type check."""
-    from trainprof.rundir.files import RunDirError, read_json
-
     d = Path(run) / NODES_DIR
     try:
         entries = sorted(d.iterdir())
@@ -198,8 +198,6 @@ def claim_analysis(run: str | os.PathLike, node: str, presumed_dead: list | None
 
 def read_claim(run: str | os.PathLike) -> dict | None:
     """nodes/.analysis-claim, or None when it cannot be read (yet)."""
-    from trainprof.rundir.files import RunDirError, read_json
-
     try:
         doc = read_json(Path(run) / NODES_DIR / CLAIM)
     except RunDirError:
@@ -326,8 +324,6 @@ def watch(run: str | os.PathLike, recs: list[dict], wait_s: float | None = None,
         for f, s0 in list(first.items()):
             now = _stamp(root / f)
             if now != s0:
-                from trainprof.rundir.files import RunDirError, read_json
-
                 try:
                     rec = read_json(root / f)
                     ended = isinstance(rec, dict) and state(rec) == "ended"

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainprof.rundir import compact as fmt
+from trainprof.rundir import compact as fmt, streams as rs
 from trainprof._lazy import pd
+from trainprof import safeio
+from trainprof.rundir.streams import Tails
 
 COMPACT_STREAMS = ("steps", "data", "memory", "steps_device")
 
@@ -91,8 +93,6 @@ def _window_first(run, rank: int, win: int):
 
 
 def _read(run, rank, f, name, blocks, win, first):
-    from trainprof import safeio
-
     p = fmt.table_path(run.rank_path(rank), name, blocks)
     empty = np.zeros(0, fmt._dtype(f.block_fields if blocks else f.fields))
     if run.rank_file(rank, f"{fmt.COMPACT_DIR}/{p.name}") is None:
@@ -163,8 +163,6 @@ def _plain_columns(rows, name: str) -> dict:
 def stream_frame(run, name: str):
     """The frame of a compact-backed stream over every rank: compact rows where a rank has
     them (plus its ring's records of later steps), the JSONL records elsewhere."""
-    from trainprof.rundir.streams import Tails
-
     parts = []
     tails = run._cache.setdefault("tails:" + name, Tails())  # each rank's last record (stream_tail)
     for r in run.ranks:
@@ -384,7 +382,7 @@ def resolution(run) -> dict | None:
     format (None for a run without compact tables): {"blocks": {"steps": [a, b], "steps_per_block":
     [..]}, "full": {"steps": [a, b]}, "detail": {"steps": [a, b], "ranks_short": n},
     "text": "..."}; the detail is the per-collective ring the post-mortems read."""
-    from trainprof.rundir import detail
+    from trainprof.rundir import detail  # lazy: breaks a cycle rundir.series<->rundir.detail
 
     if not any_compact(run):
         return None

@@ -26,6 +26,7 @@ import numpy as np
 
 from trainprof.rundir import schema as rundir_schema
 from trainprof import safeio
+from trainprof.rundir.files import iter_jsonl
 
 try:
     from orjson import loads as _loads
@@ -165,8 +166,6 @@ def _valid(stream: str | None, keys, cols, types) -> bool:
 
 def _read(path: Path, problems: list[str] | None, stream: str | None):
     """(records, their columns as _columns gives them), records as iter_jsonl gives them."""
-    from trainprof.rundir.files import iter_jsonl
-
     try:
         data = safeio.read_limited(path, what="stream")
     except OSError:
@@ -499,10 +498,11 @@ def _read_ring(run, r: int, name: str):
     p = run.stream_path(r, name)
     prev = p.with_name(f"{name}.prev.jsonl")
     if name == "collectives":  # bounded capture: the ring's newest bytes, the detail windows
+        # lazy: breaks a cycle rundir.streams<->rundir.series
         from trainprof.rundir import series as rundir_series
 
         if rundir_series.has_compact(run, r):
-            from trainprof.rundir import detail as rundir_detail
+            from trainprof.rundir import detail as rundir_detail  # lazy: breaks a cycle rundir.streams<->rundir.detail
 
             recs, cols = rundir_detail.detail_with_columns(run, r, read_records)
             return recs, (cols if cols is not None or not recs else _columns(recs))

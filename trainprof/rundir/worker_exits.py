@@ -71,7 +71,7 @@ def launcher_unrecorded(man: dict) -> dict | None:
     if not isinstance(man, dict) or not man or man.get("end_time") \
             or man.get("status") not in (None, "running") or isinstance(man.get("exit_code"), int):
         return None
-    from trainprof.rundir import nodes
+    from trainprof.rundir import nodes  # lazy: start-up time of the job's bootstrap
 
     pid, host = man.get("launcher_pid"), man.get("host")
     who = "the launcher (`trainprof wrap`" + (f", pid {pid}" if isinstance(pid, int) else "") \

@@ -94,8 +94,6 @@ def lacks_trace_events(path: Path) -> bool:
     """A file the parser refused as "not a Chrome trace" (valid JSON, no traceEvents list) that
     has no traceEvents key at all: some other JSON document (a config, a tokenizer), not a
     trace. A file with the key (of the wrong type) is a malformed trace."""
-    from trainprof import safeio
-
     try:
         data = safeio.read_limited(path)
         if data[:2] == b"\x1f\x8b":
@@ -111,8 +109,6 @@ SNIFF_BYTES = 1 << 16
 def looks_like_trace(path: Path) -> bool:
     """A cheap guess, for finding folders of traces: torch's name (``*.pt.trace.json[.gz]``), or
     a Chrome trace's keys in the first 64 KiB (inflated for gzip)."""
-    from trainprof import safeio
-
     if not is_trace_name(path.name) or not safeio.is_regular(path):
         return False
     if _TORCH_RE.match(path.name):
