@@ -256,3 +256,42 @@ def compact_waits(cf, late_rank: int, steps) -> pd.DataFrame:
     caused = np.minimum(w["wait"].to_numpy(float), np.maximum(host_gap, dev_gap).to_numpy(float))
     return pd.DataFrame({"rank": w["rank"].to_numpy(), "step": w["step"].to_numpy(),
                          "op": w["op"].to_numpy(), "caused": caused})
+
+
+def p2p_upstream_waits(df) -> pd.DataFrame:
+    """(rank, start_ns, end_ns) on each receiving rank's own clock: the part of every
+    point-to-point receive's wait spent before its sender had issued the matching send — a
+    pipeline stage waiting for the upstream stage to finish its work (the schedule's dependency,
+    part of the bubble), not a transfer. The k-th receive on b from a pairs with the k-th send
+    a→b in the group (p2p order per pair); the wait is [max(end − blocked, enqueue), end] for an asynchronous
+    op (Work.wait() returned at its end), [enqueue, enqueue + blocked] for a blocking one; the
+    sender's issue is put on the receiver's clock through the aligned times (t_enq, ms)."""
+    cols = ["rank", "start_ns", "end_ns"]
+    if df.empty or "p2p" not in df or "peer" not in df:
+        return pd.DataFrame(columns=cols)
+    p = df.loc[df["p2p"].to_numpy(bool) & df["peer"].notna().to_numpy()
+               & df["op"].isin(["send", "recv"]).to_numpy(),
+               ["rank", "group", "op", "peer", "async", "enqueue_ns", "end_ns", "t_enq", "t_end",
+                "blocked_ms"]].copy()
+    if p.empty:
+        return pd.DataFrame(columns=cols)
+    p["peer"] = p["peer"].astype(int)
+    send = (p["op"] == "send").to_numpy()
+    p["src"] = np.where(send, p["rank"], p["peer"])
+    p["dst"] = np.where(send, p["peer"], p["rank"])
+    p["k"] = p.groupby(["group", "op", "src", "dst"], observed=True).cumcount()
+    s = p.loc[send, ["group", "src", "dst", "k", "t_enq"]].rename(columns={"t_enq": "t_send"})
+    r = p.loc[~send & p["t_end"].notna().to_numpy()].merge(s, on=["group", "src", "dst", "k"])
+    if r.empty:
+        return pd.DataFrame(columns=cols)
+    blocked = np.nan_to_num(pd.to_numeric(r["blocked_ms"], errors="coerce").to_numpy(float))
+    asy = r["async"].eq(True).to_numpy(bool)
+    t_enq = r["t_enq"].to_numpy(float)
+    t0 = np.where(asy, np.maximum(r["t_end"].to_numpy(float) - blocked, t_enq), t_enq)
+    dep = np.clip(np.minimum(t0 + blocked, r["t_send"].to_numpy(float)) - t0, 0.0, blocked)
+    enq = r["enqueue_ns"].astype(np.int64).to_numpy()
+    end = pd.to_numeric(r["end_ns"], errors="coerce").fillna(0).astype(np.int64).to_numpy()
+    start = np.where(asy, np.maximum(end - np.round(blocked * 1e6).astype(np.int64), enq), enq)
+    keep = dep > 0
+    return pd.DataFrame({"rank": r["rank"].to_numpy()[keep], "start_ns": start[keep],
+                         "end_ns": start[keep] + np.round(dep[keep] * 1e6).astype(np.int64)})
