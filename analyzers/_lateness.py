@@ -258,21 +258,35 @@ def compact_waits(cf, late_rank: int, steps) -> pd.DataFrame:
                          "op": w["op"].to_numpy(), "caused": caused})
 
 
+TRANSFER_QUANTILE = 0.1    # a hand-over's own time: this quantile of its kind's latencies
+TRANSFER_MIN_RECORDS = 5   # ... over at least this many records (else nothing beyond the send)
+
+
 def p2p_upstream_waits(df) -> pd.DataFrame:
-    """(rank, start_ns, end_ns) on each receiving rank's own clock: the part of every
-    point-to-point receive's wait spent before its sender had issued the matching send — a
-    pipeline stage waiting for the upstream stage to finish its work (the schedule's dependency,
-    part of the bubble), not a transfer. The k-th receive on b from a pairs with the k-th send
-    a→b in the group (p2p order per pair); the wait is [max(end − blocked, enqueue), end] for an asynchronous
-    op (Work.wait() returned at its end), [enqueue, enqueue + blocked] for a blocking one; the
-    sender's issue is put on the receiver's clock through the aligned times (t_enq, ms)."""
+    """(rank, start_ns, end_ns) on each receiving rank's own clock: the parts of every
+    point-to-point receive's wait that are not the transfer.
+
+    * Before its sender had issued the matching send: a pipeline stage waiting for the upstream
+      stage to finish its work (the schedule's dependency, part of the bubble).
+    * Past the transfer's own time after both sides had posted: the hand-over's latency (its
+      end − max(send issued, receive posted)) varies by tens of ms on a loaded host (both
+      stages' transport threads wait for a core) while the fastest hand-overs of the same size
+      take a fraction of a ms; the transfer's own time is the TRANSFER_QUANTILE of that latency
+      over the receives of the same size on the same edge (≥ TRANSFER_MIN_RECORDS of them),
+      what it takes when neither host delays it. A slow link makes every hand-over slow: its
+      quantile is as long, and the wait stays communication.
+
+    The k-th receive on b from a pairs with the k-th send a→b in the group (p2p order per pair);
+    the wait is [max(end − blocked, enqueue), end] for an asynchronous op (Work.wait() returned
+    at its end), [enqueue, enqueue + blocked] for a blocking one; the sender's issue is put on
+    the receiver's clock through the aligned times (t_enq, ms)."""
     cols = ["rank", "start_ns", "end_ns"]
     if df.empty or "p2p" not in df or "peer" not in df:
         return pd.DataFrame(columns=cols)
     p = df.loc[df["p2p"].to_numpy(bool) & df["peer"].notna().to_numpy()
                & df["op"].isin(["send", "recv"]).to_numpy(),
-               ["rank", "group", "op", "peer", "async", "enqueue_ns", "end_ns", "t_enq", "t_end",
-                "blocked_ms"]].copy()
+               ["rank", "group", "op", "peer", "bytes", "async", "enqueue_ns", "end_ns", "t_enq",
+                "t_end", "blocked_ms"]].copy()
     if p.empty:
         return pd.DataFrame(columns=cols)
     p["peer"] = p["peer"].astype(int)
@@ -286,12 +300,24 @@ def p2p_upstream_waits(df) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     blocked = np.nan_to_num(pd.to_numeric(r["blocked_ms"], errors="coerce").to_numpy(float))
     asy = r["async"].eq(True).to_numpy(bool)
-    t_enq = r["t_enq"].to_numpy(float)
-    t0 = np.where(asy, np.maximum(r["t_end"].to_numpy(float) - blocked, t_enq), t_enq)
-    dep = np.clip(np.minimum(t0 + blocked, r["t_send"].to_numpy(float)) - t0, 0.0, blocked)
+    t_enq, t_end, t_send = (r[c].to_numpy(float) for c in ("t_enq", "t_end", "t_send"))
+    t0 = np.where(asy, np.maximum(t_end - blocked, t_enq), t_enq)
+    t1 = t0 + blocked
+    # the transfer's own time per (edge, size): a low quantile of the hand-overs' latency
+    lat = pd.Series(t_end - np.maximum(t_send, t_enq), index=r.index)
+    key = [r["group"].astype(str), r["src"], r["dst"], r["bytes"]]
+    q = lat.groupby(key).transform(lambda x: x.quantile(TRANSFER_QUANTILE)
+                                   if len(x) >= TRANSFER_MIN_RECORDS else np.inf).to_numpy(float)
+    dep = np.clip(np.minimum(t1, t_send) - t0, 0.0, blocked)              # [t0, t0 + dep)
+    late_from = np.maximum(np.maximum(t_send, t_enq) + q, t0 + dep)       # [late_from, t1)
+    late = np.clip(t1 - late_from, 0.0, None)
     enq = r["enqueue_ns"].astype(np.int64).to_numpy()
     end = pd.to_numeric(r["end_ns"], errors="coerce").fillna(0).astype(np.int64).to_numpy()
     start = np.where(asy, np.maximum(end - np.round(blocked * 1e6).astype(np.int64), enq), enq)
-    keep = dep > 0
-    return pd.DataFrame({"rank": r["rank"].to_numpy()[keep], "start_ns": start[keep],
-                         "end_ns": start[keep] + np.round(dep[keep] * 1e6).astype(np.int64)})
+    stop = start + np.round(blocked * 1e6).astype(np.int64)
+    rank = r["rank"].to_numpy()
+    a, b = dep > 0, late > 0
+    return pd.DataFrame({
+        "rank": np.concatenate([rank[a], rank[b]]),
+        "start_ns": np.concatenate([start[a], stop[b] - np.round(late[b] * 1e6).astype(np.int64)]),
+        "end_ns": np.concatenate([start[a] + np.round(dep[a] * 1e6).astype(np.int64), stop[b]])})

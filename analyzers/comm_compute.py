@@ -344,6 +344,8 @@ def _cpu_rows(trace, dims: dict, log=None, split: list | None = None,
     # async point-to-point: communication only where the thread waits for it (_async_p2p)
     p2p = on_main & name.isin(_async_p2p.P2P_EVENTS)
     if p2p.any():
+        if _async_p2p.all_async(log):  # posting an isend/irecv is host work, not a wait
+            is_wait = is_wait & ~name.isin(_async_p2p.ISSUE_OPS)
         own = on_main & ev["cat"].eq("cpu_op") & ~is_wait
         rows, lo, hi = _async_p2p.split(gs[p2p[is_gloo]], ge[p2p[is_gloo]], gtype[p2p[is_gloo]],
                                         log, iv.union(s_all[own], e_all[own]))
