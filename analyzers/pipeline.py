@@ -12,7 +12,9 @@ Definitions (docs/stragglers-pipeline.md):
   interleaved; share = ratio/(1+ratio), i.e. (p−1)/(m+p−1) for GPipe/1F1B.
 * compute per micro-batch of a stage = its span time minus the time the rank was blocked in
   collectives inside those spans (TP all-reduces, FSDP all-gathers: waiting for a slow peer is
-  not the stage's own work), divided by the number of micro-batches.
+  not the stage's own work); per step, the least over its micro-batches of each kind (F, B,
+  W), summed over the kinds (a span the host descheduled is not the stage's work; a heavy
+  stage is heavy in every micro-batch).
 * The job's bubble needs every stage of every pipeline: when a rank left no spans (its files
   missing, a rank that never started) the job-level figures are withheld (``withheld`` says why,
   ``partial`` which ranks); per-rank and per-stage figures stay.
@@ -247,8 +249,14 @@ def _step_tables(df, blocked, p2p, pipes, kept):
         g = g.assign(compute=dur - blk, span=dur)
         for stage, gs in g.groupby("stage"):
             nmb = max(1, gs["microbatch"].nunique())
+            # per kind (F, B, W) the least over the micro-batches, summed: the host only ever
+            # lengthens a span (a loaded CPU host: 0.6 ms spans at 5-11 ms, several of a step's
+            # micro-batches at times), while a heavy stage is heavy in every micro-batch
+            per_mb = gs.groupby(["kind", "microbatch"], observed=True)["compute"].sum()
+            typical = float(per_mb.groupby(level="kind", observed=True).min().sum())
             stage_rows.append({"rank": int(r), "step": int(step), "stage": int(stage),
-                               "compute_ms_per_mb": gs["compute"].sum() / 1e6 / nmb,
+                               "compute_ms_per_mb": typical / 1e6,
+                               "compute_mean_ms_per_mb": gs["compute"].sum() / 1e6 / nmb,
                                "span_ms_per_mb": gs["span"].sum() / 1e6 / nmb,
                                "microbatches": int(nmb)})
     return pd.DataFrame(rows), pd.DataFrame(stage_rows)
@@ -339,6 +347,7 @@ def _imbalance(stage_df, cfg, stage_ranks) -> tuple[list[dict], list[Finding]]:
         col = stage_df[stage_df["stage"] == s]
         stages.append({"stage": int(s), "ranks": stage_ranks.get(int(s), []),
                        "compute_ms_per_mb": float(col["compute_ms_per_mb"].median()),
+                       "compute_mean_ms_per_mb": float(col["compute_mean_ms_per_mb"].median()),
                        "span_ms_per_mb": float(col["span_ms_per_mb"].median())})
     findings = []
     if per_step.shape[1] < 2:

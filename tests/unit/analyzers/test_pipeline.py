@@ -85,7 +85,9 @@ def test_bubble_by_hand(tmp_path):
     stages = {s["stage"]: s for s in m["stages"]}
     assert stages[0]["compute_ms_per_mb"] == pytest.approx(30)
     assert stages[1]["span_ms_per_mb"] == pytest.approx(30)
-    assert stages[1]["compute_ms_per_mb"] == pytest.approx(28)  # (60 - 4) / 2
+    # the least F over the micro-batches (10 - 4 in F0, 10 in F1) plus the least B (20)
+    assert stages[1]["compute_ms_per_mb"] == pytest.approx(26)
+    assert stages[1]["compute_mean_ms_per_mb"] == pytest.approx(28)  # (60 - 4) / 2
     assert m["critical_stage"] == 0
     assert not res.findings
     g = m["gantt"]
