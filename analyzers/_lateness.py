@@ -280,8 +280,8 @@ def p2p_upstream_waits(df) -> pd.DataFrame:
 
     The k-th receive on b from a pairs with the k-th send a→b in the group (p2p order per pair);
     the wait is [max(end − blocked, enqueue), end] for an asynchronous op (Work.wait() returned
-    at its end), [enqueue, enqueue + blocked] for a blocking one; the sender's issue is put on
-    the receiver's clock through the aligned times (t_enq, ms)."""
+    at its end), [enqueue, enqueue + blocked] for a blocking one; the other side's issue is put on
+    the rank's clock through the aligned times (t_enq, ms)."""
     cols = ["rank", "start_ns", "end_ns"]
     if df.empty or "p2p" not in df or "peer" not in df:
         return pd.DataFrame(columns=cols)
