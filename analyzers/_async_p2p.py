@@ -22,6 +22,8 @@ import numpy as np
 from trainprof.analyzers import _intervals as iv
 
 P2P_EVENTS = ("gloo:send", "gloo:recv")
+# the c10d calls that issue a point-to-point op: with isend/irecv they return without waiting
+ISSUE_OPS = ("c10d::send", "c10d::recv_", "c10d::recv_any_source_")
 MATCH_NS = 1_000_000_000  # an event starts at most this long after its log record's issue
 SLACK_NS = 1_000_000      # the log stamps the issue before c10d does; clocks agree this well
 
@@ -48,6 +50,14 @@ def _log_records(log, kind: str):
             np.array([int(end[i]) for i in rows], np.int64),
             [None if x is None else int(x * 1e6) for x in b],
             [is_async[i] is True for i in rows])
+
+
+def all_async(log) -> bool:
+    """The log's point-to-point ops are all asynchronous (isend/irecv, batch_isend_irecv): their
+    issuing calls (ISSUE_OPS) are the host's work of posting them; the waits are Work.wait()'s."""
+    recs = [_log_records(log, k) for k in ("send", "recv")]
+    recs = [r for r in recs if r]
+    return bool(recs) and all(all(r[3]) for r in recs)
 
 
 def _match(starts: np.ndarray, enq: np.ndarray, end: np.ndarray) -> np.ndarray:

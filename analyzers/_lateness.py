@@ -254,3 +254,75 @@ def compact_waits(cf, late_rank: int, steps) -> pd.DataFrame:
     caused = np.minimum(w["wait"].to_numpy(float), np.maximum(host_gap, dev_gap).to_numpy(float))
     return pd.DataFrame({"rank": w["rank"].to_numpy(), "step": w["step"].to_numpy(),
                          "op": w["op"].to_numpy(), "caused": caused})
+
+
+TRANSFER_QUANTILE = 0.1    # a hand-over's own time: this quantile of its kind's latencies
+TRANSFER_MIN_RECORDS = 5   # ... over at least this many records (else nothing beyond the send)
+
+
+def p2p_upstream_waits(df) -> pd.DataFrame:
+    """(rank, start_ns, end_ns) on each rank's own clock: the parts of every point-to-point
+    wait that are not the transfer.
+
+    * A receive's wait before its sender had issued the matching send: a pipeline stage waiting
+      for the upstream stage to finish its work (the schedule's dependency, part of the bubble);
+      likewise a send's wait before the receiver had posted the matching receive (gloo hands
+      the data over once it is posted): the downstream stage still busy.
+    * Past the transfer's own time after both sides had posted: the hand-over's latency (its
+      end − max(send issued, receive posted)) varies by tens of ms on a loaded host (both
+      stages' transport threads wait for a core) while the fastest hand-overs of the same size
+      take a fraction of a ms; the transfer's own time is the TRANSFER_QUANTILE of that latency
+      over the ops of the same kind and size on the same edge (≥ TRANSFER_MIN_RECORDS of them),
+      what it takes when neither host delays it. A slow link makes every hand-over slow: its
+      quantile is as long, and the wait stays communication.
+
+    The k-th receive on b from a pairs with the k-th send a→b in the group (p2p order per pair);
+    the wait is [max(end − blocked, enqueue), end] for an asynchronous op (Work.wait() returned
+    at its end), [enqueue, enqueue + blocked] for a blocking one; the other side's issue is put on
+    the rank's clock through the aligned times (t_enq, ms)."""
+    cols = ["rank", "start_ns", "end_ns"]
+    if df.empty or "p2p" not in df or "peer" not in df:
+        return pd.DataFrame(columns=cols)
+    p = df.loc[df["p2p"].to_numpy(bool) & df["peer"].notna().to_numpy()
+               & df["op"].isin(["send", "recv"]).to_numpy(),
+               ["rank", "group", "op", "peer", "bytes", "async", "enqueue_ns", "end_ns", "t_enq",
+                "t_end", "blocked_ms"]].copy()
+    if p.empty:
+        return pd.DataFrame(columns=cols)
+    p["peer"] = p["peer"].astype(int)
+    send = (p["op"] == "send").to_numpy()
+    p["src"] = np.where(send, p["rank"], p["peer"])
+    p["dst"] = np.where(send, p["peer"], p["rank"])
+    p["k"] = p.groupby(["group", "op", "src", "dst"], observed=True).cumcount()
+    ends = ["group", "src", "dst", "k"]
+    # each side against the other's issue: a receive waits for the send to be issued, a send
+    # (gloo hands the data over once the receive is posted) for the receive to be posted
+    s = p.loc[send, [*ends, "t_enq"]].rename(columns={"t_enq": "t_other"})
+    rv = p.loc[~send, [*ends, "t_enq"]].rename(columns={"t_enq": "t_other"})
+    r = pd.concat([p.loc[~send].merge(s, on=ends), p.loc[send].merge(rv, on=ends)], ignore_index=True)
+    r = r.loc[r["t_end"].notna().to_numpy()]
+    if r.empty:
+        return pd.DataFrame(columns=cols)
+    blocked = np.nan_to_num(pd.to_numeric(r["blocked_ms"], errors="coerce").to_numpy(float))
+    asy = r["async"].eq(True).to_numpy(bool)
+    t_enq, t_end, t_other = (r[c].to_numpy(float) for c in ("t_enq", "t_end", "t_other"))
+    t0 = np.where(asy, np.maximum(t_end - blocked, t_enq), t_enq)
+    t1 = t0 + blocked
+    # the transfer's own time per (edge, kind, size): a low quantile of the hand-overs' latency
+    lat = pd.Series(t_end - np.maximum(t_other, t_enq), index=r.index)
+    key = [r["group"].astype(str), r["op"], r["src"], r["dst"], r["bytes"]]
+    q = lat.groupby(key).transform(lambda x: x.quantile(TRANSFER_QUANTILE)
+                                   if len(x) >= TRANSFER_MIN_RECORDS else np.inf).to_numpy(float)
+    dep = np.clip(np.minimum(t1, t_other) - t0, 0.0, blocked)              # [t0, t0 + dep)
+    late_from = np.maximum(np.maximum(t_other, t_enq) + q, t0 + dep)       # [late_from, t1)
+    late = np.clip(t1 - late_from, 0.0, None)
+    enq = r["enqueue_ns"].astype(np.int64).to_numpy()
+    end = pd.to_numeric(r["end_ns"], errors="coerce").fillna(0).astype(np.int64).to_numpy()
+    start = np.where(asy, np.maximum(end - np.round(blocked * 1e6).astype(np.int64), enq), enq)
+    stop = start + np.round(blocked * 1e6).astype(np.int64)
+    rank = r["rank"].to_numpy()
+    a, b = dep > 0, late > 0
+    return pd.DataFrame({
+        "rank": np.concatenate([rank[a], rank[b]]),
+        "start_ns": np.concatenate([start[a], stop[b] - np.round(late[b] * 1e6).astype(np.int64)]),
+        "end_ns": np.concatenate([start[a] + np.round(dep[a] * 1e6).astype(np.int64), stop[b]])})

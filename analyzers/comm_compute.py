@@ -348,6 +348,8 @@ def _cpu_rows(trace, dims: dict, log=None, split: list | None = None,
     # async point-to-point: communication only where the thread waits for it (_async_p2p)
     p2p = on_main & name.isin(_async_p2p.P2P_EVENTS)
     if p2p.any():
+        if _async_p2p.all_async(log):  # posting an isend/irecv is host work, not a wait
+            is_wait = is_wait & ~name.isin(_async_p2p.ISSUE_OPS)
         own = on_main & ev["cat"].eq("cpu_op") & ~is_wait
         rows, lo, hi = _async_p2p.split(gs[p2p[is_gloo]], ge[p2p[is_gloo]], gtype[p2p[is_gloo]],
                                         log, iv.union(s_all[own], e_all[own]))
@@ -792,14 +794,24 @@ def _peer_arrival_waits(run, per_rank: list[dict], per_step: list[dict]) -> dict
     sync = ~df["async"].eq(True).to_numpy(bool) if "async" in df else np.ones(len(df), bool)
     c = df.loc[df["complete"].to_numpy(bool) & sync & df["rank"].isin(list(rows)).to_numpy(),
                ["rank", "group", "ordinal", "enqueue_ns", "t_enq", "wait_ms"]]
-    if c.empty:
+    enq, ends, rank_of = np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if not c.empty:
+        last = df.loc[df["complete"].to_numpy(bool)].groupby(["group", "ordinal"], observed=True)["t_enq"].max()
+        c = c.join(last.rename("t_last"), on=["group", "ordinal"])
+        wait = np.minimum(c["wait_ms"].to_numpy(float),
+                          (c["t_last"] - c["t_enq"]).clip(lower=0.0).to_numpy(float))
+        enq = c["enqueue_ns"].astype(np.int64).to_numpy()
+        ends = enq + np.round(np.nan_to_num(wait) * 1e6).astype(np.int64)
+        rank_of = c["rank"].to_numpy(np.int64)
+    # a pipeline stage's receive waiting for the upstream stage to issue its send: the same
+    # lateness of another rank (the schedule's dependency), not a transfer
+    up = _lateness.p2p_upstream_waits(df)
+    if len(up):
+        enq = np.concatenate([enq, up["start_ns"].to_numpy(np.int64)])
+        ends = np.concatenate([ends, up["end_ns"].to_numpy(np.int64)])
+        rank_of = np.concatenate([rank_of, up["rank"].to_numpy(np.int64)])
+    if not len(enq):
         return {}
-    last = df.loc[df["complete"].to_numpy(bool)].groupby(["group", "ordinal"], observed=True)["t_enq"].max()
-    c = c.join(last.rename("t_last"), on=["group", "ordinal"])
-    wait = np.minimum(c["wait_ms"].to_numpy(float), (c["t_last"] - c["t_enq"]).clip(lower=0.0).to_numpy(float))
-    enq = c["enqueue_ns"].astype(np.int64).to_numpy()
-    ends = enq + np.round(np.nan_to_num(wait) * 1e6).astype(np.int64)
-    rank_of = c["rank"].to_numpy()
     out = {}
     for rank, rs in rows.items():
         m = rank_of == rank
@@ -877,7 +889,8 @@ def _findings(per_rank: list[dict], exposed: float, late: dict | None = None,
                     f"{exposed:.0%} with it; see that rank's finding)")
         elif arrival and peer > 0:
             note = (f" (not counting the time spent waiting for the other ranks to reach each "
-                    f"collective, {peer:.0%} of the step: {exposed:.0%} with it)")
+                    f"collective or, in a pipeline, for the upstream stage to send, {peer:.0%} of "
+                    f"the step: {exposed:.0%} with it)")
         if missing:  # a rank without data may be the one the others wait for
             note += (f"; {ranks_phrase(sorted(missing))} of the job "
                      f"{'have' if len(missing) > 1 else 'has'} no data here: part of this may be "

@@ -366,3 +366,57 @@ def test_waiting_for_the_other_rank_to_arrive_is_not_exposed_communication(tmp_p
     assert f.evidence["exposed_comm_fraction"] == pytest.approx(0.71) and f.ranks == [0, 1]
     assert f.evidence["peer_arrival_wait_fraction"] == {"0": 0.0, "1": 0.0}
     assert "waiting for the other ranks" not in f.message
+
+
+def _two_stage_cpu_pipeline(root: Path, hand_overs: list) -> RunDir:
+    """Two CPU pipeline stages, one 1000 µs profiled step each (trace at T µs), blocking
+    point-to-point hand-overs (src, recv posted, send issued, done) in µs: the receiver blocks
+    in its receive from the post to done, the sender in its send from the issue to done; each
+    rank computes the rest of the step."""
+    T = 1_000_000
+    for r in (0, 1):
+        ev, log, t = [X("ProfilerStep#1", "user_annotation", T, 1000)], [], 0
+        for seq, (src, posted, issued, done) in enumerate(hand_overs):
+            op, t0 = ("send", issued) if src == r else ("recv", posted)
+            if t0 > t:
+                ev.append(X("aten::mm", "cpu_op", T + t, t0 - t))
+            ev.append(X(f"gloo:{op}", "user_annotation", T + t0, done - t0))
+            log.append({"step": 1, "pg": "0", "seq": seq, "op": op, "bytes": 4, "peer": 1 - r,
+                        "enqueue_ns": (T + t0) * 1000, "end_ns": (T + done) * 1000,
+                        "blocked_ms": (done - t0) / 1000, "async": False})
+            t = done
+        ev.append(X("aten::mm", "cpu_op", T + t, 1000 - t))
+        write_trace(root, r, ev, world=2)
+        d = rank_dir(root, r)
+        (d / "collectives.jsonl").write_text("".join(json.dumps(c) + "\n" for c in log))
+        (d / "groups.jsonl").write_text(json.dumps({"pg": "0", "ranks": [0, 1], "size": 2,
+                                                    "backend": "gloo"}) + "\n")
+    return RunDir(root)
+
+
+def test_a_stage_waiting_for_the_upstream_stage_to_send_is_not_exposed_communication(tmp_path):
+    """Forward 0→1 (rank 1 receives from 0 µs, rank 0 sends at 400 after computing, 10 µs
+    transfer), backward 1→0 (rank 0 receives from 410, rank 1 sends at 800), a last 10 µs
+    hand-over 0→1 at 990. Exposed: rank 0 10 + 400 + 10 = 420 µs (42 %), rank 1 410 + 10 + 10
+    (43 %); of that, waiting before the upstream stage issued its send: rank 0 390 µs (39 %),
+    rank 1 400 µs (40 %) — the pipeline's dependency, left out: 3 % each, no finding (with it
+    hiding 41 % under 58 % compute would be worth it). Slow transfers — sends issued at 100 and
+    500 µs, done at 400 and 800 — stay: each rank waited 100 µs (10 %) for the send, exposed
+    71 %, own share 61 %, saving min(61 % − the last hand-over's 1 %, compute 29 %): found."""
+    run = _two_stage_cpu_pipeline(tmp_path / "dep", [(0, 0, 400, 410), (1, 410, 800, 810),
+                                                     (0, 990, 990, 1000)])
+    res = comm_compute.analyze(run)
+    per = {r["rank"]: r for r in res.metrics["per_rank"]}
+    assert (per[0]["exposed_comm_fraction"], per[1]["exposed_comm_fraction"]) == pytest.approx((0.42, 0.43))
+    assert (per[0]["peer_arrival_wait_fraction"], per[1]["peer_arrival_wait_fraction"]) == pytest.approx((0.39, 0.4))
+    assert not [f for f in res.findings if f.kind == "exposed_comm"]
+
+    run = _two_stage_cpu_pipeline(tmp_path / "slow", [(0, 0, 100, 400), (1, 400, 500, 800),
+                                                      (0, 990, 990, 1000)])
+    res = comm_compute.analyze(run)
+    per = {r["rank"]: r for r in res.metrics["per_rank"]}
+    assert (per[0]["exposed_comm_fraction"], per[1]["exposed_comm_fraction"]) == pytest.approx((0.71, 0.71))
+    assert (per[0]["peer_arrival_wait_fraction"], per[1]["peer_arrival_wait_fraction"]) == pytest.approx((0.1, 0.1))
+    (f,) = [f for f in res.findings if f.kind == "exposed_comm"]
+    assert f.evidence["per_rank"] == pytest.approx({"0": 0.61, "1": 0.61})
+    assert f.estimate["saving_fraction"] == pytest.approx(0.29, abs=1e-3)
