@@ -369,7 +369,8 @@ def _imbalance(stage_df, cfg, stage_ranks) -> tuple[list[dict], list[Finding]]:
         col = stage_df[stage_df["stage"] == s]
         stages.append({"stage": int(s), "ranks": stage_ranks.get(int(s), []),
                        "compute_ms_per_mb": float(col["compute_ms_per_mb"].median()),
-                       "compute_mean_ms_per_mb": float(col["compute_mean_ms_per_mb"].median()),
+                       **({"compute_mean_ms_per_mb": float(col["compute_mean_ms_per_mb"].median())}
+                          if "compute_mean_ms_per_mb" in col.columns else {}),
                        "span_ms_per_mb": float(col["span_ms_per_mb"].median())})
     findings = []
     if per_step.shape[1] < 2:

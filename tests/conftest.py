@@ -36,9 +36,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if INTEGRATION in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.multiproc)
-            # under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) the job tests run
-            # one after another on one worker while the unit tests use the other core
-            item.add_marker(pytest.mark.xdist_group("jobs"))
         (long_ if item.get_closest_marker("long") and not config.getoption("--long") else keep).append(item)
     if long_:
         config.hook.pytest_deselected(items=long_)

@@ -101,8 +101,7 @@ def test_every_integration_test_is_marked_multiproc():
         return items, config
 
     items, config = collect(long=False)
-    # job tests: multiproc, and one xdist group (one after another on one worker)
-    assert [i.marks for i in items] == [["multiproc", "xdist_group"], [], []]
+    assert [i.marks for i in items] == [["multiproc"], [], []]
     assert [i.fspath.name for i in config.deselected] == ["x.py"]  # `long` left out by default
     items, config = collect(long=True)
     assert len(items) == 4 and not config.deselected
