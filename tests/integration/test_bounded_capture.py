@@ -60,7 +60,9 @@ def test_long_job_stays_in_budget_and_its_analysis_stays_right(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     s = json.loads((out / "summary.json").read_text())
     assert not s["errors"], s["errors"]
-    assert not [f for f in s["findings"] if f["kind"] == "straggler"], s["findings"]
+    # (a straggler the analysis itself explains by another process taking the cores is real)
+    assert not [f for f in s["findings"] if f["kind"] == "straggler"
+                and f["evidence"].get("cause") != "host_contention"], s["findings"]
     assert s["run"]["resolution"]["blocks"]["steps"][0] == 0
     assert s["run"]["resolution"]["full"]["steps"][1] == STEPS - 1
     n_full = full.groupby("rank")["step"].nunique().min()

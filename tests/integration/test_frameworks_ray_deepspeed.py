@@ -139,12 +139,27 @@ def test_steps_are_optimizer_updates_and_gradients_are_reduced(tmp_path_factory,
             assert any(c["op"] == "all_reduce" and c["bytes"] > 0 for c in colls)
 
 
+def _contended(run) -> bool:
+    from trainprof.analysis.run import RunDir
+
+    rd = RunDir(run)
+    for r in rd.ranks:
+        st = [x for x in rd.stream(r, "steps") if x.get("step", 0) > 0 and "cpu_wait_ms" in x]
+        if st and sum(x["cpu_wait_ms"] for x in st) > 0.25 * sum(x["dur_ms"] for x in st):
+            return True
+    return False
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["ray", "deepspeed"])
 def test_clean_run_has_no_findings(tmp_path_factory, name):
     run, proc = _job(tmp_path_factory, name)
     s = _summary(run, proc)
     assert not [f for f in s["findings"] if f["kind"] in ("hang", "rank_failure", "desync")]
-    # a straggler the analysis itself explains by another process taking the cores is real
-    false = [f for f in s["findings"] if f["evidence"].get("cause") != "host_contention"]
+    # a straggler the analysis itself explains by another process taking the cores is real;
+    # as in test_frameworks.py, when a rank spent over a quarter of its steps waiting for a CPU
+    # its communication really waits for descheduled peers (exposed_comm, host_stall)
+    contended = _contended(run)
+    false = [f for f in s["findings"] if f["evidence"].get("cause") != "host_contention"
+             and not (contended and f["kind"] in ("exposed_comm", "host_stall"))]
     assert false == [], [f["message"] for f in false]
