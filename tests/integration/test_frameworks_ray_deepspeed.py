@@ -159,7 +159,10 @@ def test_clean_run_has_no_findings(tmp_path_factory, name):
     # a straggler the analysis itself explains by another process taking the cores is real;
     # as in test_frameworks.py, when a rank spent over a quarter of its steps waiting for a CPU
     # its communication really waits for descheduled peers (exposed_comm, host_stall)
+    # DeepSpeed's ZeRO-2 here runs without overlap_comm: its gradient reduction really is exposed,
+    # and exposed_comm (raised by the saving of its fix) may name it
     contended = _contended(run)
     false = [f for f in s["findings"] if f["evidence"].get("cause") != "host_contention"
-             and not (contended and f["kind"] in ("exposed_comm", "host_stall"))]
+             and not (contended and f["kind"] in ("exposed_comm", "host_stall"))
+             and not (name == "deepspeed" and f["kind"] == "exposed_comm")]
     assert false == [], [f["message"] for f in false]
