@@ -33,6 +33,7 @@ import numpy as np
 from trainprof._lazy import pd
 from trainprof.analyzers import collectives as coll
 from trainprof.analyzers import _align
+from trainprof.analyzers._memo import once
 
 
 def frame(run) -> pd.DataFrame:
@@ -172,14 +173,7 @@ def compact_frame(run) -> pd.DataFrame:
     ``count``, ``blocked_ms`` and ``device_ms`` sums, ``t_mean`` (the rank's mean enqueue of
     that kind in the step, ms on rank 0's clock: analyzers/_align.py) and ``complete`` (every
     member of a ≥2-rank group logged it with the same count). Cached."""
-    cache = getattr(run, "_cache", None)
-    key = "analyzers._lateness.compact_frame"
-    if cache is not None and key in cache:
-        return cache[key]
-    out = _compact_frame(run)
-    if cache is not None:
-        cache[key] = out
-    return out
+    return once(run, "analyzers._lateness.compact_frame", _compact_frame)
 
 
 def _compact_frame(run) -> pd.DataFrame:

@@ -232,13 +232,7 @@ def _collectives(m, run, al, rset, sset) -> None:
     for members in inst.values():
         if len(members) < 2:
             continue
-        members.sort()
-        last = members[-1][1]
-        sl = m["slices"][last]
-        m["slices"][last] = sl[:2] + (sl[2] + " (last to arrive)",) + sl[3:6] + (
-            {**sl[6], "last_to_arrive": True},)
-        for _, idx in members[:-1]:
-            m["flows"].append((idx, last))
+        _join_at_last(m, members)
     for pair in p2p.values():
         if "send" in pair and "recv" in pair:
             m["flows"].append((pair["send"], pair["recv"]))
@@ -417,13 +411,7 @@ def kernel_flows(m, budget) -> None:
             continue
         if budget.take(2 * (len(members) - 1), "collective kernel flows") < 2 * (len(members) - 1):
             continue
-        members.sort()
-        last = members[-1][1]
-        sl = m["slices"][last]
-        m["slices"][last] = sl[:2] + (sl[2] + " (last to arrive)",) + sl[3:6] + (
-            {**sl[6], "last_to_arrive": True},)
-        for _, idx in members[:-1]:
-            m["flows"].append((idx, last))
+        _join_at_last(m, members)
 
 
 def _build_bare(run, steps, ranks, findings, max_bytes) -> dict:
@@ -460,3 +448,15 @@ def _build_bare(run, steps, ranks, findings, max_bytes) -> dict:
                  "clock": {"how": how, "per_rank": {str(r): info.get(r, {}) for r in ranks}},
                  "limit": {"max_bytes": max_bytes, "dropped": budget.dropped}}
     return m
+
+
+def _join_at_last(m: dict, members: list) -> None:
+    """One collective's slices on its ranks, (start, slice index) each: the last to start is
+    marked "last to arrive" and every other one gets a flow arrow to it."""
+    members.sort()
+    last = members[-1][1]
+    sl = m["slices"][last]
+    m["slices"][last] = sl[:2] + (sl[2] + " (last to arrive)",) + sl[3:6] + (
+        {**sl[6], "last_to_arrive": True},)
+    for _, idx in members[:-1]:
+        m["flows"].append((idx, last))

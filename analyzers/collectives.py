@@ -27,6 +27,7 @@ import numpy as np
 from trainprof._lazy import pd
 from trainprof.analyzers._clock import offsets, uncertainty_ns
 from trainprof.findings import AnalyzerResult, Finding
+from trainprof.analyzers._memo import once
 from trainprof.analyzers.step_time import excluded_steps
 from trainprof.analyzers import _ddp_buckets, estimates as est, step_time
 
@@ -68,14 +69,7 @@ def _groups(run) -> dict[tuple[int, str], dict]:
 
 def _frame(run):
     """The aligned collectives frame (cached: the stragglers analyzer reads it too)."""
-    cache = getattr(run, "_cache", None)
-    key = "analyzers.collectives.frame"
-    if cache is not None and key in cache:
-        return cache[key]
-    df = _build_frame(run)
-    if cache is not None:
-        cache[key] = df
-    return df
+    return once(run, "analyzers.collectives.frame", _build_frame)
 
 
 def _build_frame(run):
