@@ -15,7 +15,7 @@ ANALYZER_MODULES = ("step_time", "whole_run", "comm_compute", "collectives", "st
                     "trace_stragglers",
                     "pipeline", "expert_balance", "critical_path",
                     "nan_origin", "hang", "memory", "fragmentation", "roofline", "ops", "launch",
-                    "gpu_overview", "uneven_steps")
+                    "gpu_overview", "uneven_steps", "teardown")
 
 
 def load_all():

@@ -9,6 +9,19 @@ from trainprof.analyzers._hang_views import MIN_LEAD_S, _rank_s, describe_failur
 from trainprof.rundir import worker_exits
 
 
+def ended_normally(run, r, workers: dict) -> bool:
+    """Rank ``r`` ended as a clean process: exit code 0 in worker-exits.jsonl (``workers``: its
+    summary by rank), else a heartbeat closed without a failure record, else a job whose
+    launcher status is ``ok``."""
+    ex = workers.get(r)
+    if ex is not None:
+        return ex.get("exitcode") == 0 and not ex.get("signal") and not ex.get("ended_by_launcher")
+    hb = run.stream_tail(r, "heartbeat")
+    if hb is not None:
+        return hb.get("event") == "close" and not isinstance(hb.get("failure"), dict)
+    return run.launcher.get("status") == "ok"
+
+
 def _worker_exits(run) -> dict:
     """worker_exits.summarize() of RUN/worker-exits.jsonl ({} workers when absent)."""
     return worker_exits.summarize(run.worker_exits())

@@ -41,6 +41,8 @@ FIXES = {
                   "asynchronous",
     "uneven_steps": "make every rank run the same number of steps (drop_last=True, a "
                     "DistributedSampler, the same stopping condition on every rank)",
+    "process_group_not_destroyed": "call torch.distributed.destroy_process_group() on every rank "
+                                   "once training is done (after the last collective)",
     "no_communication": "check that the ranks really train together (DDP/FSDP wraps the model, "
                         "the process group is initialized with the world size)",
     "nan_origin": "fix the first operation that produced the non-finite value (its module and "

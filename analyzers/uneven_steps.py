@@ -20,6 +20,7 @@ collectives a rank logged after its last step.
 from __future__ import annotations
 
 from trainprof._lazy import pd
+from trainprof.analyzers._hang_exits import ended_normally
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.rundir import worker_exits
 from trainprof.rankranges import ranges
@@ -35,16 +36,6 @@ def _rank_s(rs) -> str:
 
 def _span(a: int, b: int) -> str:
     return f"step {a}" if a == b else f"steps {a}-{b}"
-
-
-def _ended_normally(run, r, workers: dict) -> bool:
-    ex = workers.get(r)
-    if ex is not None:
-        return ex.get("exitcode") == 0 and not ex.get("signal") and not ex.get("ended_by_launcher")
-    hb = run.stream_tail(r, "heartbeat")
-    if hb is not None:
-        return hb.get("event") == "close" and not isinstance(hb.get("failure"), dict)
-    return run.launcher.get("status") == "ok"
 
 
 def _segments(steps: list[int], ranks_of: dict) -> list[tuple[int, int, tuple]]:
@@ -83,7 +74,7 @@ def analyze(run) -> AnalyzerResult:
     segs = _segments(partial, ranks_of)
     short = sorted({r for _, _, rs in segs for r in ranks if r not in rs})
     workers = worker_exits.summarize(run.worker_exits())["workers"]
-    stopped = [r for r in short if not _ended_normally(run, r, workers)]
+    stopped = [r for r in short if not ended_normally(run, r, workers)]
 
     groups: dict = {}
     for r, key in by_rank.items():

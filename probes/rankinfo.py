@@ -61,6 +61,22 @@ def device_info(local_rank: int) -> dict:
             "cpu_count": os.cpu_count()}
 
 
+def process_group_at_exit() -> dict | None:
+    """The default process group as the job leaves it, read at the probes' close (an atexit hook
+    registered before the job's own, so it runs after them): ``{"live": bool, "backend": str}``,
+    or None when the job never imported torch.distributed. A group still live at exit is torch's
+    to tear down during interpreter finalization, where gloo can abort the process (SIGABRT,
+    "terminate called without an active exception"; docs/hangs.md)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available():
+        return None
+    try:
+        live = bool(dist.is_initialized())
+        return {"live": live, "backend": str(dist.get_backend()) if live else None}
+    except Exception:  # noqa: BLE001 - a half-torn-down group: say nothing
+        return None
+
+
 def mesh_info(mesh) -> dict:
     """Shape, names and this rank's coordinate in a DeviceMesh, plus canonical dp/pp/tp coords."""
     names = list(mesh.mesh_dim_names or [f"dim{i}" for i in range(mesh.mesh.ndim)])

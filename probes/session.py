@@ -18,7 +18,7 @@ from pathlib import Path
 
 from trainprof import settings
 from trainprof.probes import compact, job_profiler, profile_ranks, runtime
-from trainprof.probes.rankinfo import device_info, identity, mesh_info
+from trainprof.probes.rankinfo import device_info, identity, mesh_info, process_group_at_exit
 from trainprof.probes.steps import StepClock
 from trainprof.probes.ticker import Ticker
 from trainprof.rundir.files import (JOB_TRACES_DIR, META, STEPS, JsonlWriter, is_job_trace_name,
@@ -394,6 +394,9 @@ class ProbeSession:
     def _final_meta(self) -> None:
         self.meta["ended_ns"] = time.time_ns()
         self.meta["steps_recorded"] = self.clock.step
+        pg = process_group_at_exit()
+        if pg is not None:
+            self.meta["process_group_at_exit"] = pg
         self.write_meta()
 
 

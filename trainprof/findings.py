@@ -27,7 +27,7 @@ KINDS = (
     "stage_imbalance",
     "exposed_comm", "fragmentation", "memory", "roofline", "data_starvation", "host_stall",
     "device_starved", "uneven_steps", "slow_steps", "no_communication", "expert_imbalance",
-    "throughput_drop", "memory_growth",
+    "throughput_drop", "memory_growth", "process_group_not_destroyed",
 )
 
 

@@ -68,7 +68,8 @@ def _meta(run, rank):
                  marks=pytest.mark.long),
     pytest.param(2, ["--static", "--unused"], "unused",  # static graph with an unused layer
                  marks=pytest.mark.long),
-    (2, ["--hook", "fp16"], "fp16"),                   # the job's own hook, composed
+    pytest.param(2, ["--hook", "fp16"], "fp16",         # the job's own hook, composed (a job's
+                 marks=pytest.mark.long),                #  own hook in the suite: test_job_builtin_hook_...)
 ])
 def test_bucket_allreduce_recorded_and_numerics_unchanged(tmp_path, n, args, tag):
     bare = _bare(tmp_path, n, args, tag)
@@ -129,7 +130,8 @@ def test_job_builtin_hook_is_left_alone_and_said(tmp_path):
 EDGE_JOB = JOBS / "ddp_edge_job.py"
 
 
-@pytest.mark.parametrize("mode", [pytest.param("late_join_false", marks=pytest.mark.long), "hook_then_builtin",
+@pytest.mark.parametrize("mode", [pytest.param("late_join_false", marks=pytest.mark.long),
+                                  pytest.param("hook_then_builtin", marks=pytest.mark.long),
                                   pytest.param("cpp_hook", marks=pytest.mark.long), "compile"])
 def test_ddp_corner_cases_keep_the_job_and_are_recorded(tmp_path, mode):
     bare_out, out, run = tmp_path / "bare", tmp_path / "wrapped", tmp_path / "run"

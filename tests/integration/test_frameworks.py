@@ -325,8 +325,16 @@ def test_clean_run_has_no_findings(jobs, name):
 def _false_findings(job) -> list:
     _ok(job)
     contended = job.contended()
-    return [f for f in job.findings() if not host_contention(f)
+    return [f for f in job.findings() if not host_contention(f) and not group_left_live(job, f)
             and not (contended and f["kind"] in ("exposed_comm", "host_stall"))]
+
+
+def group_left_live(job, finding) -> bool:
+    """The job (its framework: HF Trainer never destroys its process group) left its gloo group
+    live at exit on the ranks named: a true finding (docs/hangs.md). The DDP script destroys its
+    group and must not get it."""
+    return finding["kind"] == "process_group_not_destroyed" and all(
+        (job.meta(r).get("process_group_at_exit") or {}).get("live") for r in finding["ranks"])
 
 
 # --------------------------------------------------------------------------- one framework deeper

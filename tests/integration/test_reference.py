@@ -30,6 +30,7 @@ def test_losses_of_dp2_pp2_tp2_match_a_single_process(reference_run):
 
 
 @pytest.mark.multiproc
+@pytest.mark.long  # a check of the reference job itself (a fixture): benchmarks/long_tests.py
 def test_losses_of_interleaved_replicate_match_a_single_process(reference_run):
     """The other code paths: interleaved 1F1B with 2 virtual stages per rank, DDP-style grads."""
     run = reference_run("interleaved-replicate4", nproc=4, wrap_args=["--profile-steps", "none"],

@@ -100,7 +100,7 @@ META = {
     "activated_by": STR, "profile_steps": INTS, "started_ns": INT, "ended_ns": INT,
     "steps_recorded": NAT, "env": DICT, "probes_off": STRS, "pipeline": DICT, "telemetry": DICT,
     "memory_breakdown": DICT, "profiled": BOOL, "profile_policy": STR, "profile_ranks": STR,
-    "node": STR, "hosts": DICT,
+    "node": STR, "hosts": DICT, "process_group_at_exit": DICT,
 }
 # meta.json sub-objects the analyzers compute with
 RUN_INFO = {
