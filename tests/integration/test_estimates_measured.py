@@ -128,14 +128,16 @@ def _check_overlap(problem: dict, fixed: dict, kind: str) -> tuple[float, float]
     return e["step_ms_after"], measured
 
 
+@pytest.mark.long  # ~65 s a pair at load 11 on 2 cores; missed 15 % at load 9-13 (docs/estimates.md)
 def test_overlap_estimate_matches_the_run_with_ddp(tmp_path):
-    # 16 MB of gradients in 8 tensors (almost no compute) all-reduced by hand after backward,
-    # whose last 60 ms (a sleep at the input's end) could hide them; the fix: DDP, which
-    # all-reduces its buckets while that backward runs. 4 profiled steps of 10.
-    job = ["--compute-ms", "20", "--backward-ms", "60", "--comm-mb", "16"]
+    # 8 MB of gradients in 8 tensors (almost no compute) all-reduced by hand after backward,
+    # whose last 100 ms (a sleep at the input's end) could hide them; the fix: DDP, which
+    # all-reduces its buckets while that backward runs (gloo's 8 MB all-reduce took 20-70 ms
+    # here under load: it fits under the sleep). 3 profiled steps of 8.
+    job = ["--compute-ms", "0", "--backward-ms", "100", "--comm-mb", "8"]
     est, measured = _checked_pair(
         tmp_path, [*job, "--grad-sync", "manual"], [*job, "--grad-sync", "ddp"], "exposed_comm",
-        run=lambda p, a, b: _pair(p, a, b, profile="3-6", steps="10"), check=_check_overlap)
+        run=lambda p, a, b: _pair(p, a, b, profile="3-5"), check=_check_overlap)
     print(f"overlap: estimate {est:.1f} ms, measured {measured:.1f} ms")
 
 
