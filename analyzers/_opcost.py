@@ -81,6 +81,11 @@ def _tensors(dims, types) -> list[tuple[list, int]]:
     return [(d, s or size) for d, s in out]
 
 
+def input_numel(dims, types) -> int:
+    """Elements of an op's tensor inputs (TensorLists flattened); 0 without any."""
+    return sum(_numel(d) for d, _ in _tensors(dims, types))
+
+
 def _bytes(ts) -> int:
     return sum(_numel(d) * s for d, s in ts)
 

@@ -690,8 +690,34 @@ def analyze(run) -> AnalyzerResult:
         metrics["exposed_comm_fraction_excl_peer_arrival"] = round(float(median(
             [max(0.0, r["exposed_comm_fraction"] - arrival.get(r["rank"], 0.0)) for r in per_rank])), 4)
     missing = _missing_ranks(run)
-    return AnalyzerResult(metrics=metrics, findings=_findings(per_rank, job["exposed_comm_fraction"], late,
-                                                              missing, window, arrival))
+    found = _findings(per_rank, job["exposed_comm_fraction"], late, missing, window, arrival)
+    for f in found:
+        if f.kind == "exposed_comm" and _hand_all_reduce(run, f.evidence):
+            f.fix = HAND_ALL_REDUCE_FIX
+    return AnalyzerResult(metrics=metrics, findings=found)
+
+
+HAND_ALL_REDUCE_FIX = (
+    "all-reduce the gradients while backward runs, not after it: wrap the model in "
+    "DistributedDataParallel (it all-reduces buckets of gradients as they become ready), or "
+    "start each gradient's all_reduce(async_op=True) from a hook "
+    "(register_post_accumulate_grad_hook) and wait on the works before optimizer.step(); or "
+    "communicate less (gradient accumulation, bf16 gradients)")
+
+
+def _hand_all_reduce(run, evidence: dict) -> bool:
+    """The exposed communication is mostly all_reduce in a run directory whose ranks record no
+    DDP, FSDP or framework: gradients all-reduced by the job's own code (after backward, as
+    nothing else in it would overlap them)."""
+    types = evidence.get("comm_by_type_ms_per_step") or {}
+    if not types or max(types, key=types.get).replace("_", "") != "allreduce":
+        return False
+    if getattr(run, "trace_inputs", None):
+        return False  # bare traces: what wraps the model is not known
+    metas = [run.rank_meta(r) or {} for r in run.ranks]
+    return bool(metas) and all(metas) and not any(
+        m.get("ddp") or m.get("fsdp") or m.get("framework") or (m.get("run_info") or {}).get("framework")
+        or (m.get("run_info") or {}).get("dp_mode") for m in metas)
 
 
 def _window_vs_other_steps(run) -> dict | None:

@@ -329,10 +329,14 @@ def amp_overview(job: dict, peaks: dict | None, host_ms: float | None) -> dict |
 
 # --------------------------------------------------------------------------- pipeline
 def more_micro_batches(pipe: dict, step_ms: float | None, factor: int = 2) -> dict | None:
-    """The pipeline with ``factor``× the micro-batches (same global batch): the ideal compute is
-    unchanged, the schedule's bubble and the uneven-compute part shrink as 1/m, the hand-over
-    part grows as m (one transfer per micro-batch and stage boundary). From the measured
-    bubble and its replay with free hand-overs (analyzers/_pipeline_replay.py)."""
+    """The pipeline with ``factor``× the micro-batches (same global batch). A micro-batch's time
+    at 1/factor the size is ``ratio`` × its time now: from the per-op split of the profiled
+    window (pipe["micro_batch_cost"], analyzers/_mb_cost.py; factor 2 only) when there is one,
+    else 1/factor (compute per sample unchanged). Busy time becomes busy × factor × ratio; the
+    schedule's fill/drain idle (measured bubble − hand-overs, from the replay with free
+    hand-overs, analyzers/_pipeline_replay.py) is (p − 1) micro-batches long: × ratio; the
+    hand-over idle grows as m (one transfer per micro-batch and stage boundary): × factor.
+    A prediction longer than the step now is kept as ``step_ms_predicted``."""
     d = pipe.get("decomposition") or {}
     cfg = pipe.get("config") or {}
     ps = pipe.get("per_stage") or []
@@ -342,19 +346,42 @@ def more_micro_batches(pipe: dict, step_ms: float | None, factor: int = 2) -> di
     window = median([s["window_ms"] for s in ps if _num(s.get("window_ms"))] or [0.0])
     if window <= 0:
         return None
+    mbc = pipe.get("micro_batch_cost") or {}
+    per_op = factor == 2 and _num(mbc.get("ratio")) and mbc["ratio"] > 0
+    ratio = float(mbc["ratio"]) if per_op else 1.0 / factor
     busy = window * (1 - b)
     hand = d.get("handovers") if _num(d.get("handovers")) else 0.0
     sched = b - hand  # theory + uneven: the fill/drain of the schedule
-    after_window = busy + window * (sched / factor + hand * factor)
+    after_window = busy * factor * ratio + window * (sched * ratio + hand * factor)
     m = cfg["micro_batches"]
-    return estimate(step_ms, step_ms - (window - after_window),
-                    f"pipeline window with {factor * m} micro-batches instead of {m}: busy time "
-                    "kept, the schedule's fill/drain idle (measured bubble − hand-overs, from the "
-                    f"replay with free hand-overs) ÷ {factor}, the hand-over idle × {factor}",
-                    ["the global batch is unchanged (micro-batches of 1/factor the size) and "
-                     "compute per sample is the same at the smaller micro-batch",
-                     "each hand-over costs what it costs now"],
-                    "job step (slowest rank), median over analysed steps")
+    after = step_ms - (window - after_window)
+    if per_op:
+        single = mbc.get("single_size_share")
+        how = (f"a micro-batch of half the size takes {ratio:.2f}× its time now: per op kind of "
+               "the profiled window a fitted time = fixed + per-unit × work (FLOPs from shapes, "
+               "else the numel of the inputs), the ops' batch dimension halved")
+        cost = ["each op kind costs a fixed time plus a time per unit of work, as fitted over "
+                "the sizes it ran at in the profiled window; a kind seen at one size only is "
+                "taken as proportional to its work"
+                + (f" ({single:.0%} of the ops' time)" if _num(single) else ""),
+                "the time between ops (dispatch, Python, the schedule) is kept per micro-batch; "
+                "the profiler's own overhead per op counts as fixed cost"]
+    else:
+        how = f"a micro-batch of 1/{factor} the size takes 1/{factor} of its time now"
+        cost = ["compute per sample is the same at the smaller micro-batch (no profiled window "
+                "of the pipeline's F/B spans to split a micro-batch's fixed cost from its "
+                "per-sample cost)"]
+    rec = estimate(step_ms, after,
+                   f"pipeline window with {factor * m} micro-batches instead of {m}: {how}; busy "
+                   f"time × {factor} × {ratio:.2f}, the schedule's fill/drain idle (measured "
+                   f"bubble − hand-overs, from the replay with free hand-overs) × {ratio:.2f}, the "
+                   f"hand-over idle × {factor}",
+                   ["the global batch is unchanged (micro-batches of 1/factor the size)", *cost,
+                    "each hand-over costs what it costs now"],
+                   "job step (slowest rank), median over analysed steps")
+    if rec is not None and after > step_ms:
+        rec["step_ms_predicted"] = round(after, 3)
+    return rec
 
 
 def stage_rebalanced(pipe: dict, step_ms: float | None, evidence: dict) -> dict | None:

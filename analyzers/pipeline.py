@@ -26,6 +26,7 @@ import numpy as np
 
 from trainprof._lazy import pd
 from trainprof.analyzers import _intervals as iv
+from trainprof.analyzers import _mb_cost
 from trainprof.analyzers._clock import offsets
 from trainprof.analyzers._pipeline_replay import replay_window
 from trainprof.findings import AnalyzerResult, Finding
@@ -423,6 +424,24 @@ def _incomplete(run, df, cfg, ranks) -> tuple[str | None, dict | None]:
     return None, None
 
 
+def trace_digest(run, rank, trace) -> dict:
+    """A CPU rank's micro-batch cost model from its profiled window's ops and its F/B spans
+    (analyzers/_mb_cost.py); {} for GPU traces (host ops there are launches, not the work) and
+    ranks without spans in the window."""
+    ev = trace.tables.events
+    if bool(ev["is_gpu"].any()):
+        return {}
+    spans = [s for s in run.stream(rank, "pipeline")
+             if all(isinstance(s.get(k), int) for k in ("step", "stage", "start_ns", "end_ns"))]
+    return (_mb_cost.window_digest(ev, spans) or {}) if spans else {}
+
+
+def _micro_batch_cost(run) -> dict | None:
+    if not run.profiler_traces():
+        return None
+    return _mb_cost.combine({r: d for r, d in run.trace_digests(NAME).items() if d})
+
+
 def analyze(run) -> AnalyzerResult:
     df = _frame(run)
     if df.empty:
@@ -496,6 +515,7 @@ def analyze(run) -> AnalyzerResult:
                       "p2p_wait_ms": float(g["p2p_wait_ms"].median()),
                       "window_ms": float(g["window_ms"].median())} for r, g in per.groupby("rank")],
         "gantt": _gantt(df, run, pipes, per, kept),
+        "micro_batch_cost": _micro_batch_cost(run),
         **({"withheld": withheld, "partial": partial} if withheld else {}),
     }
     # what is judged against theory: the measured idle share; on a host timeline (CPU stages)

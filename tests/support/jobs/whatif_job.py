@@ -7,6 +7,14 @@ gradient all-reduce, optimizer step. Problems:
   --slow-rank R --slow-ms X       rank R computes X ms longer every step (a straggler)
   --data-ms D [--data-rank R]     the dataset's __getitem__ takes D ms (on rank R only; all
                                   ranks when R = -1); --workers W loads it in W worker processes
+  --grad-sync manual              no DDP: each gradient all-reduced by hand after backward (the
+                                  communication cannot overlap the backward); the fix is the
+                                  default, DDP, which all-reduces buckets while backward runs.
+                                  --backward-ms B: backward "computes" B ms (a sleep) after
+                                  every layer's gradient, at the input's end, so there is
+                                  backward work left to hide the all-reduces under;
+                                  --comm-mb M: M MB more of parameters in 8 tensors that cost
+                                  almost no compute (the gradients to all-reduce)
 """
 
 import argparse
@@ -43,6 +51,9 @@ ap.add_argument("--workers", type=int, default=0)
 ap.add_argument("--bucket-mb", type=float, default=25.0)
 ap.add_argument("--layers", type=int, default=1)
 ap.add_argument("--width", type=int, default=64)
+ap.add_argument("--grad-sync", choices=("ddp", "manual"), default="ddp")
+ap.add_argument("--backward-ms", type=float, default=0.0)
+ap.add_argument("--comm-mb", type=float, default=0.0)
 a = ap.parse_args()
 
 dist.init_process_group("gloo")
@@ -68,14 +79,51 @@ class Batches(Dataset):
 delay = a.data_ms / 1e3 if a.data_rank in (-1, rank) else 0.0
 loader = DataLoader(Batches(a.steps, delay), batch_size=None, num_workers=a.workers,
                     **({"prefetch_factor": 2} if a.workers else {}))
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity forward; backward sleeps --backward-ms (the last backward work: at the input)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(a.backward_ms / 1e3)
+        return g
+
+
 hidden = [m for _ in range(a.layers - 1) for m in (nn.Linear(a.width, a.width), nn.ReLU())]
-model = DDP(nn.Sequential(nn.Linear(32, a.width), nn.ReLU(), *hidden, nn.Linear(a.width, 4)),
-            bucket_cap_mb=a.bucket_mb)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        n = int(a.comm_mb * 2**20 / 4 / 8)
+        self.wide = nn.ParameterList([nn.Parameter(torch.zeros(n)) for _ in range(8 if n else 0)])
+        self.mlp = nn.Sequential(nn.Linear(32, a.width), nn.ReLU(), *hidden, nn.Linear(a.width, 4))
+
+    def forward(self, x):
+        out = self.mlp(x)
+        for p in self.wide:  # in the loss, so their gradients are ready first in backward
+            out = out + 0.0 * p.sum()
+        return out
+
+
+net = Net() if a.comm_mb else nn.Sequential(nn.Linear(32, a.width), nn.ReLU(), *hidden,
+                                             nn.Linear(a.width, 4))
+model = DDP(net, bucket_cap_mb=a.bucket_mb) if a.grad_sync == "ddp" else net
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 extra = a.slow_ms / 1e3 if rank == a.slow_rank else 0.0
 for x, y in loader:
     time.sleep(a.compute_ms / 1e3 + extra)
+    if a.backward_ms:
+        x = SlowBackward.apply(x.requires_grad_())
     ((model(x) - y) ** 2).mean().backward()
+    if a.grad_sync == "manual":
+        for p in net.parameters():
+            dist.all_reduce(p.grad)
     opt.step()
     opt.zero_grad()
 import gc  # noqa: E402

@@ -420,3 +420,29 @@ def test_a_stage_waiting_for_the_upstream_stage_to_send_is_not_exposed_communica
     (f,) = [f for f in res.findings if f.kind == "exposed_comm"]
     assert f.evidence["per_rank"] == pytest.approx({"0": 0.61, "1": 0.61})
     assert f.estimate["saving_fraction"] == pytest.approx(0.29, abs=1e-3)
+
+
+def test_hand_written_all_reduce_gets_the_fix_that_overlaps_it():
+    """The exposed_comm fix names DDP / async all_reduce from gradient hooks when the run's
+    ranks record no DDP, FSDP or framework and the exposed communication is all_reduce."""
+    _hand_all_reduce = comm_compute._hand_all_reduce
+
+    class Run:
+        trace_inputs = False
+        ranks = [0, 1]
+
+        def __init__(self, meta):
+            self.meta = meta
+
+        def rank_meta(self, r):
+            return self.meta
+
+    ar = {"comm_by_type_ms_per_step": {"all_reduce": 80.0, "broadcast": 1.0}}
+    assert _hand_all_reduce(Run({"rank": 0}), ar)
+    assert not _hand_all_reduce(Run({"rank": 0, "ddp": [{"pg": "0"}]}), ar)
+    assert not _hand_all_reduce(Run({"rank": 0, "run_info": {"framework": "deepspeed"}}), ar)
+    assert not _hand_all_reduce(Run({"rank": 0}), {"comm_by_type_ms_per_step": {"reduce_scatter": 9.0}})
+    assert not _hand_all_reduce(Run({}), ar)  # no meta: not known
+    bare = Run({"rank": 0})
+    bare.trace_inputs = True
+    assert not _hand_all_reduce(bare, ar)
