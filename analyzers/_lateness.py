@@ -190,7 +190,14 @@ def _compact_frame(run) -> pd.DataFrame:
         members = tuple(g.get("ranks") or ()) if g else ()
         gkey[(r, pg)] = f"{pg}:{','.join(map(str, members))}" if members else f"{pg}:?"
         gsize[(r, pg)] = int(g.get("size") or len(members)) if g else 0
-    rp = list(zip(cs["rank"].to_numpy(), cs["pg"].to_numpy()))
+    # the group key names every member ("pg:0,1,...,1023"): one string per group, a code per
+    # row (a string column would copy it into every row: 15 GB at 1,024 ranks x 3M rows)
+    rpf, rp_uniq = pd.factorize(pd.MultiIndex.from_arrays([cs["rank"], cs["pg"]]))
+    keys = [gkey[k] for k in rp_uniq]
+    cats = list(dict.fromkeys(keys))
+    pos = {k: i for i, k in enumerate(cats)}
+    gcode = np.array([pos[k] for k in keys], np.int64)[rpf]
+    gsz = np.array([gsize[k] for k in rp_uniq], np.int64)[rpf]
     ranks = cs["rank"].to_numpy(np.int64)
     first = cs["enqueue_first_ns"].to_numpy(np.int64).copy()
     al = _align.align(run)
@@ -200,8 +207,8 @@ def _compact_frame(run) -> pd.DataFrame:
     base = int(first.min())
     df = pd.DataFrame({
         "rank": ranks, "step": cs["step"].to_numpy(np.int64),
-        "group": np.array([gkey[k] for k in rp], dtype=object), "op": cs["op"].to_numpy(),
-        "gsize": np.array([gsize[k] for k in rp], dtype=np.int64),
+        "group": pd.Categorical.from_codes(gcode, cats), "op": cs["op"].to_numpy(),
+        "gsize": gsz,
         "count": cs["count"].to_numpy(np.int64), "blocked_ms": cs["blocked_ms"].to_numpy(float),
         "device_ms": cs["device_ms"].to_numpy(float),
         "t_mean": (first - base) / 1e6 + np.nan_to_num(cs["enqueue_mean_ms"].to_numpy(float))})
@@ -218,7 +225,7 @@ def compact_lateness(cf, peers: dict | None = None) -> pd.Series:
     if cf.empty:
         return pd.Series(np.zeros(0), index=cf.index)
     inst = pd.factorize(pd.MultiIndex.from_arrays([cf["step"], cf["op"]]))[0]
-    d = pd.DataFrame({"group": cf["group"].to_numpy(), "ordinal": inst,
+    d = pd.DataFrame({"group": cf["group"].array, "ordinal": inst,
                       "t_enq": cf["t_mean"].to_numpy(float), "rank": cf["rank"].to_numpy(),
                       "complete": cf["complete"].to_numpy(bool)}, index=cf.index)
     return lateness(d, peers)
