@@ -310,7 +310,7 @@ def bounded_note(metrics: dict) -> str:
     for r in metrics.get("series_resolution") or []:
         if isinstance(r, dict) and (r.get("every") or 1) > 1:
             out.append(f"a long run: of {r.get('length'):,} steps, every one of the last "
-                       f"{r.get('recent_full'):,} and every {r.get('every')}th before them "
+                       f"{r.get('recent_full'):,} and one in {r.get('every')} before them "
                        f"are shown")
             break
     return kit.para("; ".join(out) + ".", "note") if out else ""

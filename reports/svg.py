@@ -230,17 +230,22 @@ class Plot:
 
     def marks(self, marks: Sequence[dict], top: float, color: str, span: float | None = None) -> None:
         """Event markers: per mark {"x", "label" (drawn at the top, None: none), "tip", "dash"},
-        a vertical line with its tooltip; labels of marks close together (within 12 % of the
-        x range, or ``span``) stack downwards instead of overprinting."""
-        span = abs(float(self.x1 - self.x0)) if span is None else span
-        placed: list[float] = []
+        a vertical line with its tooltip; a label that would overprint an earlier one (its
+        text's width on a plot of the figure's width less its margins and the legend keyed so
+        far; or within ``span`` data units) goes on the first free row below."""
+        right = self._legend_size()[0] if self.legend_at == "right" else 0
+        pw = max(60.0, self.width - 80 - right)  # (the margins: tick labels, a y label)
+        scale = abs(float(self.x1 - self.x0)) / pw  # data units a pixel
+        placed: list[tuple[float, float, int]] = []  # (x, right end, row)
         for m in marks:
             x = m["x"]
             self.vline(x, color, m.get("width", 1.2), m.get("dash"), m.get("tip"))
             if m.get("label") is None:
                 continue
-            row = sum(1 for px in placed if abs(px - x) < 0.12 * max(span, 1e-9))
-            placed.append(x)
+            end = x + (span if span is not None else (text_width(m["label"], 9) + 8) * scale)
+            taken = {r for a, b, r in placed if a < end and x < b}
+            row = next(r for r in range(len(placed) + 1) if r not in taken)
+            placed.append((x, end, row))
             tip = f"<title>{esc(m['tip'])}</title>" if m.get("tip") else ""
             self.items.append(("text", x, top, str(m["label"]), 9, "start", color, 3,
                                10 + 11 * row, "", tip))

@@ -35,10 +35,10 @@ def _throughput(bins: list[dict], onsets: list[dict]) -> str:
     p.line([q[0] for q in pts], [q[1] for q in pts], "#1c7ed6",
            tips=[f"steps {b['first']}–{b['last']}: {b.get('steps_per_s')} steps/s, "
                  f"{b.get('step_ms')} ms median step" for b in bins], markers=1.5)
-    _mark(p, onsets, hi)
     p.key("steps per second (per bin of steps)", "#1c7ed6", "line")
     if onsets:
         p.key("a finding's onset (dashed) / end (dotted)", ONSET_COLOUR, "dash")
+    _mark(p, onsets, hi)  # (after the legend: the labels' room depends on its width)
     return p.render()
 
 

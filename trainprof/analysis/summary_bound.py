@@ -79,24 +79,50 @@ def _said(m: dict, L: int, p: tuple, axis: str | None) -> dict:
 
 
 def _axis(m: dict, L: int) -> str | None:
-    """The list of m giving the step of each point of the series of length L."""
+    """Where the step of each point of m's series of length L is: a list of steps
+    ("steps", "timeline.0.step"), a field of each record ("per_step[].step") or the first item
+    of each [step, value] pair ("loss.0[][0]")."""
     for k in ("steps", "steps_analysed"):
         v = m.get(k)
         if isinstance(v, list) and len(v) == L and all(isinstance(x, int) for x in v[:5]):
             return k
-    for k, v in m.items():
-        if isinstance(v, list) and len(v) == L and v and isinstance(v[0], dict) \
-                and isinstance(v[0].get("step"), int):
-            return f"{k}[].step"
-    return None
+    found: list[str] = []
+
+    def walk(x, path: str) -> None:
+        if found or not isinstance(x, dict):
+            return
+        for k, v in x.items():
+            p = f"{path}.{k}" if path else str(k)
+            if isinstance(v, list) and len(v) == L and v:
+                if k in ("step", "steps") and isinstance(v[0], int):
+                    found.append(p)
+                elif isinstance(v[0], dict) and isinstance(v[0].get("step"), int):
+                    found.append(f"{p}[].step")
+                elif isinstance(v[0], list) and v[0] and isinstance(v[0][0], int):
+                    found.append(f"{p}[][0]")
+                if found:
+                    return
+            else:
+                walk(v, p)
+
+    walk(m, "")
+    return found[0] if found else None
 
 
 def _axis_steps(m: dict, axis: str | None) -> list:
     if not axis:
         return []
-    if axis.endswith("[].step"):
-        return [x.get("step") for x in m.get(axis[:-7]) or [] if isinstance(x, dict)]
-    return list(m.get(axis) or [])
+    path, _, tail = axis.partition("[]")
+    x = m
+    for k in path.split("."):
+        x = x.get(k) if isinstance(x, dict) else None
+    if not isinstance(x, list):
+        return []
+    if tail == ".step":
+        return [e.get("step") for e in x if isinstance(e, dict)]
+    if tail == "[0]":
+        return [e[0] for e in x if isinstance(e, list) and e]
+    return x
 
 
 def _lengths(x, limit: int, out: dict) -> None:

@@ -72,6 +72,19 @@ def test_long_lists_inside_records_are_cut_counted_and_ranged():
     assert f[0]["evidence"]["straggling_steps_total"] == len(steps)
 
 
+def test_every_thinned_axis_is_named():
+    n = 6000
+    m = {"memory": {"timeline": {"0": {"step": list(range(n)), "rss_bytes": [7] * n}}},
+         "nan_origin": {"loss": {"0": [[s, 1.5] for s in range(n)]}},
+         "critical_path": {"per_step": [{"step": s + 10} for s in range(n)]}}
+    bound_metrics(m)
+    assert m["memory"]["series_resolution"][0]["axis"] == "timeline.0.step"
+    assert m["nan_origin"]["series_resolution"][0]["axis"] == "loss.0[][0]"
+    assert m["nan_origin"]["series_resolution"][0]["steps"] == [0, n - 1]
+    assert m["critical_path"]["series_resolution"][0]["axis"] == "per_step[].step"
+    assert m["critical_path"]["series_resolution"][0]["steps"] == [10, n + 9]
+
+
 def test_small_runs_untouched():
     m = {"step_time": {"steps": list(range(40)), "step_ms_by_rank": {"0": [1.234567891] * 40,
                                                                      "1": [2.0] * 40}}}
