@@ -28,6 +28,7 @@ the analyzer's metrics (never a silent cut):
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -213,8 +214,6 @@ def _envelope(series: list[list]) -> dict:
     a = np.stack([_floats(s) for s in series])
     out = {}
     with np.errstate(all="ignore"):
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             for name, fn in (("min", np.nanmin), ("median", np.nanmedian), ("max", np.nanmax)):
