@@ -190,7 +190,14 @@ def _compact_frame(run) -> pd.DataFrame:
         members = tuple(g.get("ranks") or ()) if g else ()
         gkey[(r, pg)] = f"{pg}:{','.join(map(str, members))}" if members else f"{pg}:?"
         gsize[(r, pg)] = int(g.get("size") or len(members)) if g else 0
-    rp = list(zip(cs["rank"].to_numpy(), cs["pg"].to_numpy()))
+    # the group key names every member ("pg:0,1,...,1023"): one string per group, a code per
+    # row (a string column would copy it into every row: 15 GB at 1,024 ranks x 3M rows)
+    rpf, rp_uniq = pd.factorize(pd.MultiIndex.from_arrays([cs["rank"], cs["pg"]]))
+    keys = [gkey[k] for k in rp_uniq]
+    cats = list(dict.fromkeys(keys))
+    pos = {k: i for i, k in enumerate(cats)}
+    gcode = np.array([pos[k] for k in keys], np.int64)[rpf]
+    gsz = np.array([gsize[k] for k in rp_uniq], np.int64)[rpf]
     ranks = cs["rank"].to_numpy(np.int64)
     first = cs["enqueue_first_ns"].to_numpy(np.int64).copy()
     al = _align.align(run)
@@ -200,8 +207,8 @@ def _compact_frame(run) -> pd.DataFrame:
     base = int(first.min())
     df = pd.DataFrame({
         "rank": ranks, "step": cs["step"].to_numpy(np.int64),
-        "group": np.array([gkey[k] for k in rp], dtype=object), "op": cs["op"].to_numpy(),
-        "gsize": np.array([gsize[k] for k in rp], dtype=np.int64),
+        "group": pd.Categorical.from_codes(gcode, cats), "op": cs["op"].to_numpy(),
+        "gsize": gsz,
         "count": cs["count"].to_numpy(np.int64), "blocked_ms": cs["blocked_ms"].to_numpy(float),
         "device_ms": cs["device_ms"].to_numpy(float),
         "t_mean": (first - base) / 1e6 + np.nan_to_num(cs["enqueue_mean_ms"].to_numpy(float))})
@@ -218,7 +225,7 @@ def compact_lateness(cf, peers: dict | None = None) -> pd.Series:
     if cf.empty:
         return pd.Series(np.zeros(0), index=cf.index)
     inst = pd.factorize(pd.MultiIndex.from_arrays([cf["step"], cf["op"]]))[0]
-    d = pd.DataFrame({"group": cf["group"].to_numpy(), "ordinal": inst,
+    d = pd.DataFrame({"group": cf["group"].array, "ordinal": inst,
                       "t_enq": cf["t_mean"].to_numpy(float), "rank": cf["rank"].to_numpy(),
                       "complete": cf["complete"].to_numpy(bool)}, index=cf.index)
     return lateness(d, peers)
@@ -232,22 +239,41 @@ def compact_waits(cf, late_rank: int, steps) -> pd.DataFrame:
     cols = ["rank", "step", "op", "caused"]
     if cf.empty:
         return pd.DataFrame(columns=cols)
-    c = cf.loc[cf["complete"].to_numpy(bool) & cf["step"].isin(list(steps)).to_numpy()]
+    # only the columns used, one copy (3M rows at 1,024 ranks: each copy ~250 MB)
+    c = cf.loc[cf["complete"].to_numpy(bool) & cf["step"].isin(list(steps)).to_numpy(),
+               ["rank", "step", "group", "op", "t_mean", "device_ms", "blocked_ms", "count"]]
     if c.empty:
         return pd.DataFrame(columns=cols)
     dev_min = c.groupby(["step", "group", "op"], sort=False)["device_ms"].transform("min")
-    c = c.assign(wait=np.maximum(c["blocked_ms"].to_numpy(float),
-                                 np.nan_to_num((c["device_ms"] - dev_min).to_numpy(float))))
-    mine = c.loc[c["rank"] == late_rank, ["step", "group", "op", "t_mean", "device_ms"]].rename(
-        columns={"t_mean": "t_late", "device_ms": "dev_late"})
-    w = c[c["rank"] != late_rank].merge(mine, on=["step", "group", "op"])
-    if w.empty:
+    wait = np.maximum(c["blocked_ms"].to_numpy(float),
+                      np.nan_to_num((c["device_ms"] - dev_min).to_numpy(float)))
+    del dev_min
+    # each row's (step, group, kind) as one integer, late_rank's rows looked up by it (a
+    # pandas merge on the three columns held GBs of intermediates at 1,024 ranks)
+    g = c["group"]
+    gcode = g.cat.codes.to_numpy(np.int64) if hasattr(g, "cat") else pd.factorize(g)[0]
+    ocode, ops = pd.factorize(c["op"])
+    key = (c["step"].to_numpy(np.int64) * (int(gcode.max()) + 1) + gcode) * (len(ops) + 1) + ocode
+    late = (c["rank"] == late_rank).to_numpy()
+    lk = key[late]
+    o = np.argsort(lk, kind="stable")
+    lk = lk[o]
+    t_late = c["t_mean"].to_numpy(float)[late][o]
+    dev_late = c["device_ms"].to_numpy(float)[late][o]
+    rows = np.flatnonzero(~late)
+    if not len(lk) or not len(rows):
         return pd.DataFrame(columns=cols)
-    host_gap = ((w["t_late"] - w["t_mean"]) * w["count"]).clip(lower=0.0)
-    dev_gap = (w["device_ms"] - w["dev_late"]).clip(lower=0.0).fillna(0.0)
-    caused = np.minimum(w["wait"].to_numpy(float), np.maximum(host_gap, dev_gap).to_numpy(float))
-    return pd.DataFrame({"rank": w["rank"].to_numpy(), "step": w["step"].to_numpy(),
-                         "op": w["op"].to_numpy(), "caused": caused})
+    pos = np.clip(np.searchsorted(lk, key[rows]), 0, len(lk) - 1)
+    hit = lk[pos] == key[rows]
+    rows, pos = rows[hit], pos[hit]
+    if not len(rows):
+        return pd.DataFrame(columns=cols)
+    host_gap = np.clip((t_late[pos] - c["t_mean"].to_numpy(float)[rows])
+                       * c["count"].to_numpy(float)[rows], 0.0, None)
+    dev_gap = np.nan_to_num(np.clip(c["device_ms"].to_numpy(float)[rows] - dev_late[pos], 0.0, None))
+    caused = np.minimum(wait[rows], np.maximum(host_gap, dev_gap))
+    return pd.DataFrame({"rank": c["rank"].to_numpy()[rows], "step": c["step"].to_numpy()[rows],
+                         "op": np.asarray(ops, dtype=object)[ocode[rows]], "caused": caused})
 
 
 TRANSFER_QUANTILE = 0.1    # a hand-over's own time: this quantile of its kind's latencies

@@ -281,13 +281,13 @@ def _bandwidth_table(inst: pd.DataFrame) -> list[dict]:
 def _lateness(df, inst, kept_steps) -> dict:
     c = df.loc[~df["p2p"] & (df["gsize"] > 1), ["rank", "step", "group", "ordinal", "t_enq", "mesh_dim"]]
     if c.empty or inst.empty:
-        return {"per_rank": [], "by_rank_step": {}}
+        return {"per_rank": []}
     full = inst[(inst["members"] >= inst["gsize"]) & (inst["gsize"] > 1)]
     full = full[full["step"].isin(kept_steps)] if kept_steps is not None else full
     m = c[["rank", "step", "group", "ordinal", "t_enq", "mesh_dim"]].merge(
         full[["group", "ordinal", "first_enq", "last_enq"]], on=["group", "ordinal"])
     if m.empty:
-        return {"per_rank": [], "by_rank_step": {}}
+        return {"per_rank": []}
     m["late_ms"] = m["t_enq"] - m["first_enq"]
     m["last"] = (m["t_enq"] >= m["last_enq"]) & (m["last_enq"] > m["first_enq"])
     # the label of each distinct mesh_dim once (a per-record lambda costs seconds at 4,096 ranks)
@@ -306,10 +306,7 @@ def _lateness(df, inst, kept_steps) -> dict:
                  "max_ms": float(a.max_ms), "last_frac": float(a.last_frac),
                  "by_dim_mean_ms": by_dim.get(int(r), {})}
                 for r, a in zip(agg.index, agg.itertuples(index=False))]
-    by_rank_step: dict[str, dict] = {}
-    for (r, st), v in m.groupby(["rank", "step"])["late_ms"].mean().items():
-        by_rank_step.setdefault(str(int(r)), {})[str(int(st))] = float(v)
-    return {"per_rank": per_rank, "by_rank_step": by_rank_step}
+    return {"per_rank": per_rank}
 
 
 def _blocked(run, df, kept_steps):

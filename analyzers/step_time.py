@@ -117,5 +117,6 @@ def _analyze(run) -> AnalyzerResult:
     return AnalyzerResult(metrics={
         "job": job, "per_rank": per_rank, "per_step": per_step,
         "step_ms_by_rank": step_ms_by_rank, "first_step": first_step,
+        "steps": [int(s) for s in wide.columns],  # the step of each point of step_ms_by_rank
         "warmup_steps": WARMUP_STEPS, "excluded_steps": excluded,
     })

@@ -20,7 +20,10 @@ analysis reads as detail for those steps. Anomalies, judged in-rank from the ste
 
 Bounded: at most MAX_WINDOWS windows of at most the budget's WINDOWS_SHARE / MAX_WINDOWS bytes
 each (a window cut there is marked ``truncated``); a new window past MAX_WINDOWS deletes the
-oldest (``dropped`` counts them). ``compact/state.json`` lists the windows (the compact
+oldest one that is not the first of its kind: the window holding the first anomaly of each kind
+(a straggler's onset, the first NaN) is kept whatever comes after it (``onset: true``; at most
+one per kind, fewer than MAX_WINDOWS), so later noise cannot push it out. ``dropped`` counts
+the windows deleted, ``dropped_by_kind`` by the kind of their first anomaly. ``compact/state.json`` lists the windows (the compact
 store writes it on every change). Nothing here raises into the job: the store catches.
 
 Nothing is kept in memory and nothing serialized twice: a window's steps before its anomaly are
@@ -119,6 +122,8 @@ class DetailWindows:
         self.windows: list[dict] = []  # oldest first; an open one holds its file's fd
         self.n_open = 0
         self.dropped = 0
+        self.dropped_by_kind: dict[str, int] = {}
+        self.kinds: set[str] = set()  # kinds of anomaly seen: their first window is kept
 
     # -- the ring's flushes (under the ring's lock)
     def feed(self, recs, data: bytes) -> None:
@@ -153,6 +158,9 @@ class DetailWindows:
                         w["last"] = max(w["last"], last)  # a burst: one window, extended
                     if len(w["anomalies"]) < 8:
                         w["anomalies"].append(note)
+                    if kind not in self.kinds:  # this kind's first anomaly: its onset
+                        self.kinds.add(kind)
+                        w["onset"] = True
                     break
             else:
                 prev = max((w["last"] for w in self.windows), default=-1)
@@ -160,10 +168,14 @@ class DetailWindows:
                 if first > last:  # (a step between two kept windows: the later one's steps)
                     return
                 while len(self.windows) >= MAX_WINDOWS:
-                    self._drop(self.windows.pop(0))
+                    # the oldest window but the onset ones (at most one per kind: always fewer)
+                    i = next((i for i, x in enumerate(self.windows) if not x.get("onset")), 0)
+                    self._drop(self.windows.pop(i))
+                onset = kind not in self.kinds
+                self.kinds.add(kind)
                 w = {"stream": self.stream, "file": fmt.window_name(self.stream, first),
                      "first": first, "last": last, "anomalies": [note], "bytes": 0,
-                     "closed": False, "truncated": False, "fd": None}
+                     "closed": False, "truncated": False, "onset": onset, "fd": None}
                 self.windows.append(w)
                 self.n_open += 1
                 before, whole_from = self._read_back(first)
@@ -243,6 +255,8 @@ class DetailWindows:
     def _drop(self, w: dict) -> None:
         self._close(w)
         self.dropped += 1
+        k = str(w["anomalies"][0].get("kind")) if w["anomalies"] else "?"
+        self.dropped_by_kind[k] = self.dropped_by_kind.get(k, 0) + 1
         try:
             os.unlink(self.dir / w["file"])
         except OSError:
@@ -257,6 +271,7 @@ class DetailWindows:
         with self.lock:
             return {"window_steps": WINDOW_STEPS, "max_windows": MAX_WINDOWS,
                     "window_bytes": self.cap, "dropped": self.dropped,
+                    "dropped_by_kind": dict(self.dropped_by_kind),
                     "windows": [{k: v for k, v in w.items() if k != "fd"} for w in self.windows]}
 
 

@@ -297,3 +297,20 @@ def group_label(g: Any, limit: int = 4) -> str:
     if len(members) <= 8:
         return s
     return f"{m.group(1)}:{rank_list(members, limit)} ({len(members):,} ranks)"
+
+
+def bounded_note(metrics: dict) -> str:
+    """What a bounded summary left out of the per-rank, per-step series (summary_bound)."""
+    out = []
+    rs = metrics.get("rank_series")
+    if isinstance(rs, dict) and rs.get("omitted"):
+        out.append(f"{len(rs.get('kept') or [])} of {rs.get('ranks')} ranks shown (the ranks "
+                   f"findings name, then the slowest); the others' min / median / max per step "
+                   f"are in summary.json ({', '.join(rs.get('tables') or [])}_all_ranks)")
+    for r in metrics.get("series_resolution") or []:
+        if isinstance(r, dict) and (r.get("every") or 1) > 1:
+            out.append(f"a long run: of {r.get('length'):,} steps, every one of the last "
+                       f"{r.get('recent_full'):,} and one in {r.get('every')} before them "
+                       f"are shown")
+            break
+    return kit.para("; ".join(out) + ".", "note") if out else ""

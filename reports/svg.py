@@ -220,11 +220,35 @@ class Plot:
              dx: float = 0, dy: float = 0, extra: str = "") -> None:
         self.items.append(("text", x, y, s, size, anchor, color, dx, dy, extra))
 
-    def vline(self, x, color: str = AXIS, width: float = 1, dash: str | None = None) -> None:
-        self.items.append(("vline", x, color, width, dash))
+    def vline(self, x, color: str = AXIS, width: float = 1, dash: str | None = None,
+              tip: str | None = None) -> None:
+        """A vertical line at x; with a tip, its tooltip over a band a few pixels wide."""
+        self.items.append(("vline", x, color, width, dash, tip))
 
     def hline(self, y, color: str = AXIS, width: float = 1, dash: str | None = None) -> None:
-        self.items.append(("hline", y, color, width, dash))
+        self.items.append(("hline", y, color, width, dash, None))
+
+    def marks(self, marks: Sequence[dict], top: float, color: str, span: float | None = None) -> None:
+        """Event markers: per mark {"x", "label" (drawn at the top, None: none), "tip", "dash"},
+        a vertical line with its tooltip; a label that would overprint an earlier one (its
+        text's width on a plot of the figure's width less its margins and the legend keyed so
+        far; or within ``span`` data units) goes on the first free row below."""
+        right = self._legend_size()[0] if self.legend_at == "right" else 0
+        pw = max(60.0, self.width - 80 - right)  # (the margins: tick labels, a y label)
+        scale = abs(float(self.x1 - self.x0)) / pw  # data units a pixel
+        placed: list[tuple[float, float, int]] = []  # (x, right end, row)
+        for m in marks:
+            x = m["x"]
+            self.vline(x, color, m.get("width", 1.2), m.get("dash"), m.get("tip"))
+            if m.get("label") is None:
+                continue
+            end = x + (span if span is not None else (text_width(m["label"], 9) + 8) * scale)
+            taken = {r for a, b, r in placed if a < end and x < b}
+            row = next(r for r in range(len(placed) + 1) if r not in taken)
+            placed.append((x, end, row))
+            tip = f"<title>{esc(m['tip'])}</title>" if m.get("tip") else ""
+            self.items.append(("text", x, top, str(m["label"]), 9, "start", color, 3,
+                               10 + 11 * row, "", tip))
 
     def vspan(self, x0, x1, fill: str = "#adb5bd", opacity: float = 0.3, tip: str | None = None) -> None:
         self.items.append(("vspan", x0, x1, fill, opacity, tip))
@@ -435,15 +459,21 @@ class Plot:
                 out.append(body + (f"><title>{esc(tip)}</title></circle>" if tip else "/>"))
             return "".join(out)
         if kind == "text":
-            _, x, y, s, size, anchor, color, dx, dy, extra = it
+            _, x, y, s, size, anchor, color, dx, dy, extra, *tip = it
             return (f'<text x="{num(self.sx(x) + dx)}" y="{num(self.sy(y) + dy)}" font-size="{num(size)}" '
-                    f'text-anchor="{anchor}" fill="{color}"{extra}>{esc(s)}</text>')
+                    f'text-anchor="{anchor}" fill="{color}"{extra}>{esc(s)}{tip[0] if tip else ""}</text>')
         if kind in ("vline", "hline"):
-            _, v, color, width, dash = it
+            _, v, color, width, dash, tip = it
             d = f' stroke-dasharray="{dash}"' if dash else ""
             if kind == "vline":
                 x = num(self.sx(v))
-                return f'<line x1="{x}" x2="{x}" y1="0" y2="{num(self.plot_h)}" stroke="{color}" stroke-width="{width}"{d}/>'
+                line = (f'<line x1="{x}" x2="{x}" y1="0" y2="{num(self.plot_h)}" stroke="{color}" '
+                        f'stroke-width="{width}"{d}/>')
+                if not tip:
+                    return line
+                return (f'<g>{line}<line x1="{x}" x2="{x}" y1="0" y2="{num(self.plot_h)}" '
+                        f'stroke="{color}" stroke-opacity="0" stroke-width="7"/>'
+                        f'<title>{esc(tip)}</title></g>')
             y = num(self.sy(v))
             return f'<line x1="0" x2="{num(self.pw)}" y1="{y}" y2="{y}" stroke="{color}" stroke-width="{width}"{d}/>'
         if kind == "vspan":
@@ -531,11 +561,13 @@ def bin_columns(matrix: list[list[float]], col_labels: list, max_cols: int = MAX
 def heatmap(matrix, row_labels: list, col_labels: list, title: str, cbar_label: str = "",
             alt: str | None = None, separator: int | None = None, vmin: float | None = None,
             vmax: float | None = None, row_tips: Sequence[str] | None = None, col_name: str = "",
-            fmt: Callable[[float], str] | None = None, width: int = 780, row_name: str = "") -> str:
+            fmt: Callable[[float], str] | None = None, width: int = 780, row_name: str = "",
+            marks: Sequence[dict] = (), mark_colour: str = "#d9480f") -> str:
     """A rows × columns heatmap (viridis; NaN cells blank) as an inline figure with a colour bar.
     separator: a line under that many top rows; vmin/vmax: the colour scale (cells beyond it
     saturate, the bar gets an arrow at that end). Each cell's tooltip: "<col_name> <column>,
-    <row>: <value>" with the row as row_tips names it (default: its label)."""
+    <row>: <value>" with the row as row_tips names it (default: its label). marks: event
+    markers (Plot.marks) at x in column units (column j spans j − 0.5 .. j + 0.5)."""
     m = [[(finite(v) if finite(v) is not None else math.nan) for v in row] for row in matrix]
     ncols = max([len(col_labels)] + [len(r) for r in m]) if m else 0
     m = [r + [math.nan] * (ncols - len(r)) for r in m]
@@ -569,6 +601,8 @@ def heatmap(matrix, row_labels: list, col_labels: list, title: str, cbar_label: 
     if separator:
         p.hline(separator - 0.5, "#fff", 3)
         p.hline(separator - 0.5, "#000", 1)
+    if marks:  # (columns binned k at a time: x in the binned columns' units)
+        p.marks([{**m, "x": (m["x"] + 0.5) / k - 0.5} for m in marks], -0.5, mark_colour)
     gid = p.prefix + "cbar"
     stops = "".join(f'<stop offset="{i / (len(VIRIDIS) - 1):.3f}" stop-color="{c}"/>'
                     for i, c in enumerate(reversed(VIRIDIS)))

@@ -24,12 +24,14 @@ def _job(job: dict) -> str:
     return kit.kv({k: v for k, v in shown.items() if v is not None})
 
 
-def _plot(by_rank: dict, first_step: int, excluded: set[int], summary: dict) -> str:
+def _plot(by_rank: dict, first_step: int, excluded: set[int], summary: dict,
+          axis: list | None = None) -> str:
     rows = sorted(((int(r), v) for r, v in by_rank.items() if isinstance(v, list)), key=lambda x: x[0])
     if not rows:
         return ""
     n_steps = max(len(v) for _, v in rows)
-    steps = list(range(first_step, first_step + n_steps))
+    steps = ([int(s) for s in axis] if isinstance(axis, list) and len(axis) == n_steps
+             and all(isinstance(s, int) for s in axis) else list(range(first_step, first_step + n_steps)))
     if len(rows) > 16:  # a line per rank is unreadable past a few dozen: rank × step heatmap
         return rk.rank_heatmap(dict(rows), steps, "Step time per rank (ms)", "ms", summary,
                                alt="Heatmap of step time by rank and step", named=rk.named(summary),
@@ -45,7 +47,7 @@ def _plot(by_rank: dict, first_step: int, excluded: set[int], summary: dict) -> 
         title += f"\nexcluded steps run off the scale, up to {kit.fmt_ms(max(every))}"
     p = svg.Plot((steps[0] - 0.5, steps[-1] + 0.5), (0, top), width=860, height=240, title=title,
                  xlabel="step", ylabel="step time (ms)", grid="both",
-                 xticks=_step_ticks(steps))
+                 xticks=_step_ticks(steps) if steps[-1] - steps[0] + 1 == len(steps) else None)
     for s in sorted(excluded):
         if steps[0] <= s <= steps[-1]:
             p.vspan(s - 0.5, s + 0.5, "#adb5bd", 0.3, tip=f"step {s}: excluded from statistics")
@@ -76,7 +78,9 @@ def render(metrics: dict, summary: dict) -> str:
                 if isinstance(s, (int, float))}
     by_rank = metrics.get("step_ms_by_rank") or {}
     if by_rank:
-        parts.append(_plot(by_rank, int(metrics.get("first_step") or 0), excluded, summary))
+        parts.append(_plot(by_rank, int(metrics.get("first_step") or 0), excluded, summary,
+                           metrics.get("steps")))
+        parts.append(rk.bounded_note(metrics))
     per_rank = metrics.get("per_rank") or []
     if per_rank:
         coords = {r.get("rank"): r.get("coords") for r in (summary.get("run") or {}).get("ranks", [])

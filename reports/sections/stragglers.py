@@ -38,6 +38,7 @@ def render(metrics: dict, summary: dict) -> str:
         "median step": kit.fmt_ms(metrics.get("median_step_ms")),
         "steps analysed": ", ".join(str(s) for s in metrics.get("steps_analysed") or []),
     }))
+    parts.append(rk.bounded_note(metrics))
     parts.append(_heat(metrics.get("busy_ms_by_rank"), steps,
                        "Busy time per rank and step (step − blocked in collectives − data wait)",
                        "Heatmap of busy time by rank and step", summary, named, analysed))

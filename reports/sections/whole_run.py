@@ -35,28 +35,55 @@ def _throughput(bins: list[dict], onsets: list[dict]) -> str:
     p.line([q[0] for q in pts], [q[1] for q in pts], "#1c7ed6",
            tips=[f"steps {b['first']}–{b['last']}: {b.get('steps_per_s')} steps/s, "
                  f"{b.get('step_ms')} ms median step" for b in bins], markers=1.5)
-    _mark(p, onsets, hi)
     p.key("steps per second (per bin of steps)", "#1c7ed6", "line")
     if onsets:
         p.key("a finding's onset (dashed) / end (dotted)", ONSET_COLOUR, "dash")
+    _mark(p, onsets, hi)  # (after the legend: the labels' room depends on its width)
     return p.render()
 
 
 def _mark(p, onsets: list[dict], top: float) -> None:
-    span = max(1.0, float(p.x1 - p.x0))
-    placed: list[tuple[float, int]] = []
+    p.marks(_marks(onsets, lambda step: step), top, ONSET_COLOUR)
+
+
+def _marks(onsets: list[dict], where) -> list[dict]:
+    """Markers of the first MAX_MARKED onsets (a dashed line labelled with the finding's kind)
+    and their ends (dotted, unlabelled), at x = where(step); each with its tooltip."""
+    out = []
     for o in onsets[:MAX_MARKED]:
-        x = o["onset"]["step"]
-        # labels of onsets close together stack downwards instead of overprinting
-        row = sum(1 for px, _ in placed if abs(px - x) < 0.12 * span)
-        placed.append((x, row))
-        p.vline(x, ONSET_COLOUR, 1.2, "4 3")
-        p.text(x, top, str(o["kind"]), size=9, dx=3, dy=10 + 11 * row, color=ONSET_COLOUR)
+        ranks = o["ranks"]
+        who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:8]))}"
+               + (" …" if len(ranks) > 8 else "") + ": ") if ranks else ""
+        msg = o["message"][:200] + ("…" if len(o["message"]) > 200 else "")
+        t = o["onset"].get("time")
+        out.append({"x": where(o["onset"]["step"]), "label": str(o["kind"]), "dash": "4 3",
+                    "tip": f"{o['kind']} from step {o['onset']['step']}"
+                           + (f" ({t})" if t else "") + f": {who}{msg}"})
         if o["end"] and isinstance(o["end"].get("step"), int):
-            p.vline(o["end"]["step"], ONSET_COLOUR, 1, "1 3")
+            out.append({"x": where(o["end"]["step"]), "label": None, "dash": "1 3", "width": 1,
+                        "tip": f"{o['kind']} over at step {o['end']['step']}"})
+    return out
 
 
-def _heat(h: dict) -> str:
+def column_of(bins: list, step: int) -> float:
+    """Where ``step`` lies on a heatmap whose column j holds steps bins[j] = [first, last]
+    (column j spans j − 0.5 .. j + 0.5): inside its bin in proportion, between bins at their
+    boundary, before the first / after the last at the edge."""
+    j = -1
+    for i, (a, _) in enumerate(bins):
+        if a <= step:
+            j = i
+        else:
+            break
+    if j < 0:
+        return -0.5
+    a, b = bins[j]
+    if step > b:
+        return j + 0.5
+    return j - 0.5 + (step - a) / max(1, b - a + 1)
+
+
+def _heat(h: dict, onsets: list[dict]) -> str:
     if not isinstance(h, dict) or not h.get("ms") or not h.get("bins"):
         return ""
     rows = [f"rank {r}" if "–" not in str(r) else f"ranks {r}" for r in h.get("rows") or []]
@@ -64,9 +91,13 @@ def _heat(h: dict) -> str:
     cols = [f"{a}–{b}" if a != b else str(a) for a, b in bins]
     title = "Own time per step by rank over the run (ms)" + (
         "; each row the worst of its ranks" if (h.get("ranks_per_row") or 1) > 1 else "")
+    marks = _marks(onsets, lambda step: column_of(bins, step))
     return svg.heatmap(ms, rows, cols, title, "ms", col_name="steps", row_name="rank",
                        alt="Heatmap of each rank's own time per step over the run (columns: "
-                           "bins of steps, each cell the bin's median; merged bins their largest)")
+                           "bins of steps, each cell the bin's median; merged bins their largest)"
+                           + ("; findings marked at their onset (dashed) and end (dotted)"
+                              if marks else ""),
+                       marks=marks, mark_colour=ONSET_COLOUR)
 
 
 def _fit(bins: list, ms: list, nrows: int) -> tuple[list, list]:
@@ -112,6 +143,6 @@ def render(metrics: dict, summary: dict) -> str:
     if thr:
         parts.append(svg.figure(thr, alt="Steps per second over the run, findings marked at "
                                          "their onset"))
-    parts.append(_heat(metrics.get("heatmap") or {}))
+    parts.append(_heat(metrics.get("heatmap") or {}, onsets))
     parts.append(_when_table(onsets))
     return "".join(parts)

@@ -15,7 +15,7 @@ from trainprof.analysis.run import RunDir
 from trainprof.rankranges import ranges
 from trainprof.analyzers import load_all
 from trainprof.analyzers.critical_path import replay_findings
-from trainprof.analysis.summary_bound import bound_findings, bound_metrics
+from trainprof.analysis.summary_bound import bound_findings, bound_metrics, bounded, named_ranks
 from trainprof.analyzers.advice import actions as ranked, advise
 from trainprof.analyzers._onset import stamp_findings
 from trainprof.settings import flag_on
@@ -138,8 +138,10 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
     actions = _advise(metrics, findings, errors)
     _replay_estimates(run, metrics, findings, errors)
 
-    bound_metrics(metrics)  # per-step series past a few thousand steps: thinned, said so
-    bound_findings(findings)
+    # per-step series past a few thousand steps thinned, rank x step tables of many ranks
+    # bounded to the ranks that matter: said so in each analyzer's metrics
+    long_run = bound_metrics(metrics, named=named_ranks(findings))
+    bound_findings(findings, digits=long_run)
     # by severity, then by what fixing it would save (analyzers/advice.py), largest first
     findings.sort(key=lambda f: (SEVERITY_ORDER.get(f["severity"], 9), -_saving(f), f["kind"], f["ranks"]))
     if actions is not None:
@@ -429,8 +431,9 @@ def analyze_and_write(run_dir, out_dir=None, report: bool = True, progress=None)
         _refuse_foreign(summary_path, b'"trainprof_version"')
         if report:
             _refuse_foreign(out / names[1], b"trainprof report")
-    # indented for reading; compact when its per-rank tables run to thousands of lines
-    many = len(summary.get("run", {}).get("ranks") or []) > 64
+    # indented for reading; compact when its per-rank tables run to thousands of lines or its
+    # series were bounded (a long run: one number a line would double its size)
+    many = len(summary.get("run", {}).get("ranks") or []) > 64 or bounded(summary)
     report_path = out / names[1] if report else None
     writing = summary_path
     try:  # a full disk: the findings are still printed (OutputsNotWritten carries them)

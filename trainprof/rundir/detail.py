@@ -238,12 +238,20 @@ def detail_steps(run, rank: int, stream: str = "collectives") -> tuple | None:
     collective log of the bounded format without its detail windows), or None."""
     key = f"series:ring_steps:{rank}"
     if stream == "collectives" and has_compact(run, rank):
-        run.stream(rank, stream)  # reads the ring and the windows, noting their steps
+        _note(run, rank)
         if key in run._cache:
             return run._cache[key]
-    steps = [x.get("step") for x in run.stream(rank, stream)]
+    steps = [x.get("step") for x in run.stream_once(rank, stream)]
     steps = [s for s in steps if isinstance(s, int)]
     return (min(steps), max(steps)) if steps else None
+
+
+def _note(run, rank: int) -> None:
+    """A rank's ring and detail windows read once, noting their steps (detail_with_columns),
+    unless noted already (the collective frame reads them): the records are not kept (at
+    1,024 ranks every rank's ring held at once costs GBs)."""
+    if f"series:ring_steps:{rank}" not in run._cache:
+        run.stream_once(rank, "collectives")
 
 
 def windows_summary(run) -> dict | None:
@@ -255,7 +263,7 @@ def windows_summary(run) -> dict | None:
     for r in run.ranks:
         if not has_compact(run, r):
             continue
-        run.stream(r, "collectives")
+        _note(run, r)
         info = run._cache.get(f"series:windows:{r}") or []
         dropped += int(window_state(run, r).get("dropped") or 0)
         if info:

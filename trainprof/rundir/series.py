@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainprof.rundir import compact as fmt, streams as rs
+from trainprof.rundir import compact as fmt
 from trainprof._lazy import pd
 from trainprof import safeio
 from trainprof.rundir.streams import Tails

@@ -111,8 +111,9 @@ def test_the_analysis_reads_the_windows_as_detail_for_those_steps(anomalies):
 
 
 def test_windows_stay_within_their_budget_oldest_dropped(tmp_path):
-    """A slow step every 40 steps: 14 anomalies, MAX_WINDOWS kept (the newest), the rest
-    dropped and counted; every window within its bytes and all within WINDOWS_SHARE."""
+    """A slow step every 40 steps: 14 anomalies, MAX_WINDOWS kept (the first, the onset of
+    its kind, and the newest), the rest dropped and counted; every window within its bytes and
+    all within WINDOWS_SHARE."""
     budget = 2 * 2**20
     durs = [40.0 if s % 40 == 39 else 2.0 for s in range(N_STEPS)]
     d, store = _feed(tmp_path, 0, durs, budget=budget)
@@ -120,12 +121,38 @@ def test_windows_stay_within_their_budget_oldest_dropped(tmp_path):
     slow = [s for s in range(N_STEPS) if s % 40 == 39]
     assert len(st["windows"]) == dw.MAX_WINDOWS
     assert st["dropped"] == len(slow) - dw.MAX_WINDOWS
-    assert [w["anomalies"][0]["step"] for w in st["windows"]] == slow[-dw.MAX_WINDOWS:]
+    assert st["dropped_by_kind"] == {"slow_step": len(slow) - dw.MAX_WINDOWS}
+    kept = slow[:1] + slow[-(dw.MAX_WINDOWS - 1):]
+    assert [w["anomalies"][0]["step"] for w in st["windows"]] == kept
+    assert [w["onset"] for w in st["windows"]] == [True] + [False] * (dw.MAX_WINDOWS - 1)
     files = sorted(p.name for p in (d / "compact").iterdir() if fmt.WINDOW_RE.fullmatch(p.name))
     assert files == sorted(w["file"] for w in st["windows"])
     sizes = [(d / "compact" / f).stat().st_size for f in files]
     assert max(sizes) <= st["window_bytes"]
     assert sum(sizes) <= budget * compact.WINDOWS_SHARE
+
+
+def test_the_onset_window_survives_later_noise(tmp_path):
+    """A rank whose step time jumps at step 100 (a straggler's onset), then a noisy host: a
+    slow step every 30 steps from 160 on, far more windows than MAX_WINDOWS. The window around
+    the jump is kept (its steps' detail still on disk), the slow steps' first one too, the
+    other slow steps' oldest windows dropped and counted by kind."""
+    durs = [(4.0 if s >= 100 else 2.0) * (10 if s >= 160 and s % 30 == 0 else 1)
+            for s in range(N_STEPS)]
+    d, _ = _feed(tmp_path, 0, durs)
+    st = _state(d)
+    ws = st["windows"]
+    assert len(ws) == dw.MAX_WINDOWS
+    jump = [w for w in ws if w["anomalies"][0]["kind"] == "step_time_jump"]
+    assert len(jump) == 1 and jump[0]["onset"]
+    assert jump[0]["first"] <= 100 <= jump[0]["last"]
+    recs = [json.loads(x) for x in (d / "compact" / jump[0]["file"]).read_text().splitlines()]
+    assert {r["step"] for r in recs} >= set(range(100 - dw.WINDOW_STEPS + 1, 100 + dw.WINDOW_STEPS))
+    slow = [w["anomalies"][0]["step"] for w in ws if w["anomalies"][0]["kind"] == "slow_step"]
+    noisy = [s for s in range(160, N_STEPS) if s % 30 == 0]
+    assert slow == noisy[:1] + noisy[-(dw.MAX_WINDOWS - 2):]
+    assert st["dropped"] == st["dropped_by_kind"]["slow_step"] == len(noisy) - (dw.MAX_WINDOWS - 1)
+    assert sum(w["onset"] for w in ws) == 2
 
 
 def test_a_window_past_its_bytes_is_cut_and_said(tmp_path):
