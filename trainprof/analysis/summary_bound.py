@@ -153,12 +153,20 @@ def _apply(x, picks: dict) -> None:
 
 # --- rank × step tables ----------------------------------------------------------------------
 
+def _scalar(x) -> bool:
+    return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+
 def _is_table(v) -> bool:
+    """{rank: [number per step]}: more ranks than RANK_SERIES, series of one length whose
+    entries are numbers or None (a series of pairs or records is no rank × step table)."""
     if not isinstance(v, dict) or len(v) <= RANK_SERIES:
         return False
     lens = set()
     for k, s in v.items():
         if not (isinstance(k, str) and k.isdigit() and isinstance(s, list)):
+            return False
+        if not all(_scalar(x) for x in s[:16]):
             return False
         lens.add(len(s))
     return len(lens) == 1

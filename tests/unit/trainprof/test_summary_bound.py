@@ -91,3 +91,12 @@ def test_small_runs_untouched():
     before = json.dumps(m)
     bound_metrics(m)
     assert json.dumps(m) == before
+
+
+def test_a_wide_dict_of_pairs_is_no_rank_table():
+    """{rank: [[step, value], ...]} over many ranks (a synthesized 1,024-rank run has one) is
+    not a rank × step table of numbers: left to the other bounds, never stacked (it raised)."""
+    pairs = {str(r): [[s, float(r + s)] for s in range(3)] for r in range(20)}
+    m = {"x": {"waits": pairs}}
+    bound_metrics(m)
+    assert m["x"]["waits"] == pairs and "rank_series" not in m["x"]
