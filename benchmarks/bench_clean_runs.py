@@ -58,6 +58,19 @@ def jobs() -> dict:
     return out
 
 
+def _cpu_wait_share(run: Path) -> float | None:
+    """The largest share of a rank's steps (≥ 1) it spent runnable but waiting for a CPU
+    (schedstat, steps.jsonl cpu_wait_ms): how contended the host was for this run."""
+    out = None
+    for f in run.glob("ranks/rank-*/steps.jsonl"):
+        st = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        st = [x for x in st if x.get("step", 0) > 0 and "cpu_wait_ms" in x and x.get("dur_ms")]
+        if st:
+            share = sum(x["cpu_wait_ms"] for x in st) / sum(x["dur_ms"] for x in st)
+            out = max(out or 0.0, round(share, 3))
+    return out
+
+
 def run_once(name, script, launch, env, root: Path) -> dict:
     d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
     (d / "train.py").write_text(script)
@@ -76,7 +89,7 @@ def run_once(name, script, launch, env, root: Path) -> dict:
     false = [f for f in found if f not in contention]
     # why a run failed: the job's last exception line (e.g. Ray's node not starting under load)
     errors = [x for x in proc.stderr.splitlines() if re.match(r"^[\w.]*(Error|Exception)\b", x)]
-    return {"exit": proc.returncode, "dir": str(d), "wall_s": round(time.monotonic() - t0, 1),
+    return {"exit": proc.returncode, "dir": str(d), "cpu_wait_share": _cpu_wait_share(d / "run"), "wall_s": round(time.monotonic() - t0, 1),
             "load1": round((load + os.getloadavg()[0]) / 2, 2),  # 1-min load average, start/end
             "error": errors[-1][:200] if proc.returncode and errors else None,
             "false": [(f["kind"], f["message"][:240]) for f in false],
