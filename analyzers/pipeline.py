@@ -35,8 +35,8 @@ from trainprof.analyzers.step_time import excluded_steps, partial_note
 NAME = "pipeline"
 BUBBLE_MARGIN = 0.10       # finding when measured share > theory + 10 percentage points
 HOST_BUBBLE_MARGIN = 0.15  # ... on host timelines, judged on the replay with typical spans:
-                           # clean interleaved runs on 2 shared cores measured theory −3.8..+6.9
-                           # points (1F1B, 11 runs) and +5.3..+13.4 (zero-bubble, 10 runs)
+                           # clean interleaved runs on 2 shared cores measured theory −3.4..+7.0
+                           # points (1F1B, 20 runs) and −3.9..+7.4 (zero-bubble, 20 runs)
 IMBALANCE_RATIO = 1.5      # a stage's compute per micro-batch ≥ 1.5 × the median of the others
                            # (clean 8-rank CPU runs under contention measured up to 1.26×)
 CONSISTENT = 0.5           # ... in at least half of the analysed steps
