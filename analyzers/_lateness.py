@@ -292,9 +292,14 @@ def p2p_upstream_waits(df) -> pd.DataFrame:
       end − max(send issued, receive posted)) varies by tens of ms on a loaded host (both
       stages' transport threads wait for a core) while the fastest hand-overs of the same size
       take a fraction of a ms; the transfer's own time is the TRANSFER_QUANTILE of that latency
-      over the ops of the same kind and size on the same edge (≥ TRANSFER_MIN_RECORDS of them),
-      what it takes when neither host delays it. A slow link makes every hand-over slow: its
-      quantile is as long, and the wait stays communication.
+      over the hand-overs of the same size on the same edge (src → dst; measured at either end,
+      ≥ TRANSFER_MIN_RECORDS of them), what it takes when neither host delays it. Only ops
+      whose rank was already waiting when the later side posted measure it: an isend or irecv
+      waited for later (a pipeline schedule waits for its sends at the step's end) completes
+      unobserved, and its end − issue is the rank's own work since (on 2 shared cores such
+      sends "took" 7–119 ms and put the 10th percentile at 7.5 ms of a 0.1 ms hand-over). A
+      slow link makes every hand-over slow: its quantile is as long, and the wait stays
+      communication.
 
     The k-th receive on b from a pairs with the k-th send a→b in the group (p2p order per pair);
     the wait is [max(end − blocked, enqueue), end] for an asynchronous op (Work.wait() returned
@@ -328,11 +333,14 @@ def p2p_upstream_waits(df) -> pd.DataFrame:
     t_enq, t_end, t_other = (r[c].to_numpy(float) for c in ("t_enq", "t_end", "t_other"))
     t0 = np.where(asy, np.maximum(t_end - blocked, t_enq), t_enq)
     t1 = t0 + blocked
-    # the transfer's own time per (edge, kind, size): a low quantile of the hand-overs' latency
-    lat = pd.Series(t_end - np.maximum(t_other, t_enq), index=r.index)
-    key = [r["group"].astype(str), r["op"], r["src"], r["dst"], r["bytes"]]
+    # the transfer's own time per (edge, size): a low quantile of the hand-overs' latency, from
+    # the ops whose rank was waiting when the later side posted (else end − issue holds the
+    # rank's own work before it waited)
+    ready = np.maximum(t_other, t_enq)
+    lat = pd.Series(np.where((blocked > 0) & (t0 <= ready), t_end - ready, np.nan), index=r.index)
+    key = [r["group"].astype(str), r["src"], r["dst"], r["bytes"]]
     q = lat.groupby(key).transform(lambda x: x.quantile(TRANSFER_QUANTILE)
-                                   if len(x) >= TRANSFER_MIN_RECORDS else np.inf).to_numpy(float)
+                                   if x.count() >= TRANSFER_MIN_RECORDS else np.inf).to_numpy(float)
     dep = np.clip(np.minimum(t1, t_other) - t0, 0.0, blocked)              # [t0, t0 + dep)
     late_from = np.maximum(np.maximum(t_other, t_enq) + q, t0 + dep)       # [late_from, t1)
     late = np.clip(t1 - late_from, 0.0, None)

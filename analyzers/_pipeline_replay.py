@@ -70,3 +70,14 @@ def replay_window(actions) -> int | None:
         if not moved:
             return None
     return max(now.values())
+
+
+def idle_share(actions) -> float | None:
+    """actions as for replay_window: the idle share of the replayed window over the ranks,
+    1 − Σ durations ÷ (ranks × window); None where the orders conflict."""
+    acts = list(actions)
+    w = replay_window(acts)
+    if not w:
+        return None
+    ranks = {a[0] for a in acts}
+    return 1 - sum(max(a[5], 0) for a in acts) / (len(ranks) * w)

@@ -178,10 +178,12 @@ def explain(p: dict, peers: list[dict], excess: float, ops_ms: dict | None = Non
     elif _throttled(p.get("telemetry"), peer_tel):
         cause = "device_throttling"
         text = "device throttling: " + telemetry_text(p["telemetry"], peer_tel)
-    elif own_time and on_cpu is not None and cpu_wait is not None and cpu_wait >= CAUSE_SHARE * ex \
+    elif own_time and on_cpu is not None and cpu_wait is not None and cpu_wait >= CAUSE_SHARE * busy \
             and busy - max(on_cpu, 0.0) - cpu_wait < CAUSE_SHARE * busy:
         # hardly more work on the CPU, and most of its longer busy time spent waiting for one
-        # (more than its little extra work explains at its peers' ratio, or not): the host
+        # (more than its little extra work explains at its peers' ratio, or not): the host.
+        # Against the busy time, not the excess: a straggling episode in part of the steps
+        # has a median excess (per-step differences) above the difference of its medians
         cause = "host_contention"
         text = ("host contention: " + _contention_text(p, cpu_wait, nivcsw)
                 + ": other processes compete for its cores")

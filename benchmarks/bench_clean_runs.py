@@ -5,7 +5,7 @@ finding on a clean run is false, except a straggler the analysis itself attribut
 contention (another process took the rank's cores: real on a shared machine), which is counted
 apart. Target: 0 false findings.
 
-    python benchmarks/bench_clean_runs.py [--runs 20] [--jobs ddp,hf,...] [--json out.json]
+    python benchmarks/bench_clean_runs.py [--runs 20] [--jobs ddp,hf,...] [--json out.json] [--keep DIR]
 
 Prints per job: runs, runs with a false finding (and their kinds and messages), contention
 findings; then the overall rate.
@@ -58,6 +58,19 @@ def jobs() -> dict:
     return out
 
 
+def _cpu_wait_share(run: Path) -> float | None:
+    """The largest share of a rank's steps (≥ 1) it spent runnable but waiting for a CPU
+    (schedstat, steps.jsonl cpu_wait_ms): how contended the host was for this run."""
+    out = None
+    for f in run.glob("ranks/rank-*/steps.jsonl"):
+        st = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        st = [x for x in st if x.get("step", 0) > 0 and "cpu_wait_ms" in x and x.get("dur_ms")]
+        if st:
+            share = sum(x["cpu_wait_ms"] for x in st) / sum(x["dur_ms"] for x in st)
+            out = max(out or 0.0, round(share, 3))
+    return out
+
+
 def run_once(name, script, launch, env, root: Path) -> dict:
     d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
     (d / "train.py").write_text(script)
@@ -65,7 +78,7 @@ def run_once(name, script, launch, env, root: Path) -> dict:
     e = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
          "TOKENIZERS_PARALLELISM": "false", **env}
     e.pop("MASTER_PORT", None)
-    t0 = time.monotonic()
+    t0, load = time.monotonic(), os.getloadavg()[0]
     proc = subprocess.run([sys.executable, "-m", "trainprof", "wrap", "--out", str(d / "run"), "--",
                            *job, str(d / "job")], cwd=d, env=e, capture_output=True, text=True,
                           timeout=1800)
@@ -76,7 +89,8 @@ def run_once(name, script, launch, env, root: Path) -> dict:
     false = [f for f in found if f not in contention]
     # why a run failed: the job's last exception line (e.g. Ray's node not starting under load)
     errors = [x for x in proc.stderr.splitlines() if re.match(r"^[\w.]*(Error|Exception)\b", x)]
-    return {"exit": proc.returncode, "wall_s": round(time.monotonic() - t0, 1),
+    return {"exit": proc.returncode, "dir": str(d), "cpu_wait_share": _cpu_wait_share(d / "run"), "wall_s": round(time.monotonic() - t0, 1),
+            "load1": round((load + os.getloadavg()[0]) / 2, 2),  # 1-min load average, start/end
             "error": errors[-1][:200] if proc.returncode and errors else None,
             "false": [(f["kind"], f["message"][:240]) for f in false],
             "contention": len(contention)}
@@ -87,11 +101,16 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--jobs", default="")
     ap.add_argument("--json", default="")
+    ap.add_argument("--keep", default="", help="keep the run directories here (else a temporary "
+                    "directory); `trainprof analyze` can then re-read them")
     a = ap.parse_args()
     all_jobs = jobs()
     names = [n for n in (a.jobs.split(",") if a.jobs else all_jobs)]
     results, total, bad = {}, 0, 0
     with tempfile.TemporaryDirectory() as tmp:
+        if a.keep:
+            Path(a.keep).mkdir(parents=True, exist_ok=True)
+            tmp = a.keep
         for name in names:
             script, launch, env, needs = all_jobs[name]
             if any(importlib.util.find_spec(m) is None for m in needs):
@@ -102,9 +121,12 @@ def main() -> None:
             nfalse = sum(1 for r in ok if r["false"])
             total, bad = total + len(ok), bad + nfalse
             results[name] = rows
+            if a.json:  # after each job: a long benchmark stopped midway keeps what it measured
+                Path(a.json).write_text(json.dumps(results, indent=1))
             print(f"{name}: {len(ok)} clean runs (of {len(rows)}; wall {sum(r['wall_s'] for r in rows):.0f} s), "
                   f"{nfalse} with a false finding, {sum(r['contention'] for r in ok)} host-contention "
-                  f"straggler(s)", flush=True)
+                  f"straggler(s); load {min(r['load1'] for r in rows):.1f}-{max(r['load1'] for r in rows):.1f} "
+                  f"on {os.cpu_count()} cores", flush=True)
             for r in ok:
                 for kind, msg in r["false"]:
                     print(f"    {kind}: {msg}", flush=True)

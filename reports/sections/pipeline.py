@@ -29,7 +29,11 @@ def _summary(m: dict) -> str:
         "bubble as share of the whole step": kit.fmt_pct(m.get("bubble_share_of_step"))
         if m.get("bubble_share_of_step") is not None else None,
         "measured bubble ÷ compute": m.get("bubble_ratio"),
-        f"theory bubble ÷ compute {th.get('formula', '')}".strip(): th.get("ratio") if th else None,
+        (f"theory bubble ÷ compute {th.get('formula', '')}".strip() if len(th.get("formula", "")) < 40
+         else "theory bubble ÷ compute"): th.get("ratio") if th else None,
+        "how theory is computed": th.get("formula") if len(th.get("formula", "")) >= 40 else None,
+        f"paper's closed form {(th.get('paper') or {}).get('formula', '')} (share)":
+            kit.fmt_pct(th["paper"]["share"]) if th.get("paper") else None,
         "critical stage": m.get("critical_stage"),
         "span times": {"device": "GPU (CUDA events)", "host": "host wall clock",
                        "mixed": "GPU where recorded, else host"}.get(m.get("timeline")),

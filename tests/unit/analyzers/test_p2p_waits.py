@@ -43,3 +43,26 @@ def test_a_slow_link_stays_communication():
     assert _lateness.p2p_upstream_waits(_frame([20] * 6)).empty
     assert _lateness.p2p_upstream_waits(_frame([1, 1, 21])).empty
     assert _lateness.TRANSFER_MIN_RECORDS == 5 and _lateness.TRANSFER_QUANTILE == pytest.approx(0.1)
+
+
+def test_a_send_waited_for_late_does_not_measure_the_transfer():
+    """A pipeline schedule waits for its isends at the step's end: their end − issue is the
+    sender's own work since, not the hand-over. Rank 0 isends every 100 ms and waits 80 ms
+    later (the transfer long done: blocked 0); rank 1's blocking receives, posted with the send,
+    take 1 ms. Hand-over 6: rank 0 waits from its isend at 500 ms, rank 1 posts its receive at
+    510 ms (still busy: dependency [500, 510]), the data is there at 511 ms (1 ms, the edge's
+    transfer measured at either end) and rank 0's wait returns at 530 ms: [511, 530] is the
+    host's delay. Judged from the sends' own end − issue (80 ms) it would all be transfer."""
+    rows = []
+    for i in range(5):
+        t = 100.0 * i
+        rows.append(dict(rank=0, op="send", peer=1, t_enq=t, t_end=t + 80, blocked_ms=0.0, is_async=True))
+        rows.append(dict(rank=1, op="recv", peer=0, t_enq=t, t_end=t + 1, blocked_ms=1.0, is_async=False))
+    rows.append(dict(rank=0, op="send", peer=1, t_enq=500.0, t_end=530.0, blocked_ms=30.0, is_async=True))
+    rows.append(dict(rank=1, op="recv", peer=0, t_enq=510.0, t_end=511.0, blocked_ms=1.0, is_async=False))
+    df = pd.DataFrame(rows).rename(columns={"is_async": "async"})
+    df = df.assign(group="0:0,1", bytes=65536, p2p=True,
+                   enqueue_ns=(df["t_enq"] * MS).round().astype(np.int64),
+                   end_ns=(df["t_end"] * MS).round().astype(np.int64))
+    out = _lateness.p2p_upstream_waits(df)
+    assert sorted(map(tuple, out.to_numpy().tolist())) == [(0, 500 * MS, 510 * MS), (0, 511 * MS, 530 * MS)]

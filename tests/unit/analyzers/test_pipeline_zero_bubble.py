@@ -38,6 +38,64 @@ def _rank(root, rank, offset_ms, steps=3):
     steps_w.close(), spans_w.close()
 
 
+def _torch_order(p=2, v=2, m=4):
+    """rank -> torch's own action list of ScheduleInterleavedZeroBubble (None = an idle slot of its
+    lockstep table), built as its __init__ does, without a process group."""
+    from torch.distributed.pipelining import schedules as S
+
+    o = S.ScheduleInterleavedZeroBubble.__new__(S.ScheduleInterleavedZeroBubble)
+    o.pp_group_size, o.n_local_stages, o._n_microbatches = p, v, m
+    o.number_of_rounds = max(1, m // p)
+    o.microbatches_per_round = m // o.number_of_rounds
+    o.pipeline_order = {r: o._calculate_single_rank_operations(r) for r in range(p)}
+    return o._add_bubbles_to_actions(p * v)
+
+
+def _torch_ordered_rank(root, rank, order, first_b_ms, steps=3):
+    """Spans in torch's lockstep table: slot t at 6·t ms, each action 5 ms (the first stage's
+    input-gradient B ``first_b_ms``); the 1 ms between slots stands for the hand-overs."""
+    d = rank_dir(root, rank)
+    write_json_atomic(d / "meta.json", {"rank": rank, "world_size": 2, "coords": {"pp": rank},
+                                        "host": "h", "pipeline": dict(META, stages=[rank, rank + 2],
+                                                                      micro_batches=4)})
+    steps_w, spans_w = JsonlWriter(d / "steps.jsonl"), JsonlWriter(d / "pipeline.jsonl")
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    for s in range(steps):
+        base = T0 + s * 1000 * MS
+        steps_w.write({"step": s, "start_ns": base, "end_ns": base + 1000 * MS, "dur_ms": 1000.0,
+                       "source": "optimizer"})
+        for t, a in enumerate(order[rank]):
+            if a is None:
+                continue
+            kind = kinds[a.computation_type.name]
+            dur = first_b_ms if (a.stage_index, kind) == (0, "B") else 5
+            spans_w.write({"step": s, "stage": a.stage_index, "microbatch": a.microbatch_index,
+                           "kind": kind, "start_ns": base + 6 * t * MS,
+                           "end_ns": base + round((6 * t + dur) * MS)})
+    steps_w.close(), spans_w.close()
+
+
+def test_zero_bubble_theory_is_the_schedules_own_order(tmp_path):
+    """torch's ScheduleInterleavedZeroBubble, p=2, v=2, m=4: its lockstep table has 25 slots
+    for 24 actions per rank. Every action 5 ms: 2 idle slots of 50, 4 % = the paper's
+    (p-1)/(3·v·m) ratio 1/24. Its first stage computes no input gradient: with those B spans at
+    0.2 ms rank 0 works 20·5 + 4·0.2 = 100.8 ms, rank 1 24·5 = 120 ms from the end of rank 0's
+    first forward (5 ms) without a wait: window 125 ms, idle 1 − 220.8/250."""
+    order = _torch_order()
+    assert [len([a for a in order[r] if a]) for r in (0, 1)] == [24, 24]
+    assert max(len(order[0]), len(order[1])) == 25
+    for first_b, share in ((5, 1 / 25), (0.2, 1 - 220.8 / 250)):
+        root = tmp_path / str(first_b)
+        for r in (0, 1):
+            _torch_ordered_rank(root, r, order, first_b)
+        m = pipeline.analyze(RunDir(root)).metrics
+        th = m["theory"]
+        assert th["formula"] == pipeline.ORDER_FORMULA
+        assert th["share"] == pytest.approx(share, abs=1e-6)
+        assert th["paper"]["ratio"] == pytest.approx(1 / 24, rel=0.05)  # (p-1)(F+B-W)/(v·m·(F+B+W))
+        assert th["span_ms"]["B_first_stage"] == pytest.approx(first_b)
+
+
 def test_zero_bubble_theory_by_hand():
     th = pipeline.theory("ScheduleInterleavedZeroBubble", 4, 8, 2, {"F": 2.0, "B": 2.0, "W": 1.0})
     assert th["ratio"] == pytest.approx(3 * (2 + 2 - 1) / (2 * 8 * (2 + 2 + 1)))

@@ -590,3 +590,19 @@ def test_longer_busy_time_spent_waiting_for_a_cpu_is_host_contention_not_off_cpu
     # the same longer busy time with the CPU wait flat: off the CPU, as before
     why = _straggler_cause.explain({**p, "cpu_wait_ms": 87.5}, [q], 50.7)
     assert why["cause"] == "off_cpu"
+
+
+def test_an_episode_mostly_waiting_for_a_cpu_is_host_contention():
+    # a clean accelerate job on 2 cores at load ~14 (bench_clean_runs): rank 1 straggles in 4 of
+    # 7 steps, median excess 72 ms (per-step differences); over all 7 steps its busy time is
+    # 40.3 ms longer than its peer's, 33 ms of them waiting for a CPU and 3.6 ms more on it.
+    # 33 ms is under half the 72 ms excess but 82 % of its longer busy time: the host's
+    p = {"rank": 1, "busy_ms": 119.7, "cpu_ms": 28.2, "cpu_wait_ms": 88.0, "nivcsw": 9.0,
+         "data_wait_ms": 0.46}
+    q = {"rank": 0, "busy_ms": 79.4, "cpu_ms": 24.6, "cpu_wait_ms": 55.0, "nivcsw": 13.0,
+         "data_wait_ms": 0.46}
+    why = _straggler_cause.explain(p, [q], 72.0)
+    assert why["cause"] == "host_contention", why["text"]
+    # the same longer busy time but only a third of it waiting for a CPU: off the CPU
+    why = _straggler_cause.explain({**p, "cpu_wait_ms": 55.0 + 13.0}, [q], 72.0)
+    assert why["cause"] == "off_cpu", why["text"]
