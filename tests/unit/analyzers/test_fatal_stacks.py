@@ -236,3 +236,27 @@ def test_a_size_mismatch_with_the_beats_known_size_is_kept(tmp_path):
     assert d["seq"] == 8 and sorted(v["bytes"] for v in d["variants"]) == [4, 8]
     assert "deviating" not in d
     assert f.kind == "rank_failure" and f.evidence["culprit"]["reason"] == "died"
+
+
+def test_a_peer_ended_before_writing_its_step_is_not_claimed_to_have_never_arrived(tmp_path):
+    # rank 1 was ended by the launcher (SIGTERM, no failure record, heartbeat not closed) before
+    # it wrote its step 4 (its log ends at #7, step 3's bucket): where rank 0 was aborted, in #8,
+    # rank 1 may have issued another collective. Named as the one that did not arrive, with
+    # that said
+    from trainprof.analyzers import hang
+
+    run = _synthetic(tmp_path / "r", _skip_logs(last0=7, last1=7), {0: ABORTED}, {0: -6, 1: -15})
+    (f,) = hang.analyze(RunDir(run)).findings
+    c = f.evidence["culprit"]
+    assert f.kind == "desync" and f.ranks == [1] and c["reason"] == "never_arrived", f.message
+    assert [v["rank"] for v in c["victims"]] == [0] and c["records_incomplete"] == [1]
+    assert "never reached collective all_reduce #8 of group 0 as far as its records show " \
+           "(or it issued another collective there" in f.message
+    # a peer that closed its log (its failure, then its close) did not reach #8: said plainly
+    d = tmp_path / "r" / "ranks" / "rank-00001" / "heartbeat.jsonl"
+    d.write_text(d.read_text() + json.dumps({"t_ns": int(121e9), "event": "close", "step": 4})
+                 + "\n")
+    (f,) = hang.analyze(RunDir(run)).findings
+    c = f.evidence["culprit"]
+    assert c["reason"] == "never_arrived" and "records_incomplete" not in c
+    assert "never reached collective all_reduce #8 of group 0;" in f.message
