@@ -1,8 +1,10 @@
 """A rank killed by a fatal signal, seen through its ``fatal-stacks.txt`` (probes/fatal_dump.py,
 faulthandler's text): its main thread's Python stack and, when that stack is inside a
-torch.distributed collective call, the collective it waited in — the one after the last it
-logged in that group — with the job's call site. gloo and NCCL abort (SIGABRT) a rank whose
-peers issued another collective: without this the collective it died in is in no record.
+torch.distributed collective call, the collective it waited in — its heartbeat's in-flight one
+when the beat saw it waiting there, else the one after the last it issued in that group — with
+the job's call site. gloo and NCCL abort (SIGABRT) a rank whose peers issued another
+collective: without this the collective it died in is in no record, or only in a beat that
+cannot say whether the rank was still in it.
 
 Also the tie-breaker for a desynchronization between equally many ranks (two ranks, one
 collective each): the side that broke its own per-step order of collectives (``deviating``)
@@ -79,19 +81,36 @@ def collective_call(stack: list[dict]) -> dict | None:
     return None
 
 
-def infer_inflight(log: pd.DataFrame, rank: int, last_collective: dict | None,
-                   step: int | None, call: dict) -> tuple[dict | None, str | None]:
-    """The collective a rank died in: seq = its last logged one + 1 in its group. (entry, None)
-    or (None, why not) when the group is not known (several groups, or none logged)."""
+def confirmed_inflight(inflight: list[dict], call: dict) -> dict | None:
+    """Of a rank's in-flight collectives as its last heartbeat saw them, the one its fatal
+    stacks show it still waited in: the newest of its group, of the op the stack is in (a
+    ``wait``: any). None when none fits (it completed it after the beat and went on)."""
+    cands = [c for c in inflight if c.get("pg") is not None and isinstance(c.get("seq"), int)]
+    if not cands:
+        return None
+    c = max(cands, key=lambda c: (c.get("enqueue_ns") or 0, c["seq"]))
+    api = c.get("api") if isinstance(c.get("api"), str) else None
+    if call["op"] is None:
+        return c
+    if api is not None:  # a c10d function's record names it; others (ddp.bucket) are not it
+        return c if api == call["api"] else None
+    return c if c.get("op") == call["op"] else None
+
+
+def infer_inflight(log: pd.DataFrame, rank: int, known: list[dict], step: int | None,
+                   call: dict) -> tuple[dict | None, str | None]:
+    """The collective a rank died in: seq = its last known one + 1 in its group (its log, and
+    ``known``: the last collective and in-flight ones of its heartbeat). (entry, None) or
+    (None, why not) when the group is not known (several groups, or none logged)."""
     seqs: dict[str, int] = {}
     if not log.empty and {"rank", "pg", "seq"} <= set(log.columns):
         mine = log[log["rank"] == rank]
         for pg, s in mine.groupby(mine["pg"].astype(str))["seq"].max().items():
             seqs[str(pg)] = int(s)
-    if isinstance(last_collective, dict) and last_collective.get("pg") is not None \
-            and isinstance(last_collective.get("seq"), int):
-        pg = str(last_collective["pg"])
-        seqs[pg] = max(seqs.get(pg, -1), last_collective["seq"])
+    for c in known:
+        if isinstance(c, dict) and c.get("pg") is not None and isinstance(c.get("seq"), int):
+            pg = str(c["pg"])
+            seqs[pg] = max(seqs.get(pg, -1), c["seq"])
     if len(seqs) != 1:
         return None, ("it logged collectives in several groups: which one it waited in is not "
                       "known" if seqs else "it logged no collective before")

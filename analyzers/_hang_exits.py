@@ -92,11 +92,13 @@ FATAL_SIGNALS = (4, 6, 7, 8, 11)  # SIGILL, SIGABRT, SIGBUS, SIGFPE, SIGSEGV: wh
 
 def _infer_fatal(run, views, exits) -> None:
     """A rank killed by a fatal signal whose main thread died inside a torch.distributed
-    collective call (its fatal-stacks.txt) waited in the collective after its last logged one
-    in that group: made its in-flight entry (seq = last + 1, size unknown), with the job's call
-    site, for the ledger to compare with its peers'."""
+    collective call (its fatal-stacks.txt) is placed in the collective it died in, with the
+    job's call site: its heartbeat's in-flight one when the beat saw it waiting in that op
+    (op, sequence number and size as recorded), else the one after the last it is known to
+    have issued in that group (seq = last + 1, size unknown). The ledger compares it with its
+    peers'."""
     for r, v in views.items():
-        if not v.fatal or v.closed or v.inflight or v.dump:
+        if not v.fatal or v.closed or v.dump:
             continue
         ex = exits["workers"].get(r)
         if ex is not None and ex.get("signal") not in FATAL_SIGNALS:
@@ -106,9 +108,14 @@ def _infer_fatal(run, views, exits) -> None:
             continue
         v.fatal_call = call
         v.frame, v.user_frame = call["frame"], call["call_site"]
-        entry, why = fatal.infer_inflight(run.frame("collectives"), r, v.last_collective, v.step,
-                                          call)
         site = fmt_frame(call["call_site"])
+        beat = fatal.confirmed_inflight(v.inflight, call)
+        if beat is not None:
+            v.inflight = [dict(beat, inferred="fatal-stacks", call_site=site)] \
+                + [c for c in v.inflight if c is not beat]
+            continue
+        entry, why = fatal.infer_inflight(run.frame("collectives"), r,
+                                          [v.last_collective] + v.inflight, v.step, call)
         if entry is None:
             run.problems.append(f"rank {r} died of a fatal signal inside {call['op'] or 'a wait'}"
                                 f"{f' at {site}' if site else ''} (fatal-stacks.txt), but {why}")
@@ -117,48 +124,61 @@ def _infer_fatal(run, views, exits) -> None:
 
 
 def _fatal_desync(run, views, desync) -> list[dict]:
-    """Desynchronizations that involve a collective inferred from fatal-signal stacks: dropped
-    when the ops agree (its size is unknown: no evidence); kept otherwise, with the side that
-    broke its own per-step order (``deviating``) when the sides are equally large."""
+    """The collectives probe's desynchronizations, checked against each side's own records.
+    One that involves a collective placed by fatal-signal stacks (_infer_fatal) whose size is
+    unknown is dropped when the ops agree (no evidence). Where the calls differ (op or API),
+    ``calls`` names each rank's, and between two equally large sides the side that broke its
+    own per-step order is ``deviating``."""
     inferred = {(str(c["pg"]), c["seq"], r): c for r, v in views.items() for c in v.inflight
                 if c.get("inferred")}
-    if not inferred:
-        return desync
     log = run.frame("collectives")
     out = []
     for d in desync:
         ranks = [r for x in d["variants"] for r in x["ranks"]]
-        if d["source"] != "probe" or not any((d["pg"], d["seq"], r) in inferred for r in ranks):
+        variants = sorted(d["variants"], key=lambda x: len(x["ranks"]))
+        even = len(variants[0]["ranks"]) == len(variants[-1]["ranks"])
+        involved = [r for r in ranks if (d["pg"], d["seq"], r) in inferred]
+        if d["source"] != "probe" or not (involved or even):
             out.append(d)
             continue
-        entries = {}
-        for x in d["variants"]:
-            for r in x["ranks"]:
-                c = inferred.get((d["pg"], d["seq"], r))
-                if c is None:
-                    e = {"op": x["op"], "api": None, "bytes": x.get("bytes"),
-                         "step": (x.get("steps") or [None])[-1]}
-                    if not log.empty and "api" in log:
-                        row = log[(log["rank"] == r) & (log["pg"].astype(str) == d["pg"])
-                                  & (log["seq"] == d["seq"])]
-                        if len(row):
-                            e["api"] = row["api"].iloc[-1] if pd.notna(row["api"].iloc[-1]) else None
-                            if pd.notna(row["step"].iloc[-1]):
-                                e["step"] = int(row["step"].iloc[-1])
-                    c = e
-                entries[r] = c
+        entries = {r: inferred.get((d["pg"], d["seq"], r)) or _entry_at(log, views[r], d, x)
+                   for x in d["variants"] for r in x["ranks"]}
         keys = {r: fatal._key(e.get("api"), e.get("op")) for r, e in entries.items()}
-        if len(set(keys.values())) < 2:
+        if len(set(keys.values())) < 2:  # a size mismatch: evidence only where both are known
+            if not any(entries[r].get("bytes") is None for r in involved):
+                out.append(d)
             continue
         d = dict(d, calls={str(r): f"{entries[r].get('op') or '?'} ({k})" if k else
                            str(entries[r].get("op")) for r, k in keys.items()})
-        variants = sorted(d["variants"], key=lambda x: len(x["ranks"]))
-        if len(variants[0]["ranks"]) == len(variants[-1]["ranks"]):
+        if even:
             odd = fatal.deviating(log, entries, d["pg"], d["seq"])
             if odd:
                 d["deviating"] = odd
         out.append(d)
     return out
+
+
+def _entry_at(log, view, d: dict, variant: dict) -> dict:
+    """{op, api, bytes, step} of the collective ``view``'s rank issued at (d's pg, seq): its log
+    record, else its heartbeat's last or in-flight one, else the variant's op and size."""
+    e = {"op": variant["op"], "api": None, "bytes": variant.get("bytes"),
+         "step": (variant.get("steps") or [None])[-1]}
+    if not log.empty and "api" in log:
+        row = log[(log["rank"] == view.rank) & (log["pg"].astype(str) == d["pg"])
+                  & (log["seq"] == d["seq"])]
+        if len(row):
+            e["api"] = row["api"].iloc[-1] if pd.notna(row["api"].iloc[-1]) else None
+            if pd.notna(row["step"].iloc[-1]):
+                e["step"] = int(row["step"].iloc[-1])
+            return e
+    for c in [view.last_collective] + view.inflight:
+        if isinstance(c, dict) and str(c.get("pg")) == d["pg"] and c.get("seq") == d["seq"]:
+            if isinstance(c.get("api"), str):
+                e["api"] = c["api"]
+            if isinstance(c.get("step"), int):
+                e["step"] = c["step"]
+            break
+    return e
 
 
 def _stopped_by_us_ns(man: dict) -> int | None:

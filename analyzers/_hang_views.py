@@ -211,8 +211,9 @@ class RankView:
                     or any(e is not None and e > (d or 0) for e, d in counters))
 
     def waiting_in(self) -> dict | None:
-        if self.inflight:
-            c = min(self.inflight, key=lambda c: c.get("enqueue_ns") or 0)
+        if self.inflight:  # the one its fatal stacks place it in, else the oldest
+            c = next((c for c in self.inflight if c.get("inferred")), None) \
+                or min(self.inflight, key=lambda c: c.get("enqueue_ns") or 0)
             w = {"source": "probe", **{k: c.get(k) for k in ("pg", "seq", "op", "bytes",
                                                              "dtype", "enqueue_ns", "step")}}
             if c.get("inferred"):  # from its fatal-signal stacks: where the job called it

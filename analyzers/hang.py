@@ -284,6 +284,15 @@ def _culprit(views, desync, missing, stacks, hung, died=(), early=None) -> dict 
     if c is not None and victims:
         c["victims"] = [{"rank": d["rank"], "how": _victim_how(d)} for d in victims]
         c["also_failed"] = [d["rank"] for d in died if d not in victims]
+        unwritten = [r for r in c["ranks"] if not views[r].closed and not views[r].dump
+                     and not views[r].blocked]
+        if c["reason"] == "never_arrived" and unwritten:
+            # its log is written at step boundaries and at its close: ended before closing, the
+            # collectives it issued since its last boundary are in no record
+            c["records_incomplete"] = unwritten
+            c["how"] += (" as far as its records show (or it issued another collective there: "
+                         "its process ended before closing its log, which holds its collectives "
+                         "up to its last step boundary)")
     return c
 
 

@@ -105,7 +105,6 @@ dist.destroy_process_group()
 
 
 @pytest.mark.multiproc
-@pytest.mark.long  # under load the survivor's log may miss its last call: rank_failure, not desync
 def test_rank_aborted_in_a_skipped_collective_is_the_victim_with_its_call_site(tmp_path):
     script = write_script(tmp_path / "skip.py", SKIP)
     out = tmp_path / "run"
