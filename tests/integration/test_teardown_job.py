@@ -21,7 +21,8 @@ for step in range(3):
     dist.all_gather(out, torch.tensor([r * 100.0 + step]))
 if sys.argv[1] == "destroy":
     dist.destroy_process_group()
-print("ok", r, [float(x) for x in out], flush=True)
+if r == 0:
+    print("ok", r, [float(x) for x in out], flush=True)
 """
 
 
