@@ -9,7 +9,10 @@ gradient all-reduce, optimizer step. Problems:
                                   ranks when R = -1); --workers W loads it in W worker processes
   --grad-sync manual              no DDP: each gradient all-reduced by hand after backward (the
                                   communication cannot overlap the backward); the fix is the
-                                  default, DDP, which all-reduces buckets while backward runs.
+                                  default, DDP, which all-reduces buckets while backward runs;
+  --grad-sync hooks               the same all-reduce per gradient as manual, issued with
+                                  async_op=True from each parameter's post-accumulate-grad hook
+                                  while backward runs (only the overlap differs from manual).
                                   --backward-ms B: backward "computes" B ms (a sleep) after
                                   every layer's gradient, at the input's end, so there is
                                   backward work left to hide the all-reduces under;
@@ -51,7 +54,7 @@ ap.add_argument("--workers", type=int, default=0)
 ap.add_argument("--bucket-mb", type=float, default=25.0)
 ap.add_argument("--layers", type=int, default=1)
 ap.add_argument("--width", type=int, default=64)
-ap.add_argument("--grad-sync", choices=("ddp", "manual"), default="ddp")
+ap.add_argument("--grad-sync", choices=("ddp", "manual", "hooks"), default="ddp")
 ap.add_argument("--backward-ms", type=float, default=0.0)
 ap.add_argument("--comm-mb", type=float, default=0.0)
 a = ap.parse_args()
@@ -115,6 +118,11 @@ net = Net() if a.comm_mb else nn.Sequential(nn.Linear(32, a.width), nn.ReLU(), *
                                              nn.Linear(a.width, 4))
 model = DDP(net, bucket_cap_mb=a.bucket_mb) if a.grad_sync == "ddp" else net
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
+works = []  # --grad-sync hooks: each gradient all-reduced (async) as soon as backward made it
+if a.grad_sync == "hooks":
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p: works.append(dist.all_reduce(p.grad, async_op=True)))
 extra = a.slow_ms / 1e3 if rank == a.slow_rank else 0.0
 for x, y in loader:
     time.sleep(a.compute_ms / 1e3 + extra)
@@ -124,6 +132,9 @@ for x, y in loader:
     if a.grad_sync == "manual":
         for p in net.parameters():
             dist.all_reduce(p.grad)
+    for w in works:
+        w.wait()
+    works.clear()
     opt.step()
     opt.zero_grad()
 import gc  # noqa: E402
