@@ -4,6 +4,7 @@ computes nothing."""
 
 from __future__ import annotations
 
+from trainprof.rankranges import rank_list
 from trainprof.reports import kit, svg
 
 TITLE = "Whole run over time"
@@ -52,8 +53,7 @@ def _marks(onsets: list[dict], where) -> list[dict]:
     out = []
     for o in onsets[:MAX_MARKED]:
         ranks = o["ranks"]
-        who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:8]))}"
-               + (" …" if len(ranks) > 8 else "") + ": ") if ranks else ""
+        who = f"rank{'s' if len(ranks) > 1 else ''} {rank_list(ranks)}: " if ranks else ""
         msg = o["message"][:200] + ("…" if len(o["message"]) > 200 else "")
         t = o["onset"].get("time")
         out.append({"x": where(o["onset"]["step"]), "label": str(o["kind"]), "dash": "4 3",
