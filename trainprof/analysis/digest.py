@@ -39,8 +39,8 @@ from trainprof.rundir import schema as rundir_schema
 from trainprof import safeio
 from trainprof.analysis import pool
 from trainprof.analysis.pool import GZIP_RATIO_EST, WORKERS_ENV  # noqa: F401 - WORKERS_ENV re-exported
-from trainprof.rundir.files import (PROFILER_DIR, RunDirError, rank_dirname, read_json,
-                                    write_json_atomic)
+from trainprof.rundir.files import (PROFILER_DIR, UNREADABLE, RunDirError, rank_dirname,
+                                    read_json_or_problem, write_json_atomic)
 from trainprof.analysis.run import RunDir
 from trainprof.analyzers import ANALYZER_MODULES
 from trainprof.trace import load_traces
@@ -369,10 +369,9 @@ def read_cached(run, p: Path, rank: int, stamp: dict | None, names: list[str]) -
         os.stat(p)
     except OSError:
         return None
-    try:
-        doc = read_json(p)
-    except RunDirError as e:
-        run.problems.append(f"{e}; malformed trace digest, rebuilt from the trace")
+    doc = read_json_or_problem(p, run.problems, "; malformed trace digest, rebuilt from the trace",
+                               default=UNREADABLE)
+    if doc is UNREADABLE:
         return None
     why = check(doc)
     if why is None and doc["rank"] != rank:

@@ -14,8 +14,8 @@ import stat
 from pathlib import Path
 
 from trainprof.rundir import schema as rundir_schema
-from trainprof.rundir.files import (MANIFEST, MAX_WORKER_EXITS_BYTES, SCHEMA_VERSION, RunDirError,
-                                    SchemaVersionError, _exists, iter_jsonl, read_json)
+from trainprof.rundir.files import (MANIFEST, MAX_WORKER_EXITS_BYTES, SCHEMA_VERSION, SchemaVersionError,
+                                    _exists, iter_jsonl, read_json_or_problem)
 from trainprof.rundir.worker_exits import STREAM
 
 
@@ -31,11 +31,7 @@ class RunDirManifest:
             p = self.path / MANIFEST
             man: dict = {}
             if not self.bare_snapshots and not self.trace_inputs and _exists(p, self.problems):
-                try:
-                    raw = read_json(p)
-                except RunDirError as e:
-                    self.problems.append(str(e))
-                    raw = {}
+                raw = read_json_or_problem(p, self.problems, default={})
                 if not isinstance(raw, dict):
                     self.problems.append(f"{p}: expected a JSON object, not {type(raw).__name__}; ignored")
                     raw = {}
@@ -77,11 +73,7 @@ class RunDirManifest:
         """manifest.json of another run directory of the job (several run directories)."""
         if not _exists(p, self.problems):
             return {}
-        try:
-            raw = read_json(p)
-        except RunDirError as e:
-            self.problems.append(str(e))
-            return {}
+        raw = read_json_or_problem(p, self.problems, default={})
         if not isinstance(raw, dict):
             return {}
         if raw.get("schema_version") is not None:

@@ -19,7 +19,7 @@ from trainprof.meshinfo import group_coords
 from trainprof.rankranges import ranges
 from trainprof.rundir import schema as rundir_schema
 from trainprof.rundir.files import (MANIFEST, META, RANKS_DIR, RunDirError, _exists, _is_dir,
-                                    _listdir, rank_dirname, read_json)
+                                    _listdir, rank_dirname, read_json_or_problem)
 from trainprof.rundir.worker_exits import summarize
 
 MAX_ABSENT_FACTOR, MAX_ABSENT_EXTRA = 4, 64  # a world size is trusted up to 4 x ranks present + 64
@@ -95,11 +95,7 @@ class RunDirRanks:
             p = self.rank_path(rank) / META
             meta: dict = {}
             if _exists(p, self._problems_of(rank)):
-                try:
-                    raw = read_json(p)
-                except RunDirError as e:
-                    self.problems.append(str(e))
-                    raw = {}
+                raw = read_json_or_problem(p, self.problems, default={})
                 if isinstance(raw, dict):
                     meta = rundir_schema.clean_object(rundir_schema.META, raw, str(p), self.problems,
                                                       rundir_schema.META_NESTED)

@@ -21,7 +21,7 @@ import numpy as np
 from trainprof.rundir import compact as fmt
 from trainprof import safeio
 from trainprof.rundir import streams as rs
-from trainprof.rundir.files import RunDirError, iter_jsonl, read_json
+from trainprof.rundir.files import iter_jsonl, read_json_or_problem
 from trainprof.rundir.series import any_compact, compact_ranks, has_compact
 from trainprof._lazy import pd
 
@@ -138,11 +138,7 @@ def window_state(run, rank: int) -> dict:
     p = run.rank_file(rank, f"{fmt.COMPACT_DIR}/state.json")
     if p is None:
         return {}
-    try:
-        doc = read_json(p)
-    except RunDirError as e:
-        run.problems.append(str(e))
-        return {}
+    doc = read_json_or_problem(p, run.problems)
     w = doc.get("detail_windows") if isinstance(doc, dict) else None
     return w if isinstance(w, dict) else {}
 

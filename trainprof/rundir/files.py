@@ -289,6 +289,22 @@ def read_json(path: Path) -> Any:
         raise RunDirError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from e
 
 
+UNREADABLE = object()  # read_json_or_problem's default where a JSON null must differ from a loss
+
+
+def read_json_or_problem(path: Path, problems: list[str] | None, note: str = "",
+                         default: Any = None) -> Any:
+    """``read_json(path)``, or ``default`` with the reason (and ``note``) appended to
+    ``problems`` when the document cannot be read: for inputs whose loss the analysis states
+    and survives."""
+    try:
+        return read_json(path)
+    except RunDirError as e:
+        if problems is not None:
+            problems.append(f"{e}{note}")
+        return default
+
+
 def iter_jsonl(path: Path, problems: list[str] | None = None,
                stream: str | None = None) -> Iterator[dict]:
     """Records of a JSONL stream. A torn last line (a writer killed mid-record) is skipped

@@ -34,7 +34,7 @@ import socket
 import time
 from pathlib import Path
 
-from trainprof.rundir.files import RunDirError, read_json
+from trainprof.rundir.files import UNREADABLE, RunDirError, read_json, read_json_or_problem
 
 NODES_DIR = "nodes"
 NODE_KIND = "trainprof-node"
@@ -103,11 +103,8 @@ def read_records(run: str | os.PathLike, problems: list[str] | None = None,
     for p in entries:
         if not NODE_FILE_RE.fullmatch(p.name) or p.name.startswith("."):
             continue
-        try:
-            rec = read_json(p)
-        except RunDirError as e:
-            if problems is not None:
-                problems.append(str(e))
+        rec = read_json_or_problem(p, problems, default=UNREADABLE)
+        if rec is UNREADABLE:
             continue
         if not isinstance(rec, dict) or rec.get("kind") != NODE_KIND:
             if problems is not None:
