@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from trainprof.analyzers import pipeline
+from trainprof.analyzers import _pipeline_theory, pipeline
 from trainprof.rundir.files import JsonlWriter, rank_dir, write_json_atomic
 from trainprof.analysis.run import RunDir
 
@@ -176,10 +176,10 @@ def test_config_from_probe_meta(tmp_path):
 
 
 def test_theory_formulas():
-    assert pipeline.theory("1f1b", 4, 8)["ratio"] == pytest.approx(3 / 8)
-    assert pipeline.theory("gpipe", 2, 4)["share"] == pytest.approx(1 / 5)
-    assert pipeline.theory("interleaved1f1b", 4, 8, 2)["ratio"] == pytest.approx(3 / 16)
-    assert pipeline.theory("zbv", 4, 8) is None
+    assert _pipeline_theory.theory("1f1b", 4, 8)["ratio"] == pytest.approx(3 / 8)
+    assert _pipeline_theory.theory("gpipe", 2, 4)["share"] == pytest.approx(1 / 5)
+    assert _pipeline_theory.theory("interleaved1f1b", 4, 8, 2)["ratio"] == pytest.approx(3 / 16)
+    assert _pipeline_theory.theory("zbv", 4, 8) is None
 
 
 def test_bad_spans_reported(tmp_path):

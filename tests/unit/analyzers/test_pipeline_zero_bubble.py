@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainprof.analyzers import pipeline
+from trainprof.analyzers import _pipeline_theory, pipeline
 from trainprof.reports.sections import pipeline as section
 from trainprof.rundir.files import JsonlWriter, rank_dir, write_json_atomic
 from trainprof.analysis.run import RunDir
@@ -90,17 +90,17 @@ def test_zero_bubble_theory_is_the_schedules_own_order(tmp_path):
             _torch_ordered_rank(root, r, order, first_b)
         m = pipeline.analyze(RunDir(root)).metrics
         th = m["theory"]
-        assert th["formula"] == pipeline.ORDER_FORMULA
+        assert th["formula"] == _pipeline_theory.ORDER_FORMULA
         assert th["share"] == pytest.approx(share, abs=1e-6)
         assert th["paper"]["ratio"] == pytest.approx(1 / 24, rel=0.05)  # (p-1)(F+B-W)/(v·m·(F+B+W))
         assert th["span_ms"]["B_first_stage"] == pytest.approx(first_b)
 
 
 def test_zero_bubble_theory_by_hand():
-    th = pipeline.theory("ScheduleInterleavedZeroBubble", 4, 8, 2, {"F": 2.0, "B": 2.0, "W": 1.0})
+    th = _pipeline_theory.theory("ScheduleInterleavedZeroBubble", 4, 8, 2, {"F": 2.0, "B": 2.0, "W": 1.0})
     assert th["ratio"] == pytest.approx(3 * (2 + 2 - 1) / (2 * 8 * (2 + 2 + 1)))
-    assert pipeline.theory("ScheduleInterleavedZeroBubble", 2, 4, 2)["ratio"] == pytest.approx(1 / 24)
-    assert pipeline.theory("ScheduleZBVZeroBubble", 2, 4, 2) is None  # no closed form
+    assert _pipeline_theory.theory("ScheduleInterleavedZeroBubble", 2, 4, 2)["ratio"] == pytest.approx(1 / 24)
+    assert _pipeline_theory.theory("ScheduleZBVZeroBubble", 2, 4, 2) is None  # no closed form
 
 
 def test_a_37_percent_bubble_of_a_zero_bubble_schedule_is_flagged(tmp_path):
