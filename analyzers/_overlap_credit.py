@@ -41,10 +41,10 @@ def covered(lo, hi, sets: dict, keys) -> np.ndarray:
     (a sorted, disjoint (starts, ends) pair, as _intervals builds them); 0 where the key has no
     set. Vectorized per key by the set's cumulative length up to a time."""
     lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
-    keys = np.asarray(keys)
     out = np.zeros(len(lo), np.int64)
-    for k, (s, e) in sets.items():
-        m = np.flatnonzero((keys == k) & (hi > lo))
+    for k, m in _by_key(keys):
+        s, e = sets.get(k, (np.zeros(0, np.int64),) * 2)
+        m = m[hi[m] > lo[m]]
         if not len(m) or not len(s):
             continue
         cum = np.concatenate(([0], np.cumsum(e - s)))
@@ -59,6 +59,19 @@ def covered(lo, hi, sets: dict, keys) -> np.ndarray:
     return out
 
 
+def _by_key(keys):
+    """(key, indices) per distinct key, from one stable sort (a mask per key costs keys ×
+    records: ranks × collectives at scale)."""
+    keys = np.asarray(keys)
+    if not len(keys):
+        return []
+    order = np.argsort(keys, kind="stable")
+    ks = keys[order]
+    cut = np.flatnonzero(ks[1:] != ks[:-1]) + 1
+    return [(k.item() if hasattr(k, "item") else k, idx)
+            for k, idx in zip(ks[np.concatenate(([0], cut))], np.split(order, cut))]
+
+
 def split_waits(total_ms, t_enq, t_last, kind_key, quantile=_lateness.TRANSFER_QUANTILE,
                 min_records=_lateness.TRANSFER_MIN_RECORDS):
     """comm_compute's split of a blocking collective's time (per record, ms): ``wait`` before the
@@ -68,7 +81,7 @@ def split_waits(total_ms, t_enq, t_last, kind_key, quantile=_lateness.TRANSFER_Q
     total = np.nan_to_num(np.asarray(total_ms, float))
     wait = np.minimum(total, np.clip(np.asarray(t_last, float) - np.asarray(t_enq, float), 0.0, None))
     after = pd.Series(total - wait)
-    own = after.groupby(pd.Series(list(kind_key))).transform(
+    own = after.groupby(np.asarray(kind_key)).transform(
         lambda x: x.quantile(quantile) if len(x) >= min_records else np.inf).to_numpy(float)
     return wait, np.clip(after.to_numpy(float) - own, 0.0, None)
 
@@ -163,21 +176,23 @@ def credits(run, per_rank: list[dict], per_step: list[dict]) -> dict[int, dict]:
     rank = c["rank"].to_numpy(np.int64)
     t_enq = c["t_enq"].to_numpy(float)
     last_r, last_t, second = waited_for(rank, c["r1"], c["t1"], c["r2"], c["t2"], c["r3"], c["t3"])
-    key = list(zip(c["group"], c["op"].astype(str), c["bytes"]))
+    key = c.groupby([c["group"], c["op"].astype(str), c["bytes"]], sort=False,
+                    dropna=False).ngroup().to_numpy()
     total = np.nan_to_num(c["wait_ms"].to_numpy(float))
     wait, late = split_waits(total, t_enq, last_t, key)
     # each rank's time in its collectives after every member arrived: transfer, then host delay
     ns = lambda t: np.round(t * 1e6).astype(np.int64)  # noqa: E731 - reference clock, ms → ns
     a, b, z = ns(t_enq + wait), ns(t_enq + total - late), ns(t_enq + total)
-    transfer = {int(r): iv.union(a[rank == r], b[rank == r]) for r in np.unique(rank)}
-    delay = {int(r): iv.union(b[rank == r], z[rank == r]) for r in np.unique(rank)}
+    of_rank = dict(_by_key(rank))
+    transfer = {int(r): iv.union(a[m], b[m]) for r, m in of_rank.items()}
+    delay = {int(r): iv.union(b[m], z[m]) for r, m in of_rank.items()}
     ch_t, ch_d = chained(t_enq, wait, last_r, second, transfer, delay)
     enq = c["enqueue_ns"].astype(np.int64).to_numpy()  # the rank's own clock, as the trace's
     late_ns = ns(late)
     steps = _step_records(run, list(rows))
     out = {}
     for r, rs in rows.items():
-        mine = np.flatnonzero(rank == r)
+        mine = of_rank.get(r, np.zeros(0, np.int64))
         sums = dict.fromkeys(KEYS, 0.0)
         win = 0.0
         for x in rs:

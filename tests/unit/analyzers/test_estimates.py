@@ -139,7 +139,8 @@ def test_overlap_credit_pieces_on_hand_timelines():
     top = oc.last_arrivals(["g"] * 3, [0, 0, 0], [0, 1, 2], [3.0, 1.0, 5.0])
     row = top.loc[("g", 0)]
     assert (row["r1"], row["t1"], row["r2"], row["t2"], row["r3"], row["t3"]) == (2, 5.0, 0, 3.0, 1, 1.0)
-    last_r, last_t, second = oc.waited_for([0, 1, 2], *[[row[k]] * 3 for k in ("r1", "t1", "r2", "t2", "r3", "t3")])
+    last_r, last_t, second = oc.waited_for(
+        [0, 1, 2], *[[row[k]] * 3 for k in ("r1", "t1", "r2", "t2", "r3", "t3")])
     assert last_r.tolist() == [2, 2, 0] and last_t.tolist() == [5.0, 5.0, 3.0]
     assert second.tolist() == [1.0, 3.0, 1.0]  # rank 1 waits for rank 2 alone only after 3
     # chained: rank 0 waits [1.0, 1.5) ms for rank 1, which was in its previous collective's
