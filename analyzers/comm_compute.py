@@ -18,7 +18,7 @@ import numpy as np
 
 from trainprof._lazy import pd
 from trainprof.analyzers import _async_p2p, _coll_kernels, _gpu_calls, _log_labels
-from trainprof.analyzers import _lateness
+from trainprof.analyzers import _lateness, _overlap_credit
 from trainprof.analyzers import _intervals as iv
 from trainprof.analyzers._stats import median
 from trainprof.analyzers.estimates import MIN_SAVING, exposed_comm_hidden
@@ -687,6 +687,9 @@ def analyze(run) -> AnalyzerResult:
         for r in per_rank:
             if r["rank"] in arrival:
                 r["peer_arrival_wait_fraction"] = arrival[r["rank"]]
+        credit = _overlap_credit.credits(run, per_rank, per_step)  # what overlap removes too
+        for r in per_rank:
+            r.update(credit.get(r["rank"], {}))
         metrics["exposed_comm_fraction_excl_peer_arrival"] = round(float(median(
             [max(0.0, r["exposed_comm_fraction"] - arrival.get(r["rank"], 0.0)) for r in per_rank])), 4)
     missing = _missing_ranks(run)

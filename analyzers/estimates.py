@@ -218,25 +218,59 @@ def sync_removed_window(row: dict) -> dict | None:
                     f"profiled step window (rank {row.get('rank')}, comm_compute)")
 
 
+def overlap_hidden(transfer: float, delay: float, compute: float, idle: float) -> float:
+    """How much communication overlap hides at most (any unit): ``transfer`` (communication's
+    own time, the peers' included) runs under ``compute`` or ``idle`` host time; ``delay`` (the
+    host's delay in collectives: cores contended) goes only where the host is idle, since busy
+    compute leaves the cores as contended. The largest assignment of the two to the two:
+    min(transfer + min(delay, idle), compute + idle)."""
+    t, d, c, i = (max(float(x or 0.0), 0.0) for x in (transfer, delay, compute, idle))
+    return min(t + min(d, i), c + i)
+
+
 def exposed_comm_hidden(row: dict, exposed_fraction: float | None = None) -> dict | None:
     """Overlap bound: exposed communication hidden under the step's compute, but for the
     exposed part of the step's last collective (it reduces the last gradients: no compute is
-    left to hide it), and at most as much compute as is not yet overlapping communication."""
+    left to hide it), and at most as much compute as is not yet overlapping communication.
+
+    On CPU ranks the row may carry what comm_compute's peer-arrival rule left out of
+    ``exposed_fraction`` but overlap removes too (analyzers/_overlap_credit.py): waits chained
+    from a peer's previous collective (its transfer: ``chained_transfer_fraction``, its host's
+    delay: ``chained_delay_fraction``), the rank's own host delay (``host_delay_fraction``), and
+    the host's idle time (``idle_host_fraction``) to hide under (:func:`overlap_hidden`)."""
     win = row.get("step_window_ms")
     if not _num(win):
         return None
-    ex = exposed_fraction if _num(exposed_fraction) else row.get("exposed_comm_fraction") or 0.0
+    full = row.get("exposed_comm_fraction") or 0.0
+    ex = exposed_fraction if _num(exposed_fraction) else full
     tail = row.get("tail_exposed_fraction") or 0.0
     comp = row.get("compute_fraction") or 0.0
-    hide = win * min(max(ex - tail, 0.0), comp)
+    f = lambda k: max(float(row.get(k) or 0.0), 0.0)  # noqa: E731
+    base = max(ex - tail, 0.0)
+    # the credits are parts of what exposed_fraction left out: never more than that
+    room = max(full - tail - base, 0.0)
+    chained_t, chained_d, delay = f("chained_transfer_fraction"), f("chained_delay_fraction"), \
+        f("host_delay_fraction")
+    got = chained_t + chained_d + delay
+    scale = min(1.0, room / got) if got > 0 else 0.0
+    idle = f("idle_host_fraction")
+    hide = win * overlap_hidden(base + chained_t * scale, (chained_d + delay) * scale, comp, idle)
+    credited = got > 0 or idle > 0
     return estimate(win, win - hide,
                     "overlap bound: the profiled step window minus its exposed communication "
                     "but the last collective's (min(exposed − last collective's exposed, "
-                    "compute not yet overlapping communication))",
+                    "compute not yet overlapping communication))"
+                    + ("; on CPU, waits for a peer still in its previous collective count as "
+                       "communication, and the host's delay in collectives is hidden too where "
+                       "the host is idle (min(transfer + min(host delay, idle), compute + idle))"
+                       if credited else ""),
                     ["the collectives are issued early enough to run under independent compute "
                      "(DDP buckets / FSDP prefetch / async TP); the transfers take as long as now",
                      "the step's last collective stays exposed: it waits for the last gradients",
-                     "an upper bound on the saving: dependencies may leave part exposed"],
+                     "an upper bound on the saving: dependencies may leave part exposed",
+                     *(["the host's delay in collectives (cores contended) goes only when they run "
+                        "while the host sleeps or waits (idle time measured per step)"]
+                       if credited else [])],
                     f"profiled step window (rank {row.get('rank')}, comm_compute)")
 
 

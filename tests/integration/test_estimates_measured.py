@@ -119,7 +119,10 @@ def _check_overlap(problem: dict, fixed: dict, kind: str) -> tuple[float, float]
     # the fix fits the case: the job all-reduces by hand after backward, DDP is what overlaps
     assert f["fix"] == comm_compute.HAND_ALL_REDUCE_FIX and "DistributedDataParallel" in f["fix"]
     assert e and e["model"].startswith("overlap bound") and e["assumptions"]
-    assert e["step_ms_before"] == pytest.approx(_profiled_window(problem), rel=0.02)
+    # of the ranks' profiled windows, the one of the rank whose bound is the job's (the lower
+    # median): 2 ranks' windows differ by a few %, their median is their mean
+    assert e["step_ms_before"] in [pytest.approx(r["step_window_ms"], abs=1e-3)
+                                   for r in problem["metrics"]["comm_compute"]["per_rank"]]
     measured = _profiled_window(fixed)
     assert measured < 0.85 * e["step_ms_before"], (e, measured)
     assert abs(e["step_ms_after"] - measured) <= TOLERANCE * measured, (e, measured)
@@ -128,22 +131,20 @@ def _check_overlap(problem: dict, fixed: dict, kind: str) -> tuple[float, float]
     return e["step_ms_after"], measured
 
 
-@pytest.mark.long  # ~65 s a pair at load 11 on 2 cores; missed 15 % at load 9-13 (docs/estimates.md)
+@pytest.mark.long  # ~65 s a pair at load 10 on 2 cores; misses at load 15+ (docs/estimates.md)
 def test_overlap_estimate_matches_the_run_with_async_hooks(tmp_path):
-    # 8 MB of gradients in 8 tensors (almost no compute) all-reduced by hand after backward,
-    # whose last 100 ms (a sleep at the input's end) could hide them; the fix: DDP, which
-    # all-reduces its buckets while that backward runs (gloo's 8 MB all-reduce took 20-70 ms
-    # here under load: it fits under the sleep). 3 profiled steps of 8.
-    # The fix changes only the overlap: the same per-gradient all-reduces, issued async from
-    # each parameter's post-accumulate-grad hook while backward runs (--grad-sync hooks; DDP
-    # would also merge them into buckets). 32 MB: at 8 MB on an idle machine the problem run's
-    # saving is under 5 % and there is no finding. Misses on the idle machine too (the
-    # estimate counts 19-24 % of the step as waiting for peers: docs/estimates.md).
+    # 32 MB of gradients in 8 tensors (almost no compute) all-reduced by hand after backward,
+    # one blocking all_reduce per tensor, whose last 100 ms (a sleep at the input's end) could
+    # hide them. The fix changes only the overlap: the same per-gradient all-reduces, issued
+    # async from each parameter's post-accumulate-grad hook while backward runs (--grad-sync
+    # hooks; DDP would also merge them into buckets). On CPU the bound counts the waits for a
+    # peer still in its previous all-reduce and, under the sleep, the host's delay in them
+    # (analyzers/_overlap_credit.py). 3 profiled steps of 8.
     job = ["--compute-ms", "0", "--backward-ms", "100", "--comm-mb", "32"]
     est, measured = _checked_pair(
         tmp_path, [*job, "--grad-sync", "manual"], [*job, "--grad-sync", "hooks"], "exposed_comm",
         run=lambda p, a, b: _pair(p, a, b, profile="3-5"), check=_check_overlap)
-    print(f"overlap: estimate {est:.1f} ms, measured {measured:.1f} ms")
+    print(f"overlap: estimate {est:.1f} ms, measured {measured:.1f} ms ({est / measured - 1:+.0%})")
 
 
 # --------------------------------------------------------------------------- pipeline

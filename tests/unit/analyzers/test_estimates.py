@@ -86,6 +86,168 @@ def test_exposed_comm_overlap_bound_and_pipeline_micro_batches():
     assert e["step_ms_after"] == pytest.approx(115.0)
 
 
+def test_overlap_bound_credits_chained_waits_and_host_delay_under_idle_time():
+    """What the peer-arrival rule left out of the rank's own exposed share (0.1 of 0.5): waits
+    for a peer still in its previous collective's transfer (0.1) and host delay (0.15). The last
+    collective's 0.05 stays. Fails on a bound that reads neither."""
+    row = {"rank": 0, "step_window_ms": 200.0, "exposed_comm_fraction": 0.5,
+           "tail_exposed_fraction": 0.05, "compute_fraction": 0.1,
+           "chained_transfer_fraction": 0.1, "host_delay_fraction": 0.15, "idle_host_fraction": 0.3}
+    # transfer 0.1 − 0.05 + 0.1 = 0.15; the delay 0.15 only under idle (0.3): hidden
+    # min(0.15 + min(0.15, 0.3), 0.1 + 0.3) = 0.3 → 200 − 60
+    e = est.exposed_comm_hidden(row, 0.1)
+    assert e["step_ms_after"] == pytest.approx(140.0)
+    assert any("host sleeps or waits" in a for a in e["assumptions"])
+    # busy compute only: the delay stays (the cores stay contended); the transfer fills the
+    # compute: min(0.15, 0.1) → 200 − 20
+    assert est.exposed_comm_hidden(dict(row, idle_host_fraction=0.0), 0.1)["step_ms_after"] == \
+        pytest.approx(180.0)
+    # never more than the time to hide under: compute 0 and idle 0.05 → 10 ms
+    assert est.exposed_comm_hidden(dict(row, compute_fraction=0.0, idle_host_fraction=0.05),
+                                   0.1)["step_ms_after"] == pytest.approx(190.0)
+    # credits beyond what the rule left out (0.5 − 0.05 − 0.05 = 0.4) are scaled to it:
+    # chained 0.4 and delay 0.4 → 0.2 each; plenty of time: 0.05 + 0.2 + 0.2 = 0.45 → 110
+    big = dict(row, chained_transfer_fraction=0.4, host_delay_fraction=0.4, idle_host_fraction=0.9)
+    assert est.exposed_comm_hidden(big, 0.1)["step_ms_after"] == pytest.approx(110.0)
+    # a peer's delay it waited for counts as delay: hidden only under idle time
+    row2 = dict(row, chained_transfer_fraction=0.0, chained_delay_fraction=0.1,
+                host_delay_fraction=0.0, idle_host_fraction=0.0, compute_fraction=0.5)
+    assert est.exposed_comm_hidden(row2, 0.1)["step_ms_after"] == pytest.approx(190.0)
+    assert est.exposed_comm_hidden(dict(row2, idle_host_fraction=0.2), 0.1)["step_ms_after"] == \
+        pytest.approx(170.0)
+    # the pure assignment: transfer under compute or idle, delay under idle only
+    assert est.overlap_hidden(10, 10, 5, 3) == pytest.approx(8)      # all the cover
+    assert est.overlap_hidden(2, 10, 5, 3) == pytest.approx(5)       # 2 + the idle 3
+    assert est.overlap_hidden(0, 10, 50, 0) == 0.0                   # delay under busy: none
+
+
+def test_overlap_credit_pieces_on_hand_timelines():
+    from trainprof.analyzers import _overlap_credit as oc
+    # intersections with a set [10, 20) ∪ [30, 50): [15, 35) → 5 + 5; [0, 100) → 30; key 9: none
+    sets = {1: (np.array([10, 30]), np.array([20, 50]))}
+    assert oc.covered([15, 0, 0, 40], [35, 100, 100, 40], sets, [1, 1, 9, 1]).tolist() == [10, 30, 0, 0]
+    # the split: waits until the last other arrival; past it, the time beyond the 10th
+    # percentile of the same kind (6 records of 100 µs past the arrival but one of 150) is the
+    # host's delay
+    total = [0.1, 0.15, 0.15, 0.1, 0.1, 0.1, 0.05]
+    t_enq = [0.0, 0.0, 1.0, 1.05, 2.0, 2.0, 3.0]
+    t_last = [0.0, 0.0, 1.05, 1.0, 2.0, 2.0, 3.0]
+    wait, late = oc.split_waits(total, t_enq, t_last, ["a"] * 6 + ["b"])
+    assert wait == pytest.approx([0, 0, 0.05, 0, 0, 0, 0])
+    assert late == pytest.approx([0, 0.05, 0, 0, 0, 0, 0])  # "b": one record, no quantile
+    # who a record waits for: 3 members arriving at 5 (rank 2), 3 (rank 0), 1 (rank 1)
+    top = oc.last_arrivals(["g"] * 3, [0, 0, 0], [0, 1, 2], [3.0, 1.0, 5.0])
+    row = top.loc[("g", 0)]
+    assert (row["r1"], row["t1"], row["r2"], row["t2"], row["r3"], row["t3"]) == (2, 5.0, 0, 3.0, 1, 1.0)
+    last_r, last_t, second = oc.waited_for(
+        [0, 1, 2], *[[row[k]] * 3 for k in ("r1", "t1", "r2", "t2", "r3", "t3")])
+    assert last_r.tolist() == [2, 2, 0] and last_t.tolist() == [5.0, 5.0, 3.0]
+    assert second.tolist() == [1.0, 3.0, 1.0]  # rank 1 waits for rank 2 alone only after 3
+    # chained: rank 0 waits [1.0, 1.5) ms for rank 1, which was in its previous collective's
+    # transfer until 1.2 ms and its host's delay until 1.4 ms, then ran its own code
+    ms = lambda a, b: (np.array([round(a * 1e6)]), np.array([round(b * 1e6)]))  # noqa: E731
+    ch_t, ch_d = oc.chained([1.0], [0.5], [1], [-np.inf], {1: ms(0.5, 1.2)}, {1: ms(1.2, 1.4)})
+    assert (ch_t.tolist(), ch_d.tolist()) == ([200_000], [200_000])
+    # the same wait for a peer that was computing (a straggler): nothing chained
+    ch_t, ch_d = oc.chained([1.0], [0.5], [1], [-np.inf], {1: ms(0.2, 0.8)}, {1: ms(0.8, 0.9)})
+    assert (ch_t.tolist(), ch_d.tolist()) == ([0], [0])
+    # idle host: 800 µs off the CPU less 400 exposed and 50 input → 350, at most "other"
+    assert oc.idle_host_ms(0.8, 0.4, 0.05, 0.43) == pytest.approx(0.35)
+    assert oc.idle_host_ms(0.8, 0.4, 0.0, 0.3) == pytest.approx(0.3)
+    assert oc.idle_host_ms(0.3, 0.4, 0.0, 0.5) == 0.0
+    # off-CPU time from step records weighted by overlap: a 10 ms step (6 on CPU, 1 waiting
+    # for one) half inside the window → 1.5 ms
+    assert oc.off_cpu_ms(5, 15, [(0, 10, 10.0, 6.0, 1.0)]) == pytest.approx(1.5)
+    assert oc.off_cpu_ms(5, 15, [(0, 10, 10.0, float("nan"), 1.0)]) is None
+
+
+def _cpu_job(root: Path, ranks: dict, cpu_ms: float | None):
+    """Two CPU ranks, one 1000 µs profiled step each (T µs on the trace's and the log's clock):
+    per rank, a 400 µs sleep in backward (a Python function: neither compute nor
+    communication), 50 µs of compute, blocking all-reduces (enqueue, end µs; the log's records;
+    the trace's c10d/gloo spans), extra compute spans, and 120 µs of compute at the end;
+    steps.jsonl's on-CPU time for the step (``cpu_ms``; none when None)."""
+    from trainprof.analysis.run import RunDir
+    from trainprof.rundir.files import profiler_trace_path, rank_dir, write_json_atomic
+    T = 1_000_000
+    X = lambda n, c, ts, dur, tid=1: {"ph": "X", "name": n, "cat": c, "ts": ts, "dur": dur,  # noqa: E731
+                                      "pid": 1, "tid": tid, "args": {}}
+    for r, (colls, extra) in ranks.items():
+        ev = [X("ProfilerStep#1", "user_annotation", T, 1000),
+              X("autograd::engine::evaluate_function: SlowBackwardBackward", "cpu_op", T, 400),
+              X("aten::mm", "cpu_op", T + 400, 50), X("aten::mm", "cpu_op", T + 880, 120)]
+        ev += [X("aten::mm", "cpu_op", T + a, b - a) for a, b in extra]
+        for a, b, _ in colls:
+            ev += [X("c10d::allreduce_", "cpu_op", T + a, b - a),
+                   X("gloo:all_reduce", "user_annotation", T + a, b - a, tid=2)]
+        p = profiler_trace_path(root, r)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(p, "wt") as fh:
+            json.dump({"distributedInfo": {"rank": r, "world_size": 2, "backend": "gloo"},
+                       "traceEvents": ev}, fh)
+        d = rank_dir(root, r)
+        write_json_atomic(d / "meta.json", {"rank": r, "world_size": 2})
+        log = [{"step": 1, "pg": "0", "seq": i, "op": "all_reduce", "bytes": nb,
+                "enqueue_ns": (T + a) * 1000, "end_ns": (T + b) * 1000, "blocked_ms": (b - a) / 1000,
+                "async": False} for i, (a, b, nb) in enumerate(colls)]
+        (d / "collectives.jsonl").write_text("".join(json.dumps(c) + "\n" for c in log))
+        (d / "groups.jsonl").write_text(json.dumps({"pg": "0", "ranks": [0, 1], "size": 2,
+                                                    "backend": "gloo"}) + "\n")
+        if cpu_ms is not None:
+            (d / "steps.jsonl").write_text(json.dumps(
+                {"step": 1, "start_ns": T * 1000, "end_ns": (T + 1000) * 1000, "dur_ms": 1.0,
+                 "source": "optimizer", "cpu_ms": cpu_ms, "cpu_wait_ms": 0.0}) + "\n")
+    return RunDir(root)
+
+
+def test_overlap_bound_of_back_to_back_all_reduces_on_a_run(tmp_path):
+    """Four back-to-back all-reduces after a 400 µs sleep in backward (µs): rank 1's first one
+    ends 50 µs after rank 0's (its host's delay: 150 µs past the arrival where the others of
+    that size take 100), so rank 0 waits in the second from 560 until rank 1 arrives at 610:
+    40 µs of it while rank 1 is still in that delay (chained), 10 while it runs its own code.
+
+        rank 0: A 450-550, B 560-710, C 720-820, D 830-880 (8 bytes, the last)
+        rank 1: A 450-600, B 610-710, C 720-820, D 830-880
+
+    Each rank: exposed 400 µs (40 %), the last collective 50 (5 %), compute 170 (17 %); the
+    peer-arrival rule leaves out rank 0's 50 µs wait and rank 1's 50 µs delay: 35 % its own.
+    The bound without credits: min(35 − 5, 17) = 17 %. steps.jsonl: 200 µs on a CPU, none
+    waiting for one → off-CPU 800 − exposed 400 = 400 µs idle (the sleep; ≤ the trace's other
+    430 µs). Rank 0: transfer 30 %, delay 4 % (chained) → min(30 + 4, 17 + 40) = 34 %; rank 1:
+    30 % + its own delay 5 % → 35 %; the job takes the lower: 34 %."""
+    colls = {0: ([(450, 550, 4), (560, 710, 4), (720, 820, 4), (830, 880, 8)], []),
+             1: ([(450, 600, 4), (610, 710, 4), (720, 820, 4), (830, 880, 8)], [])}
+    from trainprof.analyzers import comm_compute
+    res = comm_compute.analyze(_cpu_job(tmp_path / "idle", colls, cpu_ms=0.2))
+    per = {r["rank"]: r for r in res.metrics["per_rank"]}
+    assert [per[r]["exposed_comm_fraction"] for r in (0, 1)] == pytest.approx([0.4, 0.4])
+    assert [per[r]["peer_arrival_wait_fraction"] for r in (0, 1)] == pytest.approx([0.05, 0.05])
+    assert per[0]["chained_delay_fraction"] == pytest.approx(0.04)
+    assert per[0]["chained_transfer_fraction"] == 0.0 and per[0]["host_delay_fraction"] == 0.0
+    assert per[1]["host_delay_fraction"] == pytest.approx(0.05) and per[1]["chained_delay_fraction"] == 0.0
+    assert [per[r]["idle_host_fraction"] for r in (0, 1)] == pytest.approx([0.4, 0.4])
+    (f,) = [f for f in res.findings if f.kind == "exposed_comm"]
+    assert f.estimate["saving_fraction"] == pytest.approx(0.34, abs=1e-3)
+    assert f.estimate["step_ms_after"] == pytest.approx(0.66, abs=1e-3)
+    # the same job busy the whole step (on a CPU all the time it is not blocked): no idle time,
+    # the delays stay; the compute bounds it: 17 %
+    res = comm_compute.analyze(_cpu_job(tmp_path / "busy", colls, cpu_ms=0.6))
+    (f,) = [f for f in res.findings if f.kind == "exposed_comm"]
+    assert f.estimate["saving_fraction"] == pytest.approx(0.17, abs=1e-3)
+    # rank 1 late from its own work (it computes 550-610 after an A that ends with rank 0's):
+    # rank 0's 50 µs wait is a straggler's, not communication: nothing chained, nothing
+    # delayed (every 4-byte all-reduce takes 100 µs past the arrival): 30 % + 0 → 30 % (rank
+    # 0's), and rank 1 computes 60 µs more
+    strag = {0: colls[0], 1: ([(450, 550, 4), (610, 710, 4), (720, 820, 4), (830, 880, 8)], [(550, 610)])}
+    res = comm_compute.analyze(_cpu_job(tmp_path / "straggler", strag, cpu_ms=0.2))
+    per = {r["rank"]: r for r in res.metrics["per_rank"]}
+    assert per[0]["peer_arrival_wait_fraction"] == pytest.approx(0.05)
+    assert not any(per[0].get(k) for k in ("chained_transfer_fraction", "chained_delay_fraction",
+                                            "host_delay_fraction"))
+    (f,) = [f for f in res.findings if f.kind == "exposed_comm"]
+    assert f.estimate["saving_fraction"] == pytest.approx(0.30, abs=1e-3)
+
+
 def _dataloader_trace(tmp_path: Path, share: float) -> Path:
     """The H100 trace with an enumerate(DataLoader) span over `share` of each host step (the
     device's work and idle unchanged: 45 % idle, under the 50 % the idle rule needed)."""
