@@ -16,6 +16,7 @@ from helpers import run_cli
 
 JOB = r"""
 import os, time, torch
+torch.set_num_threads(1)  # a 32x64 matmul on 2 intra-op threads waits ~100 ms for a preempted one on a loaded host
 m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
 opt = torch.optim.SGD(m.parameters(), lr=0.01)
 for step in range(int(os.environ["STEPS"])):
