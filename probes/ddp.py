@@ -405,8 +405,15 @@ def _patch_ddp():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     init, register, builtin = DDP.__init__, DDP.register_comm_hook, DDP._register_builtin_comm_hook
-    # under torch.compile the pre-hook runs eagerly (dynamo would trace it and skip the install)
-    first_forward = torch.compiler.disable(_first_forward)
+    # under torch.compile the pre-hook runs eagerly (dynamo would trace it and skip the install);
+    # wrapped at the first DDP's construction, which imports dynamo anyway: a job without DDP
+    # does not pay dynamo's import (1.5-3 s of CPU per rank) for the probe
+    disabled: list = []
+
+    def first_forward():
+        if not disabled:
+            disabled.append(torch.compiler.disable(_first_forward))
+        return disabled[0]
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
@@ -416,7 +423,7 @@ def _patch_ddp():
                 return
             tap = _tap_of(self)
             if not tap.installed and id(self) not in _HANDLES:
-                _HANDLES[id(self)] = self.register_forward_pre_hook(first_forward,
+                _HANDLES[id(self)] = self.register_forward_pre_hook(first_forward(),
                                                                     with_kwargs=True)
                 weakref.finalize(self, _HANDLES.pop, id(self), None)
         except Exception as e:  # noqa: BLE001

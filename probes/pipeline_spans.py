@@ -18,11 +18,10 @@ micro-batch count when a schedule's ``step()`` (PipelineScheduleSingle/Multi) fi
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 
-from trainprof.probes import runtime
+from trainprof.probes import post_import, runtime
 
 STAGE_MODULE = "torch.distributed.pipelining.stage"
 SCHEDULE_MODULE = "torch.distributed.pipelining.schedules"
@@ -261,48 +260,12 @@ def _patch_module(module):
 MODULES = (STAGE_MODULE, SCHEDULE_MODULE)
 
 
-class _PatchOnImport:
-    """Meta-path finder that patches the pipelining modules right after they are first
-    executed. Importing pipelining eagerly costs ~1-2 s, paid by every job that never uses it."""
-
-    def __init__(self, names):
-        self.pending = set(names)
-
-    def find_spec(self, name, path, target=None):
-        if name not in self.pending:
-            return None
-        self.pending.discard(name)
-        if not self.pending:
-            try:
-                sys.meta_path.remove(self)
-            except ValueError:
-                pass
-        from importlib.machinery import PathFinder
-
-        spec = PathFinder.find_spec(name, path, target)
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            _patch_module(module)
-
-        loader.exec_module = exec_and_patch
-        return spec
-
-
 def _install_patches():
-    pending = []
+    """Patch the pipelining modules when the job imports them (never imported here: ~1-2 s,
+    paid by every job that never uses it)."""
     for name in MODULES:
-        module = sys.modules.get(name)
-        if module is not None:
-            _patch_module(module)
-        elif name not in _patched:
-            pending.append(name)
-    if pending and not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport(pending))
+        if name not in _patched:
+            post_import.when_imported(name, _patch_module)
 
 
 def attach(session) -> None:
