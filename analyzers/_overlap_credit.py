@@ -30,7 +30,7 @@ import numpy as np
 
 from trainprof._lazy import pd
 from trainprof.analyzers import _intervals as iv
-from trainprof.analyzers import _lateness
+from trainprof.analyzers import _lateness, _transfer_time
 
 KEYS = ("chained_transfer_fraction", "chained_delay_fraction", "host_delay_fraction",
         "idle_host_fraction")
@@ -72,18 +72,17 @@ def _by_key(keys):
             for k, idx in zip(ks[np.concatenate(([0], cut))], np.split(order, cut))]
 
 
-def split_waits(total_ms, t_enq, t_last, kind_key, quantile=_lateness.TRANSFER_QUANTILE,
-                min_records=_lateness.TRANSFER_MIN_RECORDS):
-    """comm_compute's split of a blocking collective's time (per record, ms): ``wait`` before the
-    last other member arrived (min(total, t_last − t_enq)); ``late``, the host's delay: the time
-    past that beyond the ``quantile`` of the same over the records of its kind (``kind_key``:
-    group, op and size), when there are ≥ ``min_records`` of them (else none)."""
+def split_waits(total_ms, t_enq, t_last, group, op, nbytes):
+    """The split of a blocking collective's time (per record, ms) that comm_compute judges
+    exposed communication by: ``wait`` before the last other member arrived (min(total,
+    t_last − t_enq)); ``late``, the host's delay: the time past that beyond the op's own time
+    (_transfer_time.own_time: a low quantile over the group's instances of the op of about the
+    same size, none without enough of them)."""
     total = np.nan_to_num(np.asarray(total_ms, float))
     wait = np.minimum(total, np.clip(np.asarray(t_last, float) - np.asarray(t_enq, float), 0.0, None))
-    after = pd.Series(total - wait)
-    own = after.groupby(np.asarray(kind_key)).transform(
-        lambda x: x.quantile(quantile) if len(x) >= min_records else np.inf).to_numpy(float)
-    return wait, np.clip(after.to_numpy(float) - own, 0.0, None)
+    after = total - wait
+    own = _transfer_time.own_time(np.asarray(group), np.asarray(op), np.asarray(nbytes, dtype=object), after)
+    return wait, np.clip(after - own, 0.0, None)
 
 
 def last_arrivals(group, ordinal, rank, t_enq) -> pd.DataFrame:
@@ -176,10 +175,9 @@ def credits(run, per_rank: list[dict], per_step: list[dict]) -> dict[int, dict]:
     rank = c["rank"].to_numpy(np.int64)
     t_enq = c["t_enq"].to_numpy(float)
     last_r, last_t, second = waited_for(rank, c["r1"], c["t1"], c["r2"], c["t2"], c["r3"], c["t3"])
-    key = c.groupby([c["group"], c["op"].astype(str), c["bytes"]], sort=False,
-                    dropna=False).ngroup().to_numpy()
     total = np.nan_to_num(c["wait_ms"].to_numpy(float))
-    wait, late = split_waits(total, t_enq, last_t, key)
+    wait, late = split_waits(total, t_enq, last_t, c["group"].to_numpy(), c["op"].to_numpy(),
+                             c["bytes"].to_numpy())
     # each rank's time in its collectives after every member arrived: transfer, then host delay
     ns = lambda t: np.round(t * 1e6).astype(np.int64)  # noqa: E731 - reference clock, ms → ns
     a, b, z = ns(t_enq + wait), ns(t_enq + total - late), ns(t_enq + total)

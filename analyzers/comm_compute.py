@@ -828,17 +828,14 @@ def _peer_arrival_waits(run, per_rank: list[dict], per_step: list[dict]) -> dict
         last = df.loc[df["complete"].to_numpy(bool)].groupby(["group", "ordinal"], observed=True)["t_enq"].max()
         c = c.join(last.rename("t_last"), on=["group", "ordinal"])
         total = np.nan_to_num(c["wait_ms"].to_numpy(float))
-        wait = np.minimum(total, (c["t_last"] - c["t_enq"]).clip(lower=0.0).to_numpy(float))
         # past the last arrival, the op's own time is a low quantile of that part over the
-        # instances of the same op and size in the group (as for a pipeline's hand-overs,
-        # _lateness.p2p_upstream_waits); the rest is the host's delay (on 2 shared cores a
-        # 512 KiB all_to_all took 0.6 ms at best, 3.1 ms at the median): a slow link makes
-        # every instance slow, and its quantile keeps it communication
-        after = pd.Series(total - wait, index=c.index)
-        own = after.groupby([c["group"].astype(str), c["op"].astype(str), c["bytes"]]).transform(
-            lambda x: x.quantile(_lateness.TRANSFER_QUANTILE)
-            if len(x) >= _lateness.TRANSFER_MIN_RECORDS else np.inf).to_numpy(float)
-        late = np.clip(after.to_numpy(float) - own, 0.0, None)
+        # group's instances of the same op and about the same size (_transfer_time: an
+        # expert-parallel all_to_all's size changes every step); the rest is the host's delay
+        # (on 2 shared cores a 512 KiB all_to_all took 0.6 ms at best, 3.1 ms at the median):
+        # a slow link makes every instance slow, and its quantile keeps it communication
+        wait, late = _overlap_credit.split_waits(total, c["t_enq"].to_numpy(float),
+                                                 c["t_last"].to_numpy(float), c["group"].to_numpy(),
+                                                 c["op"].to_numpy(), c["bytes"].to_numpy())
         enq = c["enqueue_ns"].astype(np.int64).to_numpy()
         ends = enq + np.round(wait * 1e6).astype(np.int64)
         rank_of = c["rank"].to_numpy(np.int64)

@@ -132,7 +132,7 @@ def test_overlap_credit_pieces_on_hand_timelines():
     total = [0.1, 0.15, 0.15, 0.1, 0.1, 0.1, 0.05]
     t_enq = [0.0, 0.0, 1.0, 1.05, 2.0, 2.0, 3.0]
     t_last = [0.0, 0.0, 1.05, 1.0, 2.0, 2.0, 3.0]
-    wait, late = oc.split_waits(total, t_enq, t_last, ["a"] * 6 + ["b"])
+    wait, late = oc.split_waits(total, t_enq, t_last, ["g"] * 7, ["all_reduce"] * 6 + ["send"], [1024] * 7)
     assert wait == pytest.approx([0, 0, 0.05, 0, 0, 0, 0])
     assert late == pytest.approx([0, 0.05, 0, 0, 0, 0, 0])  # "b": one record, no quantile
     # who a record waits for: 3 members arriving at 5 (rank 2), 3 (rank 0), 1 (rank 1)
@@ -206,7 +206,7 @@ def test_overlap_bound_of_back_to_back_all_reduces_on_a_run(tmp_path):
     that size take 100), so rank 0 waits in the second from 560 until rank 1 arrives at 610:
     40 µs of it while rank 1 is still in that delay (chained), 10 while it runs its own code.
 
-        rank 0: A 450-550, B 560-710, C 720-820, D 830-880 (8 bytes, the last)
+        rank 0: A 450-550, B 560-710, C 720-820, D 830-880 (4 KiB, the last: no other of its size)
         rank 1: A 450-600, B 610-710, C 720-820, D 830-880
 
     Each rank: exposed 400 µs (40 %), the last collective 50 (5 %), compute 170 (17 %); the
@@ -215,8 +215,8 @@ def test_overlap_bound_of_back_to_back_all_reduces_on_a_run(tmp_path):
     waiting for one → off-CPU 800 − exposed 400 = 400 µs idle (the sleep; ≤ the trace's other
     430 µs). Rank 0: transfer 30 %, delay 4 % (chained) → min(30 + 4, 17 + 40) = 34 %; rank 1:
     30 % + its own delay 5 % → 35 %; the job takes the lower: 34 %."""
-    colls = {0: ([(450, 550, 4), (560, 710, 4), (720, 820, 4), (830, 880, 8)], []),
-             1: ([(450, 600, 4), (610, 710, 4), (720, 820, 4), (830, 880, 8)], [])}
+    colls = {0: ([(450, 550, 4), (560, 710, 4), (720, 820, 4), (830, 880, 4096)], []),
+             1: ([(450, 600, 4), (610, 710, 4), (720, 820, 4), (830, 880, 4096)], [])}
     from trainprof.analyzers import comm_compute
     res = comm_compute.analyze(_cpu_job(tmp_path / "idle", colls, cpu_ms=0.2))
     per = {r["rank"]: r for r in res.metrics["per_rank"]}
@@ -238,7 +238,7 @@ def test_overlap_bound_of_back_to_back_all_reduces_on_a_run(tmp_path):
     # rank 0's 50 µs wait is a straggler's, not communication: nothing chained, nothing
     # delayed (every 4-byte all-reduce takes 100 µs past the arrival): 30 % + 0 → 30 % (rank
     # 0's), and rank 1 computes 60 µs more
-    strag = {0: colls[0], 1: ([(450, 550, 4), (610, 710, 4), (720, 820, 4), (830, 880, 8)], [(550, 610)])}
+    strag = {0: colls[0], 1: ([(450, 550, 4), (610, 710, 4), (720, 820, 4), (830, 880, 4096)], [(550, 610)])}
     res = comm_compute.analyze(_cpu_job(tmp_path / "straggler", strag, cpu_ms=0.2))
     per = {r["rank"]: r for r in res.metrics["per_rank"]}
     assert per[0]["peer_arrival_wait_fraction"] == pytest.approx(0.05)
