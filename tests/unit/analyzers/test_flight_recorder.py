@@ -7,6 +7,8 @@ import json
 import os
 import pickle
 
+import time
+
 import pytest
 
 from trainprof.analyzers import _flight_recorder as fr
@@ -154,7 +156,15 @@ def test_real_gloo_dump_roundtrip(tmp_path):
         t = torch.ones(3)
         dist.all_reduce(t)
         dist.broadcast(t, 0)
-        (tmp_path / "flight-recorder.pkl").write_bytes(c10d._dump_fr_trace())
+        # gloo marks a work completed in the flight recorder from its own thread, a moment
+        # after wait() returned: on a loaded host the first dump can still see it in flight
+        for _ in range(200):
+            (tmp_path / "flight-recorder.pkl").write_bytes(c10d._dump_fr_trace())
+            d = fr.load(tmp_path / "flight-recorder.pkl")
+            st = d["pg_status"][d["entries"][-1]["pg"]]
+            if st["completed"] == st["enqueued"]:
+                break
+            time.sleep(0.01)
         (tmp_path / "flight-recorder.json").write_bytes(c10d._dump_fr_trace_json())
     finally:
         dist.destroy_process_group()
