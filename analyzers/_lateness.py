@@ -201,9 +201,7 @@ def _compact_frame(run) -> pd.DataFrame:
     ranks = cs["rank"].to_numpy(np.int64)
     first = cs["enqueue_first_ns"].to_numpy(np.int64).copy()
     al = _align.align(run)
-    for r in np.unique(ranks):
-        m = ranks == r
-        first[m] = np.asarray(al(int(r), first[m]), np.int64)
+    _align.align_cols(lambda r, x: np.asarray(al(r, x), np.int64), ranks, first)
     base = int(first.min())
     df = pd.DataFrame({
         "rank": ranks, "step": cs["step"].to_numpy(np.int64),
