@@ -252,6 +252,14 @@ def collective_steps(run):
     return out
 
 
+def release_collective_steps(run) -> None:
+    """Drop the cached collective_steps frame (millions of rows on a long or wide run) once its
+    readers have what they derive from it; a later call reads it again."""
+    cache = getattr(run, "_cache", None)
+    if cache is not None:
+        cache.pop("series:collective_steps", None)
+
+
 def _merge_rows(df):
     g = df.groupby(["rank", "step", "pg", "op"], sort=False)
     if g.ngroups == len(df):
