@@ -56,6 +56,31 @@ class Alignment:
         return {r: i.get("uncertainty_us", 0.0) for r, i in self.info.items()}
 
 
+def by_rank(fn, ranks, *cols) -> None:
+    """Each column replaced in place by ``fn(rank, its values)``, a rank's rows at a time (in
+    their order), the rows put together once by a sort (a mask per rank costs ranks × rows:
+    seconds at 1,024 ranks). ``fn`` may return None: the rows stay as they are."""
+    ranks = np.asarray(ranks)
+    if not len(ranks):
+        return
+    order = np.argsort(ranks, kind="stable")
+    rs = ranks[order]
+    cuts = np.flatnonzero(np.r_[True, rs[1:] != rs[:-1]])
+    ends = np.r_[cuts[1:], len(rs)]
+    for c in cols:
+        v = c[order]
+        for a, b in zip(cuts.tolist(), ends.tolist()):
+            out = fn(int(rs[a]), v[a:b])
+            if out is not None:
+                v[a:b] = out
+        c[order] = v
+
+
+def align_cols(al, ranks, *cols) -> None:
+    """Each column aligned in place (al: :func:`align`'s mapping), a rank's rows at a time."""
+    by_rank(al, ranks, *cols)
+
+
 # every member's result needs every member's input: no member returns before all have entered
 CAUSAL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "barrier")
 
@@ -77,12 +102,8 @@ def _ends_table(run, base) -> dict:
     inst = gcode * (int(ordinal.max()) + 1) + ordinal
     end = df["end_ns"].astype(np.int64).to_numpy().copy()
     enq = df["enqueue_ns"].astype(np.int64).to_numpy().copy()
-    for r in np.unique(ranks):
-        m = ranks == r
-        fn = base.get(int(r))
-        if fn is not None:
-            end[m] = np.asarray(fn(end[m]), np.int64)
-            enq[m] = np.asarray(fn(enq[m]), np.int64)
+    by_rank(lambda r, x: np.asarray(base[r](x), np.int64) if base.get(r) is not None else None,
+            ranks, end, enq)
     backend = {k: str(g.get("backend") or "") for k, g in coll._groups(run).items()}
     pg = df["pg"].astype(str).to_numpy()
     host_side = np.array([backend.get((int(r), p), "") == "gloo" for r, p in zip(ranks, pg)], bool)
@@ -95,16 +116,30 @@ def _ends_table(run, base) -> dict:
 def causal_bounds(t: dict, r: int, aligned: np.ndarray) -> tuple[float, float, int]:
     """(lo, hi, n): rank r's clock offset (its aligned times minus true ones) lies in [lo, hi]
     by causality over the ``n`` causal collectives it shares with the ``aligned`` rows' ranks."""
+    return _bounds(t, np.flatnonzero(t["rank"] == r), _reference(t, aligned))
+
+
+def _reference(t: dict, aligned: np.ndarray):
+    """Per causal instance of the ``aligned`` rows: (instances, last enqueue, first end), or
+    None without any."""
     ref = aligned & t["causal"]
     if not ref.any():
-        return -np.inf, np.inf, 0
+        return None
     inst = t["inst"][ref]
     u, inv = np.unique(inst, return_inverse=True)
     last_enq = np.full(len(u), np.iinfo(np.int64).min)
     np.maximum.at(last_enq, inv, t["enq"][ref])
     first_end = np.full(len(u), np.iinfo(np.int64).max)
     np.minimum.at(first_end, inv, t["end"][ref])
-    mine = (t["rank"] == r) & t["causal"]
+    return u, last_enq, first_end
+
+
+def _bounds(t: dict, rows: np.ndarray, reference) -> tuple[float, float, int]:
+    """causal_bounds of the rank whose rows of ``t`` are ``rows``."""
+    if reference is None:
+        return -np.inf, np.inf, 0
+    u, last_enq, first_end = reference
+    mine = rows[t["causal"][rows]]
     j = np.searchsorted(u, t["inst"][mine])
     ok = (j < len(u)) & (u[np.minimum(j, len(u) - 1)] == t["inst"][mine])
     if not ok.any():
@@ -155,11 +190,12 @@ def _refine(run, base, unc, info, shift, off_host) -> None:
     keys, meds = med.index.to_numpy(np.int64), med.to_numpy(np.float64)
     order = np.argsort(ranks, kind="stable")
     cuts = np.searchsorted(ranks[order], off_host), np.searchsorted(ranks[order], off_host, "right")
+    reference = _reference(t, aligned)
     for r, a, b in zip(off_host, *cuts):
         u = unc.get(r, 0.0)
         if info[r]["method"].startswith("none"):
             u = float("inf")  # no bound: the ends alone
-        lo, hi, n = causal_bounds(t, r, aligned)
+        lo, hi, n = _bounds(t, order[a:b], reference)
         lo, hi = max(lo, -u), min(hi, u)
         if n >= MIN_MATCHED and np.isfinite(lo) and np.isfinite(hi) and lo <= hi and hi - lo < 2 * u:
             s = (lo + hi) / 2

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from trainprof.analyzers._cp_graph import COLL, DEP, KIND_INDEX, KINDS, WORK, Arrays
-from trainprof.analyzers import collectives as coll
+from trainprof.analyzers import _align, collectives as coll
 
 
 def prepare(run, al) -> dict:
@@ -86,10 +86,7 @@ def _lookup(w, ranks, steps) -> np.ndarray:
 
 def align_cols(al, ranks, *cols) -> None:
     """Each column aligned in place, a rank's rows at a time (al: analyzers._align)."""
-    for r in np.unique(ranks):
-        m = ranks == r
-        for c in cols:
-            c[m] = al(int(r), c[m])
+    _align.align_cols(al, ranks, *cols)
 
 
 def strs(col) -> np.ndarray:
@@ -218,6 +215,78 @@ def chain_paths(prep: dict, skip: set) -> dict:
     return {int(k[s]): (int(longest[i]), int(r[j]), int(a[j]), int(b[j]), int(data[j]),
                         int(before[i]))
             for i, (s, j) in enumerate(zip(starts, best))}
+
+
+def chain_replay(prep: dict, steps, change: dict) -> dict:
+    """{step: longest path ns with ``change`` applied} of chain steps (no logged op: each rank's
+    step one work edge, its window, its data wait at the start) at once: what
+    critical_path._changed and longest_path give on those steps' graphs, the same float
+    arithmetic per edge (a rank's work scaled, its data or compute part taken off, truncated
+    to ns), the longest path the longest changed edge."""
+    w = prep.get("win") or {}
+    if not w or not len(steps) or not len(w["step"]):
+        return {}
+    sel = np.isin(w["step"], np.fromiter(steps, np.int64, len(steps)))
+    k, r = w["step"][sel], w["rank"][sel]
+    if not len(k):
+        return {}
+    a, b, d = w["start"][sel], w["end"][sel], w["dend"][sel]
+    o = np.lexsort((r, k))
+    k, r, a, b, d = k[o], r[o], a[o], b[o], d[o]
+    dur = b - a
+    data = np.clip(np.minimum(b, d) - a, 0, None)
+    first = np.r_[True, k[1:] != k[:-1]]
+    starts = np.flatnonzero(first)
+    grp = np.cumsum(first) - 1
+    edge = dur > 0  # a rank whose window is 0 long has no edge
+    new = dur.astype(np.float64)
+    if "remove_excess" in change:
+        me = int(change["remove_excess"])
+        mine_row, oth = edge & (r == me), edge & (r != me)
+        n_oth = np.bincount(grp[oth], minlength=len(starts))
+        med = _grouped_median(grp[oth], new[oth], len(starts))
+        mine = np.zeros(len(starts))
+        mine[grp[mine_row]] = new[mine_row]
+        ok = (mine > 0) & (n_oth > 0)
+        f = np.ones(len(starts))
+        f[ok] = np.minimum(1.0, med[ok] / mine[ok])
+        rows = mine_row & ok[grp]
+        new[rows] *= f[grp[rows]]
+        out = new.astype(np.int64)
+    elif "scale" in change:
+        c = change["scale"]
+        rk, kind, fac = c.get("rank"), c.get("kind"), float(c.get("factor", 0.0))
+        on = (np.isin(r, [int(x) for x in rk]) if isinstance(rk, (list, tuple)) else r == int(rk)) \
+            if rk is not None else np.ones(len(r), bool)
+        on &= edge
+        if kind is None:
+            new[on] *= fac
+        else:
+            KIND_INDEX[kind]  # (an unknown kind is an error, as on a graph)
+            part = {"data": data, "compute": dur - data}.get(kind, np.zeros(len(r), np.int64))
+            new[on] -= part[on].astype(np.float64) * (1 - fac)
+        out = np.maximum(new, 0).astype(np.int64)
+    elif "hide_collective" in change:  # no collective in a chain step
+        out = dur
+    else:
+        raise ValueError(f"unknown change {sorted(change)}")
+    length = np.maximum(np.maximum.reduceat(np.where(edge, out, 0), starts), 0)
+    return dict(zip(k[starts].tolist(), length.tolist()))
+
+
+def _grouped_median(g, v, n_groups: int) -> np.ndarray:
+    """np.median of ``v`` within each group code of ``g`` (NaN for a group without values)."""
+    out = np.full(n_groups, np.nan)
+    if not len(v):
+        return out
+    o = np.lexsort((v, g))
+    g, v = g[o], v[o]
+    cnt = np.bincount(g, minlength=n_groups)
+    st = np.concatenate([[0], np.cumsum(cnt)[:-1]])
+    has = cnt > 0
+    lo, hi = st[has] + (cnt[has] - 1) // 2, st[has] + cnt[has] // 2
+    out[has] = (v[lo] + v[hi]) / 2.0
+    return out
 
 
 def step_graph(prep: dict, step: int, ranks=None) -> Arrays | None:

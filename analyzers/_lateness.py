@@ -86,22 +86,34 @@ def lateness(df, peers: dict | None = None) -> pd.Series:
     instance that are the rank's peers (``peers``: rank -> label of the ranks doing identical
     work; every member when None); NaN elsewhere and where the rank has no peer there.
     Vectorized: within an (instance, label) sorted by enqueue, the median of the others of the
-    element at position k picks from the sorted values skipping k."""
+    element at position k picks from the sorted values skipping k (numpy on the columns used:
+    a frame sorted by four keys held GBs at 1,024 ranks)."""
     out = np.full(len(df), np.nan)
     idx = np.flatnonzero(df["complete"].to_numpy(bool)) if not df.empty else np.array([], int)
     if idx.size == 0:
         return pd.Series(out, index=df.index)
-    sub = df[["group", "ordinal", "t_enq", "rank"]].iloc[idx].copy()
-    # the peer label as a code in label order (sorting strings per record is the slow part)
-    labels = sub["rank"].map(peers or {}).fillna("all").astype(str) if peers else "all"
-    sub["label"] = pd.factorize(labels, sort=True)[0] if peers else 0
-    sub["row"] = idx
-    sub = sub.sort_values(["group", "ordinal", "label", "t_enq"], kind="mergesort")
-    key = sub.groupby(["group", "ordinal", "label"], sort=False)
-    n = key["t_enq"].transform("size").to_numpy()
-    k = key.cumcount().to_numpy()
-    start = np.arange(len(sub)) - k
-    v = sub["t_enq"].to_numpy(float)
+    g = df["group"]
+    gcode = (g.cat.codes.to_numpy() if hasattr(g, "cat") else pd.factorize(g, sort=True)[0])[idx]
+    ordinal = df["ordinal"].to_numpy()[idx]
+    v = df["t_enq"].to_numpy(float)[idx]
+    if peers:  # the peer label as a code in label order (sorting strings per record is slow)
+        ranks = df["rank"].to_numpy()[idx]
+        ur, inv = np.unique(ranks, return_inverse=True)
+        names = [str(peers.get(int(r), "all")) if peers.get(int(r)) is not None else "all"
+                 for r in ur.tolist()]
+        order_names = sorted(set(names))
+        label = np.array([order_names.index(x) for x in names], np.int64)[inv]
+    else:
+        label = np.zeros(idx.size, np.int64)
+    o = np.lexsort((v, label, ordinal, gcode))  # stable: ties keep the records' order
+    gcode, ordinal, label, v = gcode[o], ordinal[o], label[o], v[o]
+    new = np.ones(o.size, bool)
+    new[1:] = (gcode[1:] != gcode[:-1]) | (ordinal[1:] != ordinal[:-1]) | (label[1:] != label[:-1])
+    start = np.maximum.accumulate(np.where(new, np.arange(o.size), 0))
+    gid = np.cumsum(new) - 1
+    n = np.bincount(gid)[gid]
+    k = np.arange(o.size) - start
+    del gid, new, gcode, ordinal, label
 
     def other(j):  # the j-th smallest of the other members (clipped: a lone member has none,
         return v[np.minimum(start + j + (j >= k), len(v) - 1)]  # and its value is dropped)
@@ -113,7 +125,7 @@ def lateness(df, peers: dict | None = None) -> pd.Series:
     hi = np.where(odd, lo, m // 2)
     lo, hi = np.where(ok, lo, 0), np.where(ok, hi, 0)
     med = (other(lo) + other(hi)) / 2.0
-    rows = sub["row"].to_numpy()
+    rows = idx[o]
     out[rows[ok]] = (v - med)[ok]
     return pd.Series(out, index=df.index)
 
@@ -176,46 +188,79 @@ def compact_frame(run) -> pd.DataFrame:
     return once(run, "analyzers._lateness.compact_frame", _compact_frame)
 
 
+def release_compact_frame(run) -> None:
+    """Drop the cached compact frame (its readers are done: a later call builds it again)."""
+    cache = getattr(run, "_cache", None)
+    if cache is not None:
+        cache.pop("analyzers._lateness.compact_frame", None)
+
+
 def _compact_frame(run) -> pd.DataFrame:
     cs = run.collective_steps()
     if cs.empty:
         return pd.DataFrame(columns=COMPACT_COLUMNS)
-    cs = cs[~cs["op"].isin(P2P_OPS) & cs["enqueue_first_ns"].notna()]
-    if cs.empty:
+    keep = (~cs["op"].isin(P2P_OPS) & cs["enqueue_first_ns"].notna()).to_numpy()
+    if not keep.any():
         return pd.DataFrame(columns=COMPACT_COLUMNS)
+
+    def col(c, dtype=None):  # the rows kept of one column (never a copy of every column)
+        x = cs[c].to_numpy() if dtype is None else cs[c].to_numpy(dtype)
+        return x if keep.all() else x[keep]
+
+    ranks = col("rank").astype(np.int64)
     groups = coll._groups(run)
-    gkey, gsize = {}, {}
-    for r, pg in cs[["rank", "pg"]].drop_duplicates().itertuples(index=False):
+    # the group key names every member ("pg:0,1,...,1023"): one string per group, a code per
+    # row (a string column would copy it into every row: 15 GB at 1,024 ranks x 3M rows);
+    # the (rank, pg) pairs in their order of appearance, as integers (no tuple per row)
+    pgc, pg_names = pd.factorize(col("pg"))
+    width = len(pg_names) + 1
+    rpf, rp_uniq = pd.factorize(ranks * width + pgc)
+    keys, sizes = [], []
+    for x in rp_uniq.tolist():
+        r, pg = x // width, pg_names[x % width]
         g = groups.get((int(r), str(pg)))
         members = tuple(g.get("ranks") or ()) if g else ()
-        gkey[(r, pg)] = f"{pg}:{','.join(map(str, members))}" if members else f"{pg}:?"
-        gsize[(r, pg)] = int(g.get("size") or len(members)) if g else 0
-    # the group key names every member ("pg:0,1,...,1023"): one string per group, a code per
-    # row (a string column would copy it into every row: 15 GB at 1,024 ranks x 3M rows)
-    rpf, rp_uniq = pd.factorize(pd.MultiIndex.from_arrays([cs["rank"], cs["pg"]]))
-    keys = [gkey[k] for k in rp_uniq]
+        keys.append(f"{pg}:{','.join(map(str, members))}" if members else f"{pg}:?")
+        sizes.append(int(g.get("size") or len(members)) if g else 0)
     cats = list(dict.fromkeys(keys))
     pos = {k: i for i, k in enumerate(cats)}
     gcode = np.array([pos[k] for k in keys], np.int64)[rpf]
-    gsz = np.array([gsize[k] for k in rp_uniq], np.int64)[rpf]
-    ranks = cs["rank"].to_numpy(np.int64)
-    first = cs["enqueue_first_ns"].to_numpy(np.int64).copy()
+    gsz = np.array(sizes, np.int64)[rpf]
+    del rpf, pgc
+    first = col("enqueue_first_ns", np.int64).copy()
     al = _align.align(run)
-    for r in np.unique(ranks):
-        m = ranks == r
-        first[m] = np.asarray(al(int(r), first[m]), np.int64)
+    _align.align_cols(lambda r, x: np.asarray(al(r, x), np.int64), ranks, first)
     base = int(first.min())
+    step = col("step").astype(np.int64)
+    op = col("op")
+    count = col("count").astype(np.int64)
+    # complete: every member of a ≥2-rank group logged that (step, group, kind), with one count
+    opc, op_names = pd.factorize(op)
+    kid = pd.factorize((step - step.min()) * (len(cats) * (len(op_names) + 1))
+                       + gcode * (len(op_names) + 1) + opc)[0]
+    del opc
+    nk = int(kid.max()) + 1
+    pairs = np.unique(kid * (int(ranks.max()) + 1) + ranks)
+    members = np.bincount(pairs // (int(ranks.max()) + 1), minlength=nk)
+    del pairs
+    o = np.argsort(kid, kind="stable")
+    cuts = np.flatnonzero(np.r_[True, kid[o][1:] != kid[o][:-1]])
+    cmin = np.minimum.reduceat(count[o], cuts)
+    cmax = np.maximum.reduceat(count[o], cuts)
+    ids = kid[o][cuts]
+    same = np.zeros(nk, bool)
+    same[ids] = cmin == cmax
+    del o, cuts, cmin, cmax, ids
+    complete = (gsz > 1) & (members[kid] >= gsz) & same[kid]
+    del kid
     df = pd.DataFrame({
-        "rank": ranks, "step": cs["step"].to_numpy(np.int64),
-        "group": pd.Categorical.from_codes(gcode, cats), "op": cs["op"].to_numpy(),
-        "gsize": gsz,
-        "count": cs["count"].to_numpy(np.int64), "blocked_ms": cs["blocked_ms"].to_numpy(float),
-        "device_ms": cs["device_ms"].to_numpy(float),
-        "t_mean": (first - base) / 1e6 + np.nan_to_num(cs["enqueue_mean_ms"].to_numpy(float))})
-    g = df.groupby(["step", "group", "op"], sort=False)
-    df["complete"] = ((df["gsize"] > 1) & (g["rank"].transform("nunique") >= df["gsize"])
-                      & (g["count"].transform("min") == g["count"].transform("max"))).to_numpy()
-    return df.reset_index(drop=True)
+        "rank": ranks, "step": step,
+        "group": pd.Categorical.from_codes(gcode, cats), "op": op,
+        "gsize": gsz, "count": count, "blocked_ms": col("blocked_ms", float),
+        "device_ms": col("device_ms", float),
+        "t_mean": (first - base) / 1e6 + np.nan_to_num(col("enqueue_mean_ms", float)),
+        "complete": complete})
+    return df
 
 
 def compact_lateness(cf, peers: dict | None = None) -> pd.Series:
@@ -239,27 +284,34 @@ def compact_waits(cf, late_rank: int, steps) -> pd.DataFrame:
     cols = ["rank", "step", "op", "caused"]
     if cf.empty:
         return pd.DataFrame(columns=cols)
-    # only the columns used, one copy (3M rows at 1,024 ranks: each copy ~250 MB)
-    c = cf.loc[cf["complete"].to_numpy(bool) & cf["step"].isin(list(steps)).to_numpy(),
-               ["rank", "step", "group", "op", "t_mean", "device_ms", "blocked_ms", "count"]]
-    if c.empty:
+    # only the columns used, each taken for the rows used (3M rows at 1,024 ranks: a frame
+    # copy of them ~250 MB)
+    sel = cf["complete"].to_numpy(bool) & cf["step"].isin(list(steps)).to_numpy()
+    if not sel.any():
         return pd.DataFrame(columns=cols)
-    dev_min = c.groupby(["step", "group", "op"], sort=False)["device_ms"].transform("min")
-    wait = np.maximum(c["blocked_ms"].to_numpy(float),
-                      np.nan_to_num((c["device_ms"] - dev_min).to_numpy(float)))
-    del dev_min
+    rank = cf["rank"].to_numpy()[sel]
+    step = cf["step"].to_numpy()[sel]
+    t_mean = cf["t_mean"].to_numpy(float)[sel]
+    dev = cf["device_ms"].to_numpy(float)[sel]
+    g = cf["group"]
+    gcode = (g.cat.codes.to_numpy(np.int64) if hasattr(g, "cat") else pd.factorize(g)[0])[sel]
+    ocode, ops = pd.factorize(cf["op"].to_numpy()[sel])
+    wait = cf["blocked_ms"].to_numpy(float)[sel]
+    if np.isfinite(dev).any():  # device-timed: the wait is also its device_ms − the members' least
+        dev_min = pd.Series(dev).groupby([step, gcode, ocode], sort=False).transform("min")
+        wait = np.maximum(wait, np.nan_to_num(dev - dev_min.to_numpy(float)))
+        del dev_min
+    else:
+        wait = np.maximum(wait, 0.0)
     # each row's (step, group, kind) as one integer, late_rank's rows looked up by it (a
     # pandas merge on the three columns held GBs of intermediates at 1,024 ranks)
-    g = c["group"]
-    gcode = g.cat.codes.to_numpy(np.int64) if hasattr(g, "cat") else pd.factorize(g)[0]
-    ocode, ops = pd.factorize(c["op"])
-    key = (c["step"].to_numpy(np.int64) * (int(gcode.max()) + 1) + gcode) * (len(ops) + 1) + ocode
-    late = (c["rank"] == late_rank).to_numpy()
+    key = (step.astype(np.int64) * (int(gcode.max()) + 1) + gcode) * (len(ops) + 1) + ocode
+    late = rank == late_rank
     lk = key[late]
     o = np.argsort(lk, kind="stable")
     lk = lk[o]
-    t_late = c["t_mean"].to_numpy(float)[late][o]
-    dev_late = c["device_ms"].to_numpy(float)[late][o]
+    t_late = t_mean[late][o]
+    dev_late = dev[late][o]
     rows = np.flatnonzero(~late)
     if not len(lk) or not len(rows):
         return pd.DataFrame(columns=cols)
@@ -268,11 +320,11 @@ def compact_waits(cf, late_rank: int, steps) -> pd.DataFrame:
     rows, pos = rows[hit], pos[hit]
     if not len(rows):
         return pd.DataFrame(columns=cols)
-    host_gap = np.clip((t_late[pos] - c["t_mean"].to_numpy(float)[rows])
-                       * c["count"].to_numpy(float)[rows], 0.0, None)
-    dev_gap = np.nan_to_num(np.clip(c["device_ms"].to_numpy(float)[rows] - dev_late[pos], 0.0, None))
+    count = cf["count"].to_numpy(float)[sel][rows]
+    host_gap = np.clip((t_late[pos] - t_mean[rows]) * count, 0.0, None)
+    dev_gap = np.nan_to_num(np.clip(dev[rows] - dev_late[pos], 0.0, None))
     caused = np.minimum(wait[rows], np.maximum(host_gap, dev_gap))
-    return pd.DataFrame({"rank": c["rank"].to_numpy()[rows], "step": c["step"].to_numpy()[rows],
+    return pd.DataFrame({"rank": rank[rows], "step": step[rows],
                          "op": np.asarray(ops, dtype=object)[ocode[rows]], "caused": caused})
 
 

@@ -30,11 +30,6 @@ def _ms(ns) -> float:
     return round(float(ns) / 1e6, 3)
 
 
-def step_graphs(run) -> dict:
-    """{step: graph (_cp_graph.Arrays)} of every step of the log (cached per run)."""
-    return once(run, "analyzers.critical_path.graphs", _step_graphs)
-
-
 def prepared(run) -> dict:
     """The step graphs' aligned inputs (cached per run)."""
     return once(run, "analyzers.critical_path.prep", lambda run: _cp_coarse.prepare(run, align(run)))
@@ -46,16 +41,6 @@ def data_placement(run) -> dict:
     and not listed."""
     paths(run)
     return prepared(run).get("data_at", {})
-
-
-def _step_graphs(run) -> dict:
-    prep = prepared(run)
-    out = {}
-    for s in _cp_coarse.step_ids(prep):
-        g = _cp_coarse.step_graph(prep, s)
-        if g is not None:
-            out[s] = g
-    return out
 
 
 def _path_rows(g, path, weights=None) -> list[tuple]:
@@ -276,16 +261,32 @@ def replay(run, change: dict, steps=None) -> dict:
       (join -> end) costs nothing, as if fully overlapped with compute.
 
     Returns {"steps": [{"step", "before_ms", "after_ms"}], "before_ms", "after_ms" (means over
-    the steps), "saving_ms", "saving_share"}."""
-    graphs = step_graphs(run)
+    the steps), "saving_ms", "saving_share"}.
+
+    A step whose graph is one chain per rank (no logged op: _cp_coarse.chain_paths) is replayed
+    at once with the others of its kind (_cp_coarse.chain_replay: what _changed and longest_path
+    give on its graph); the graph of every other step is built when it is replayed (a graph per
+    step of a long run held at once is GBs)."""
+    if not {"remove_excess", "scale", "hide_collective"} & set(change):
+        raise ValueError(f"unknown change {sorted(change)}; known: remove_excess, scale, "
+                         "hide_collective")
     per = paths(run)
+    prep = prepared(run)
     use = sorted(steps) if steps is not None else _kept(run, per)
+    joined = _cp_coarse.op_steps(prep)
+    chained = _cp_coarse.chain_replay(prep, [s for s in use if s in per and s not in joined],
+                                      change)
     rows = []
     for s in use:
-        if s not in graphs or s not in per:
+        if s not in per:
             continue
-        g = graphs[s]
-        after, _ = _cp_graph.longest_path(g, _changed(g, change))
+        if s in chained:
+            after = chained[s]
+        else:
+            g = _cp_coarse.step_graph(prep, s)
+            if g is None:
+                continue
+            after, _ = _cp_graph.longest_path(g, _changed(g, change))
         rows.append({"step": s, "before_ms": _ms(per[s]["length_ns"]), "after_ms": _ms(after)})
     if not rows:
         return {"steps": [], "before_ms": None, "after_ms": None, "saving_ms": None,

@@ -53,6 +53,7 @@ import sys
 import numpy as np
 
 from trainprof._lazy import pd
+from trainprof.rundir import series
 from trainprof.analyzers import _lateness
 from trainprof.analyzers import _straggler_episodes as _episodes
 from trainprof.analyzers._memo import once
@@ -212,12 +213,19 @@ def _late_beyond_detail(run, fr, late, groups_of):
     if not short:
         return late
     cf = _lateness.compact_frame(run)
+    # what this analysis needed of the per-step collective table is derived now (the blocked
+    # sums, the steps short of detail, the compact frame): its GB at 1,024 ranks go
+    series.release_collective_steps(run)
     if cf.empty:
         return late
-    cf = cf[cf["step"].isin(short)]
-    cf = cf.assign(late_ms=_lateness.compact_lateness(
-        cf, groups_of(sorted(int(r) for r in cf["rank"].unique()))))
-    extra = _lateness.per_step(cf, "late_ms", "median")
+    m = cf["step"].isin(short).to_numpy()
+    if not m.all():
+        cf = cf[m]
+    # the three columns per_step reads (a copy of the compact frame is ~250 MB at 1,024 ranks)
+    late_ms = _lateness.compact_lateness(cf, groups_of(sorted(int(r) for r in cf["rank"].unique())))
+    extra = _lateness.per_step(pd.DataFrame({"rank": cf["rank"].to_numpy(), "step": cf["step"].to_numpy(),
+                                             "late_ms": late_ms.to_numpy()}), "late_ms", "median")
+    del cf, late_ms
     keep = late[~late["step"].isin(short)] if len(late) else late
     return pd.concat([x for x in (keep, extra) if len(x)], ignore_index=True) \
         if len(keep) or len(extra) else late
@@ -542,6 +550,7 @@ def _analyze(run) -> AnalyzerResult:
             _sum_waits(input_late.values())
     metrics = _metrics(run, t, scored, kept, excluded, step_ms, groups, per_rank,
                        (noise, late_noise), has_sched)
+    _lateness.release_compact_frame(run)  # (the waits it gave are in the findings)
     return AnalyzerResult(metrics=metrics, findings=findings)
 
 

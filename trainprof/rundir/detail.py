@@ -37,16 +37,20 @@ def common_detail(run, df):
     if df.empty or "step" not in df.columns or not any_compact(run):
         return df
     step = pd.to_numeric(df["step"], errors="coerce")
+    ok = step.notna()
+    # each rank's first step with records (one groupby, not a mask per rank: ranks x records)
+    first = step[ok].groupby(df["rank"][ok]).min().to_dict() if "rank" in df.columns else None
     per = []
     for r in run.ranks:
-        sub = step[df["rank"] == r] if "rank" in df.columns else step
-        steps = sub.dropna()
-        if not len(steps):
+        if first is not None and r not in first:
+            continue
+        if first is None and not ok.any():
             continue
         ranges = run._cache.get(f"series:detail_ranges:{r}")
         if ranges is None:  # a rank of the JSONL format: its records from its first whole step
             rotated = run.rank_file(r, "collectives.prev.jsonl") is not None
-            ranges = [(int(steps.min()) + (1 if rotated else 0), INF)]
+            lo = first[r] if first is not None else step[ok].min()
+            ranges = [(int(lo) + (1 if rotated else 0), INF)]
         per.append(ranges)
     if not per:
         return df

@@ -215,25 +215,79 @@ def collective_steps(run):
     """Per (rank, step, pg, op): count, bytes, blocked (sum, max), wall = end − enqueue (sum,
     max), device ms (sum), first sequence number, first enqueue ns, mean enqueue offset (ms
     after the first) — from the compact table, or summed from the collective log (schema 1).
-    The job's collectives only (NaN-replay ones left out). Cached."""
+    The job's collectives only (NaN-replay ones left out). Cached (release_collective_steps
+    drops it). Of the compact tables, ``pg`` and ``op`` are categorical (millions of rows)."""
     key = "series:collective_steps"
     if key in run._cache:
         return run._cache[key]
-    parts = []
     old = [r for r in run.ranks if not has_compact(run, r)]
+    fast: list | None = []
+    pgs: dict = {}
+    ops: dict = {}
     for r in run.ranks:
-        if r in old:
-            continue
+        if old:  # (schema-1 ranks: every rank the general way)
+            break
         rows, _ = table(run, r, "collectives")
         run._cache.pop(f"series:table:collectives:{r}", None)  # kept once: in the frame below
         if not len(rows):
             continue
         names = keys(run, r)
         k = rows["key"].astype(np.int64)
-        df = pd.DataFrame({c: rows[c] for c in ("step", "count", "bytes", "blocked_ms",
-                                                 "blocked_max_ms", "wall_ms", "wall_max_ms",
-                                                 "device_ms", "seq_first", "enqueue_first_ns",
-                                                 "enqueue_mean_ms")})
+        ids = sorted(set(names) | set(np.unique(k).tolist()))
+        code = np.searchsorted(ids, k)
+        # one (step, pg, op) may have come in two flushes (ops finished after the boundary):
+        # merged by _merge_rows; ranks without any are taken as they are (no groupby per rank)
+        pg = np.array([pgs.setdefault(names.get(i, ("?", "?"))[0], len(pgs)) for i in ids],
+                      np.int64)[code]
+        op = np.array([ops.setdefault(names.get(i, ("?", "?"))[1], len(ops)) for i in ids],
+                      np.int64)[code]
+        width = (len(pgs) + 1) * (len(ops) + 1)
+        if len(np.unique(rows["step"].astype(np.int64) * width + pg * (len(ops) + 1) + op)) \
+                != len(rows):
+            fast = None
+            break
+        fast.append((r, rows, pg, op))
+    if fast is not None and not old:
+        out = _columns_frame(fast, list(pgs), list(ops))
+    else:
+        out = _collective_steps_frames(run, old)
+    for c in ("blocked_ms", "blocked_max_ms", "wall_ms", "wall_max_ms", "device_ms",
+              "enqueue_mean_ms"):
+        out[c] = out[c].astype(np.float64)
+    run._cache[key] = out
+    return out
+
+
+_COMPACT_COLUMNS = ("step", "count", "bytes", "blocked_ms", "blocked_max_ms", "wall_ms",
+                    "wall_max_ms", "device_ms", "seq_first", "enqueue_first_ns", "enqueue_mean_ms")
+
+
+def _columns_frame(fast: list, pg_names: list, op_names: list):
+    """The frame of ranks whose compact rows need no merging: each column concatenated once,
+    ``pg`` and ``op`` as categoricals."""
+    if not fast:
+        return pd.DataFrame(columns=COLL_COLUMNS)
+    cols = {"rank": np.concatenate([np.full(len(rows), r, np.int64) for r, rows, _, _ in fast]),
+            "step": np.concatenate([rows["step"] for _, rows, _, _ in fast]),
+            "pg": pd.Categorical.from_codes(np.concatenate([p for _, _, p, _ in fast]), pg_names),
+            "op": pd.Categorical.from_codes(np.concatenate([o for _, _, _, o in fast]), op_names)}
+    for c in _COMPACT_COLUMNS[1:]:
+        cols[c] = np.concatenate([rows[c] for _, rows, _, _ in fast])
+    return pd.DataFrame(cols)[COLL_COLUMNS]
+
+
+def _collective_steps_frames(run, old):
+    parts = []
+    for r in run.ranks:
+        if r in old:
+            continue
+        rows, _ = table(run, r, "collectives")
+        run._cache.pop(f"series:table:collectives:{r}", None)
+        if not len(rows):
+            continue
+        names = keys(run, r)
+        k = rows["key"].astype(np.int64)
+        df = pd.DataFrame({c: rows[c] for c in _COMPACT_COLUMNS})
         df.insert(0, "rank", r)
         ids = sorted(set(names) | set(np.unique(k).tolist()))
         code = np.searchsorted(ids, k)
@@ -244,12 +298,15 @@ def collective_steps(run):
     if old:
         parts.append(_from_detail(run, set(old)))
     parts = [p for p in parts if len(p)]
-    out = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=COLL_COLUMNS)
-    for c in ("blocked_ms", "blocked_max_ms", "wall_ms", "wall_max_ms", "device_ms",
-              "enqueue_mean_ms"):
-        out[c] = out[c].astype(np.float64)
-    run._cache[key] = out
-    return out
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=COLL_COLUMNS)
+
+
+def release_collective_steps(run) -> None:
+    """Drop the cached collective_steps frame (millions of rows on a long or wide run) once its
+    readers have what they derive from it; a later call reads it again."""
+    cache = getattr(run, "_cache", None)
+    if cache is not None:
+        cache.pop("series:collective_steps", None)
 
 
 def _merge_rows(df):
