@@ -17,36 +17,10 @@ boundaries and run facts come from probes/frameworks.py.
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
-import sys
 
-from trainprof.probes import frameworks, runtime
+from trainprof.probes import frameworks, post_import, runtime
 
 _installed = False
-
-
-class _TorchPostImportHook(importlib.abc.MetaPathFinder):
-    """Run _after_torch_import() right after `torch` finishes importing (one shot)."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != "torch":
-            return None
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-        spec = importlib.util.find_spec("torch")
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_patch(module):
-            exec_module(module)
-            _after_torch_import()
-
-        spec.loader.exec_module = exec_then_patch
-        return spec
 
 
 def install() -> None:
@@ -59,10 +33,7 @@ def install() -> None:
     from trainprof.probes import elastic_agent
 
     elastic_agent.install()  # in the torchrun agent: how each worker ended (worker-exits.jsonl)
-    if "torch" in sys.modules:
-        _after_torch_import()
-    else:
-        sys.meta_path.insert(0, _TorchPostImportHook())
+    post_import.when_imported("torch", lambda torch: _after_torch_import())
 
 
 def _watch_frameworks() -> None:

@@ -19,51 +19,22 @@ the module that defines PContext triggers it, and only the agent imports that.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import os
 import socket
-import sys
 import time
 
-from trainprof.probes import runtime
+from trainprof.probes import post_import, runtime
 from trainprof.rundir.worker_exits import STREAM
 
 MODULE = "torch.distributed.elastic.multiprocessing.api"
 _patched = False
 
 
-class _PostImportHook(importlib.abc.MetaPathFinder):
-    """Call patch(module) right after MODULE finishes importing (one shot)."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != MODULE:
-            return None
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_patch(module):
-            exec_module(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_then_patch
-        return spec
-
-
 def install() -> None:
     """Arrange for the agent's process context to be patched (any process: a no-op in those
     that never import the elastic agent)."""
     try:
-        if MODULE in sys.modules:
-            patch(sys.modules[MODULE])
-        elif not any(isinstance(f, _PostImportHook) for f in sys.meta_path):
-            sys.meta_path.insert(0, _PostImportHook())
+        post_import.when_imported(MODULE, patch)
     except Exception as e:  # noqa: BLE001 - never stop the job
         runtime.warn(f"worker exit recording unavailable: {type(e).__name__}: {e}")
 

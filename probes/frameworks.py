@@ -4,8 +4,8 @@ Hugging Face ``transformers.Trainer``, Lightning and ``accelerate`` know what a 
 and how big it is; the global optimizer-step hook sees only optimizer updates. install()
 (called by probes/bootstrap.py in every process of a wrapped job) puts a finder on
 ``sys.meta_path`` that waits for a framework module to finish importing, then lets the
-matching probes/fw_*.py add a callback or thin wrappers to it. trainprof never imports a
-framework the job does not; the finder costs one set lookup per import.
+matching probes/fw_*.py add a callback or thin wrappers to it (probes/post_import.py). trainprof
+never imports a framework the job does not; the finder costs one dict lookup per import.
 
   * ``transformers.trainer``             -> probes/fw_transformers.py (TrainerCallback)
   * ``lightning.pytorch.trainer.trainer`` / ``pytorch_lightning.trainer.trainer``
@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.abc
 import os
 import sys
 
-from trainprof.probes import runtime
+from trainprof.probes import post_import, runtime
 
 # module whose import we wait for -> (our module, its function taking the imported module)
 TARGETS = {
@@ -63,63 +62,29 @@ def after_init(cls, name: str, after) -> None:
     cls.__init__ = __init__
 
 
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Runs _apply() right after a watched module executed (once per module)."""
-
-    def __init__(self):
-        self.pending = set(TARGETS)
-        self._busy: set = set()
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in self.pending or fullname in self._busy:
-            return None
-        self._busy.add(fullname)
-        try:
-            spec = None
-            for finder in list(sys.meta_path):
-                find = getattr(finder, "find_spec", None)
-                if finder is self or find is None:
-                    continue
-                spec = find(fullname, path, target)
-                if spec is not None:
-                    break
-        finally:
-            self._busy.discard(fullname)
-        loader = getattr(spec, "loader", None)
-        # only a loader whose exec_module is its class's (set back after one call) is wrapped
-        if loader is None or not hasattr(loader, "exec_module") or \
-                "exec_module" in getattr(loader, "__dict__", {"exec_module": None}):
-            return spec
-        self.pending.discard(fullname)
-        exec_module = loader.exec_module
-
-        def exec_then_patch(module):
-            try:
-                del loader.exec_module
-            except AttributeError:
-                pass
-            exec_module(module)
-            _apply(fullname, module)
-
-        loader.exec_module = exec_then_patch
-        return spec
+_APPLIED: set = set()  # framework modules patched in this process
 
 
-_finder: _PostImportFinder | None = None
+def _patch(name: str):
+    def patch(module) -> None:
+        if name not in _APPLIED:
+            _APPLIED.add(name)
+            _apply(name, module)
+    return patch
+
+
+_PATCHES = {name: _patch(name) for name in TARGETS}
 
 
 def install() -> None:
-    """Watch for the frameworks' imports (idempotent); patch those already imported. Off with
-    ``TRAINPROF_PROBES_OFF=frameworks``."""
-    global _finder
+    """Watch for the frameworks' imports (idempotent; probes/post_import.py); patch those
+    already imported. Off with ``TRAINPROF_PROBES_OFF=frameworks``."""
     off = os.environ.get("TRAINPROF_PROBES_OFF", "")
     if "frameworks" in {x.strip() for x in off.split(",")}:
         return
-    if _finder is None:
-        _finder = _PostImportFinder()
-        sys.meta_path.insert(0, _finder)
-    for name in list(_finder.pending):
+    for name in TARGETS:
         module = sys.modules.get(name)
-        if module is not None and hasattr(module, _READY[name]):
-            _finder.pending.discard(name)
-            _apply(name, module)
+        if module is not None and not hasattr(module, _READY[name]):
+            continue  # still executing (imported from inside it): its import is past watching
+        if name not in _APPLIED:
+            post_import.when_imported(name, _PATCHES[name])
