@@ -24,7 +24,7 @@ STRAGGLER = 1
 @pytest.fixture(scope="module")
 def strag4(reference_run):
     return reference_run("timeline-straggler4", nproc=4, args=[
-        "--dp", "2", "--pp", "2", "--tp", "1", "--steps", "7",
+        "--dp", "2", "--pp", "2", "--tp", "1", "--steps", "10",
         "--inject", f"straggler:rank={STRAGGLER},delay_ms=300"])
 
 
