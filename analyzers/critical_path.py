@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainprof.analyzers import _cp_coarse, _cp_fine, _cp_graph
+from trainprof.analyzers import _cp_batch, _cp_coarse, _cp_fine, _cp_graph
 from trainprof.analyzers._align import align
 from trainprof.analyzers._memo import once
 from trainprof.findings import AnalyzerResult
@@ -67,10 +67,14 @@ def _paths(run) -> dict:
     prep = prepared(run)
     joined = _cp_coarse.op_steps(prep)
     chains = _cp_coarse.chain_paths(prep, joined)  # every other step, at once
+    batched = _batched_paths(prep, joined)  # the steps with ops, many graphs at once
     out = {}
     for s in _cp_coarse.step_ids(prep):
         if s in chains:
             out[s] = _chain_path(*chains[s])
+            continue
+        if s in batched:
+            out[s] = batched[s]
             continue
         g = _cp_coarse.step_graph(prep, s)
         if g is None:
@@ -83,6 +87,28 @@ def _paths(run) -> dict:
             continue
         out[s] = {"length_ns": length, "path": path, "attr": _cp_graph.attribute(g, path),
                   "rows": _path_rows(g, path)}
+    return out
+
+
+def _batched_paths(prep, steps) -> dict:
+    """paths()'s entries of ``steps`` from their graphs built and walked a chunk of steps at a
+    time (analyzers/_cp_batch.py); a step left out (a cycle, a deep graph) is done on its own."""
+    out: dict = {}
+    if not steps:
+        return out
+    for chunk in _cp_batch.chunks(prep, steps):
+        b = _cp_batch.step_graphs(prep, chunk)
+        if b is None:
+            continue
+        g, st, node_lo, edge_lo = b
+        for s, res, el in zip(st.tolist(), _cp_batch.longest_paths(g, node_lo, edge_lo),
+                              edge_lo.tolist()):
+            if res is None:
+                continue
+            length, path = res
+            gp = path + el
+            out[s] = {"length_ns": length, "path": path, "attr": _cp_graph.attribute(g, gp),
+                      "rows": _path_rows(g, gp)}
     return out
 
 
