@@ -163,10 +163,11 @@ def _place_data(prep, wk, wr, ws, dw, epos, ta, tb):
     return start[epos], (start + dw)[epos]
 
 
-def longest_paths(g: Arrays, node_lo, edge_lo) -> list:
+def longest_paths(g: Arrays, node_lo, edge_lo, weights=None) -> list:
     """Per block of the union: (length ns, path as the block's own edge ids) as
-    _cp_graph.longest_path gives on that block's graph alone, or None where it raises (a
-    cycle) or takes its one-edge-at-a-time way (DEEP: that block is to be done on its own)."""
+    _cp_graph.longest_path gives on that block's graph alone (with ``weights``, one per edge of
+    the union, when given), or None where it raises (a cycle) or takes its one-edge-at-a-time
+    way (DEEP: that block is to be done on its own)."""
     n = len(g.node_ts)
     nb = len(node_lo) - 1
     if n == 0:
@@ -176,7 +177,7 @@ def longest_paths(g: Arrays, node_lo, edge_lo) -> list:
     rk = np.unique(nblk * (int(g.node_rank.max()) + 2) + (g.node_rank + 1))
     nranks = np.bincount(rk // (int(g.node_rank.max()) + 2), minlength=nb)
     deep = np.diff(node_lo) / np.maximum(1, nranks) > DEEP
-    w = g.weight
+    w = g.weight if weights is None else np.maximum(np.asarray(weights, np.int64), 0)
     order = np.argsort(g.src, kind="stable")
     starts = np.searchsorted(g.src[order], np.arange(n + 1))
     indeg = np.bincount(g.dst, minlength=n).astype(np.int64)

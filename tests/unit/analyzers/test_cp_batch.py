@@ -163,3 +163,39 @@ def test_deep_graphs_are_left_to_the_per_step_path(monkeypatch):
     for i in range(len(st)):
         assert (res[i] is None) == (sizes[i] / rk[i] > _cp_batch.DEEP)
     assert any(r is None for r in res) and any(r is not None for r in res)
+
+
+class _Run:
+    def __init__(self, prep):
+        self._cache = {"analyzers.critical_path.prep": prep}
+        self.problems = []
+
+
+CHANGES = [{"remove_excess": 0}, {"remove_excess": 1}, {"remove_excess": 4},
+           {"scale": {"rank": 2, "kind": None, "factor": 0.5}},
+           {"scale": {"rank": [0, 3], "kind": "data", "factor": 0.0}},
+           {"scale": {"rank": None, "kind": "compute", "factor": 0.3}},
+           {"scale": {"rank": 1, "kind": "communication", "factor": 0.0}},
+           {"hide_collective": {}}, {"hide_collective": {"op": "all_reduce"}},
+           {"hide_collective": {"group": "0", "op": "broadcast"}}]
+
+
+@pytest.mark.parametrize("chunk", [250_000, 40])
+def test_replay_of_the_union_gives_each_steps_own_replay(chunk, monkeypatch):
+    monkeypatch.setattr(_cp_batch, "CHUNK_ITEMS", chunk)
+    prep = _prep(9, ranks=5, steps=40, grid=MS // 2)
+    run = _Run(prep)
+    per = critical_path._paths(run)
+    joined = _cp_coarse.op_steps(prep)
+    assert len(joined) > 20
+    for change in CHANGES:
+        got = critical_path.replay(run, change, steps=sorted(per))
+        want = []
+        for s in sorted(per):
+            g = _cp_coarse.step_graph(prep, s)
+            after, _ = _cp_graph.longest_path(g, critical_path._changed(g, change))
+            want.append(round(float(after) / 1e6, 3))
+        assert [x["after_ms"] for x in got["steps"]] == want, change
+        assert [x["step"] for x in got["steps"]] == sorted(per)
+        if "remove_excess" in change or change.get("scale", {}).get("factor") == 0.0:
+            assert got["saving_ms"] > 0, change  # the change does something in these steps
