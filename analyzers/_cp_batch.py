@@ -86,8 +86,8 @@ def step_graphs(prep: dict, steps: np.ndarray):
         return wi.astype(np.int64) * span + (ts - wbase[wi])
 
     widx = np.arange(nw)
-    pts = np.unique(np.concatenate([key(widx, ws), key(widx, we), key(pos, enq), key(pos, wait),
-                                    key(pos, fin)]))
+    pts = _sorted_unique(np.concatenate([key(widx, ws), key(widx, we), key(pos, enq),
+                                         key(pos, wait), key(pos, fin)]))
     n_pts = len(pts)
     pwin = pts // span
     pts_ts = pts % span + wbase[pwin]
@@ -146,6 +146,13 @@ def step_graphs(prep: dict, steps: np.ndarray):
     return g, steps, node_lo, edge_lo
 
 
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """np.unique of an int array by sorting (numpy's hash table for values only costs several
+    times more on millions of distinct keys)."""
+    a = np.sort(a)
+    return a[np.r_[True, a[1:] != a[:-1]]] if len(a) else a
+
+
 def _place_data(prep, wk, wr, ws, dw, epos, ta, tb):
     """_cp_coarse._place_data over every window at once (``epos``: each work edge's window)."""
     start = ws.copy()
@@ -174,7 +181,7 @@ def longest_paths(g: Arrays, node_lo, edge_lo, weights=None) -> list:
         return [(0, np.zeros(0, np.int64))] * nb
     nblk = np.repeat(np.arange(nb), np.diff(node_lo))
     # ranks per block (longest_path's DEEP test counts the distinct node ranks)
-    rk = np.unique(nblk * (int(g.node_rank.max()) + 2) + (g.node_rank + 1))
+    rk = _sorted_unique(nblk * (int(g.node_rank.max()) + 2) + (g.node_rank + 1))
     nranks = np.bincount(rk // (int(g.node_rank.max()) + 2), minlength=nb)
     deep = np.diff(node_lo) / np.maximum(1, nranks) > DEEP
     w = g.weight if weights is None else np.maximum(np.asarray(weights, np.int64), 0)
