@@ -240,3 +240,55 @@ def longest_paths(g: Arrays, node_lo, edge_lo, weights=None) -> list:
         if not bad:
             out[i] = (int(ln), e_all[a:b][::-1] - el)
     return out
+
+
+def summaries(g: Arrays, paths: list) -> list[tuple[dict, list]]:
+    """Per path (edge ids of the union ``g``): (_cp_graph.attribute(g, path),
+    critical_path._path_rows(g, path)), for every path at once (the sums are of whole ns: the
+    same floats in any order)."""
+    n = len(paths)
+    lens = np.fromiter((len(p) for p in paths), np.int64, n)
+    e = np.concatenate(paths).astype(np.int64) if n else np.zeros(0, np.int64)
+    blk = np.repeat(np.arange(n), lens)
+    parts = g.parts[e].astype(float)
+    rk = g.rank[e]
+    tot = np.zeros((n, len(KINDS)))
+    np.add.at(tot, blk, parts)
+    # by (path, rank), ranks ascending
+    rows_by = [[] for _ in range(n)]
+    if len(e):
+        lo = int(rk.min())
+        key = blk * (int(rk.max()) - lo + 1) + (rk - lo)
+        o = np.argsort(key, kind="stable")
+        ks = key[o]
+        st = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
+        sub = np.add.reduceat(parts[o], st, axis=0)
+        ssum = sub.sum(axis=1)
+        for b, r, s_, v in zip(blk[o][st].tolist(), rk[o][st].tolist(), ssum.tolist(), sub.tolist()):
+            if s_ > 0:
+                rows_by[b].append((r, s_, v))
+    # the path's rows: edges with weight
+    w = g.weight[e]
+    kind = np.where(g.parts[e].any(axis=1), np.argmax(g.parts[e], axis=1), -1) if len(e) else \
+        np.zeros(0, np.int64)
+    end = g.node_ts[g.dst[e]]
+    labels = g.label[e].tolist() if g.label is not None else [None] * len(e)
+    prow = [[] for _ in range(n)]
+    for b, r, k, ts, ww, lab in zip(blk.tolist(), rk.tolist(), kind.tolist(), end.tolist(),
+                                    w.tolist(), labels):
+        if ww:
+            prow[b].append((r, KINDS[k] if k >= 0 else "idle", ts - ww, ts, lab))
+    out = []
+    for i in range(n):
+        if not lens[i]:
+            out.append(({"by_rank": {}, "by_kind": {}, "by_rank_kind": {}}, []))
+            continue
+        by_rank, both = {}, {}
+        for r, s_, v in rows_by[i]:
+            by_rank[r] = s_
+            for k, x in zip(KINDS, v):
+                if x > 0:
+                    both[(r, k)] = x
+        out.append(({"by_rank": by_rank, "by_kind": dict(zip(KINDS, tot[i].tolist())),
+                     "by_rank_kind": both}, prow[i]))
+    return out

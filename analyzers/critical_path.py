@@ -101,14 +101,11 @@ def _batched_paths(prep, steps) -> dict:
         if b is None:
             continue
         g, st, node_lo, edge_lo = b
-        for s, res, el in zip(st.tolist(), _cp_batch.longest_paths(g, node_lo, edge_lo),
-                              edge_lo.tolist()):
-            if res is None:
-                continue
-            length, path = res
-            gp = path + el
-            out[s] = {"length_ns": length, "path": path, "attr": _cp_graph.attribute(g, gp),
-                      "rows": _path_rows(g, gp)}
+        done = [(s, res, el) for s, res, el in zip(st.tolist(), _cp_batch.longest_paths(
+            g, node_lo, edge_lo), edge_lo.tolist()) if res is not None]
+        summ = _cp_batch.summaries(g, [res[1] + el for _, res, el in done])
+        for (s, (length, path), _), (attr, rows) in zip(done, summ):
+            out[s] = {"length_ns": length, "path": path, "attr": attr, "rows": rows}
     return out
 
 

@@ -199,3 +199,45 @@ def test_replay_of_the_union_gives_each_steps_own_replay(chunk, monkeypatch):
         assert [x["step"] for x in got["steps"]] == sorted(per)
         if "remove_excess" in change or change.get("scale", {}).get("factor") == 0.0:
             assert got["saving_ms"] > 0, change  # the change does something in these steps
+
+
+@pytest.mark.parametrize("seed,grid", [(11, 1), (12, MS // 2)])
+def test_batched_paths_entries_are_the_per_step_ones_value_and_type(seed, grid, monkeypatch):
+    monkeypatch.setattr(_cp_batch, "CHUNK_ITEMS", 300)
+    prep = _prep(seed, grid=grid)
+    joined = _cp_coarse.op_steps(prep)
+    got = critical_path._batched_paths(prep, joined)
+    assert len(got) > 20
+    for s in sorted(joined):
+        one, length, path = _one_or_cycle(prep, s)
+        if length is None:
+            assert s not in got
+            continue
+        want = {"length_ns": length, "path": path, "attr": _cp_graph.attribute(one, path),
+                "rows": critical_path._path_rows(one, path)}
+        assert repr(got[s]["attr"]) == repr(want["attr"]), s  # (floats stay floats)
+        assert repr(got[s]["rows"]) == repr(want["rows"]), s
+        assert got[s]["length_ns"] == length and got[s]["path"].tolist() == path.tolist()
+
+
+def test_summaries_of_paths_with_idle_edges_zero_ranks_and_no_edges():
+    """A hand-built graph: a weighted edge without parts (idle), a rank whose path edges carry
+    nothing (left out of by_rank), an empty path; summaries gives attribute / _path_rows."""
+    K = len(_cp_graph.KINDS)
+    parts = np.zeros((5, K), np.int64)
+    parts[0, _cp_graph.KIND_INDEX["compute"]] = 7
+    parts[0, _cp_graph.KIND_INDEX["data"]] = 3
+    parts[3, _cp_graph.KIND_INDEX["communication"]] = 4
+    g = _cp_graph.Arrays(node_ts=[0, 10, 10, 15, 19, 30], node_rank=[0, 0, -1, 1, 1, 2],
+                         src=[0, 1, 2, 2, 4], dst=[1, 2, 3, 4, 5], weight=[10, 0, 5, 4, 11],
+                         rank=[0, 3, 1, 1, 2], parts=parts,
+                         etype=[_cp_graph.WORK, _cp_graph.DEP, _cp_graph.WORK, _cp_graph.COLL,
+                                _cp_graph.WORK], inst=[-1, -1, -1, 0, -1],
+                         label=np.array([None, None, None, "all_reduce", None], object))
+    paths = [np.array([0, 1, 2]), np.zeros(0, np.int64), np.array([0, 1, 3, 4]), np.array([4])]
+    got = _cp_batch.summaries(g, paths)
+    for p, (attr, rows) in zip(paths, got):
+        assert repr(attr) == repr(_cp_graph.attribute(g, p))
+        assert repr(rows) == repr(critical_path._path_rows(g, p))
+    assert 3 not in got[0][0]["by_rank"] and got[0][1][1][1] == "idle"
+    assert got[1] == ({"by_rank": {}, "by_kind": {}, "by_rank_kind": {}}, [])
