@@ -13,7 +13,7 @@ profiled steps' path, from the traces, can). A collective instance (group, ordin
 node at its last member's arrival: each member's enqueue -> join (no weight), join -> each
 member's end (``communication``: the time after the last arrival, or after the member started
 waiting, whichever is later). The k-th send a->b and the k-th recv on b from a are one join of
-two. Built with numpy, one step at a time.
+two. Built with numpy, one step at a time (analyzers/_cp_batch.py: many steps at once).
 """
 
 from __future__ import annotations

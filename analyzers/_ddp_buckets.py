@@ -46,39 +46,32 @@ def measure(coll, kept_steps, cap_bytes: int | None = None, steps=None) -> dict 
         b = b.loc[b["step"].isin(list(kept_steps))]
     if b.empty:
         return None
-    rows = []
-    for (rank, step), g in b.groupby(["rank", "step"], sort=True):
-        enq = g["enqueue_ns"].to_numpy(np.float64)
-        end = g["end_ns"].to_numpy(np.float64)
-        size = g["bytes"].fillna(0).to_numpy(np.float64)
-        o = np.argsort(enq, kind="stable")
-        enq, end, size = enq[o], end[o], size[o]
-        by_end = np.argsort(end, kind="stable")
-        prev = np.concatenate(([-np.inf], end[by_end][:-1]))
-        service = end[by_end] - np.maximum(prev, enq[by_end])
-        rows.append({"rank": int(rank), "step": int(step), "buckets": len(g),
-                     "bytes": float(size.sum()), "span_ns": float(end.max() - enq[0]),
-                     "gaps_ns": np.diff(enq), "sizes": size, "service_ns": service,
-                     "service_sizes": size[by_end]})
-    alpha, beta = _fit(np.concatenate([r["service_sizes"] for r in rows]),
-                       np.concatenate([r["service_ns"] for r in rows]))
-    gaps = np.concatenate([r["gaps_ns"] for r in rows])
-    gap = float(np.median(gaps)) if len(gaps) else 0.0
+    b = b.loc[b["rank"].notna() & b["step"].notna()]  # (groupby's keys: NaN is no group)
+    if b.empty:
+        return None
+    g = _groups(b)
+    alpha, beta = _fit(g["service_sizes"], g["service_ns"])
+    gap = float(np.median(g["gaps_ns"])) if len(g["gaps_ns"]) else 0.0
     target = max(DEFAULT_CAP_BYTES, int(cap_bytes or 0))
     dur = {}
     if steps is not None and not steps.empty and {"rank", "step", "dur_ms"} <= set(steps):
         dur = {(int(a), int(b)): float(c) for a, b, c in
                steps[["rank", "step", "dur_ms"]].itertuples(index=False)}
     out = []
-    for r in rows:
-        merged = plan(r["sizes"], target)
-        after = replay(merged, gap, alpha, beta)
-        out.append({"rank": r["rank"], "step": r["step"], "buckets": r["buckets"],
-                    "bytes": r["bytes"], "span_ms": r["span_ns"] / 1e6,
-                    "buckets_after": len(merged), "span_ms_after": after / 1e6,
-                    "step_ms": dur.get((r["rank"], r["step"]))})
+    memo: dict = {}  # replay of a step's bucket sizes (steps repeat them)
+    sizes = g["sizes"]
+    for rank, step, lo, hi, nb, tot, span in zip(g["rank"], g["step"], g["lo"], g["hi"],
+                                                 g["buckets"], g["bytes"], g["span_ns"]):
+        key = sizes[lo:hi].tobytes()
+        if key not in memo:
+            merged = plan(sizes[lo:hi], target)
+            memo[key] = (len(merged), replay(merged, gap, alpha, beta))
+        n_after, after = memo[key]
+        out.append({"rank": rank, "step": step, "buckets": nb,
+                    "bytes": tot, "span_ms": span / 1e6,
+                    "buckets_after": n_after, "span_ms_after": after / 1e6,
+                    "step_ms": dur.get((rank, step))})
     n = np.array([x["buckets"] for x in out])
-    sizes = np.concatenate([r["sizes"] for r in rows])
     return {"per_rank_step": out, "buckets_per_step": float(np.median(n)),
             "median_bucket_bytes": float(np.median(sizes)),
             "gradient_bytes": float(np.median([x["bytes"] for x in out])),
@@ -86,6 +79,35 @@ def measure(coll, kept_steps, cap_bytes: int | None = None, steps=None) -> dict 
             "buckets_after": int(np.median([x["buckets_after"] for x in out])),
             "alpha_ms": alpha / 1e6, "beta_ms_per_mb": beta * (1 << 20) / 1e6,
             "gap_ms": gap / 1e6}
+
+
+def _groups(b) -> dict:
+    """Per (rank, step) of the bucket records ``b``, sorted by rank then step, all at once:
+    rank, step, buckets, bytes, span_ns and the group's slice [lo, hi) of ``sizes`` (in launch
+    order); over every group: gaps_ns (between consecutive launches) and service_ns with its
+    service_sizes (buckets sorted by completion)."""
+    rank = b["rank"].to_numpy(np.float64).astype(np.int64)
+    step = b["step"].to_numpy(np.float64).astype(np.int64)
+    enq = b["enqueue_ns"].to_numpy(np.float64)
+    end = b["end_ns"].to_numpy(np.float64)
+    size = b["bytes"].fillna(0).to_numpy(np.float64)
+    o = np.lexsort((enq, step, rank))  # by group, then launch (stable: ties keep their order)
+    rank, step, enq, end, size = rank[o], step[o], enq[o], end[o], size[o]
+    first = np.r_[True, (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])]
+    starts = np.flatnonzero(first)
+    grp = np.cumsum(first) - 1
+    by_end = np.lexsort((end, grp))  # within each group by completion (stable)
+    e_end, e_enq = end[by_end], enq[by_end]
+    prev = np.r_[-np.inf, e_end[:-1]]
+    prev[first] = -np.inf  # (by_end keeps the groups in place: group starts are the same rows)
+    service = e_end - np.maximum(prev, e_enq)
+    hi = np.r_[starts[1:], len(rank)]
+    return {"rank": rank[starts].tolist(), "step": step[starts].tolist(),
+            "lo": starts.tolist(), "hi": hi.tolist(), "buckets": (hi - starts).tolist(),
+            "bytes": np.add.reduceat(size, starts).tolist(),
+            "span_ns": (np.maximum.reduceat(end, starts) - enq[starts]).tolist(),
+            "sizes": size, "gaps_ns": np.diff(enq)[~first[1:]],
+            "service_ns": service, "service_sizes": size[by_end]}
 
 
 def plan(sizes: np.ndarray, cap: int) -> list[tuple[int, float]]:

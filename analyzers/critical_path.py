@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainprof.analyzers import _cp_coarse, _cp_fine, _cp_graph
+from trainprof.analyzers import _cp_batch, _cp_coarse, _cp_fine, _cp_graph
 from trainprof.analyzers._align import align
 from trainprof.analyzers._memo import once
 from trainprof.findings import AnalyzerResult
@@ -67,10 +67,14 @@ def _paths(run) -> dict:
     prep = prepared(run)
     joined = _cp_coarse.op_steps(prep)
     chains = _cp_coarse.chain_paths(prep, joined)  # every other step, at once
+    batched = _batched_paths(prep, joined)  # the steps with ops, many graphs at once
     out = {}
     for s in _cp_coarse.step_ids(prep):
         if s in chains:
             out[s] = _chain_path(*chains[s])
+            continue
+        if s in batched:
+            out[s] = batched[s]
             continue
         g = _cp_coarse.step_graph(prep, s)
         if g is None:
@@ -83,6 +87,25 @@ def _paths(run) -> dict:
             continue
         out[s] = {"length_ns": length, "path": path, "attr": _cp_graph.attribute(g, path),
                   "rows": _path_rows(g, path)}
+    return out
+
+
+def _batched_paths(prep, steps) -> dict:
+    """paths()'s entries of ``steps`` from their graphs built and walked a chunk of steps at a
+    time (analyzers/_cp_batch.py); a step left out (a cycle, a deep graph) is done on its own."""
+    out: dict = {}
+    if not steps:
+        return out
+    for chunk in _cp_batch.chunks(prep, steps):
+        b = _cp_batch.step_graphs(prep, chunk)
+        if b is None:
+            continue
+        g, st, node_lo, edge_lo = b
+        done = [(s, res, el) for s, res, el in zip(st.tolist(), _cp_batch.longest_paths(
+            g, node_lo, edge_lo), edge_lo.tolist()) if res is not None]
+        summ = _cp_batch.summaries(g, [res[1] + el for _, res, el in done])
+        for (s, (length, path), _), (attr, rows) in zip(done, summ):
+            out[s] = {"length_ns": length, "path": path, "attr": attr, "rows": rows}
     return out
 
 
@@ -265,8 +288,8 @@ def replay(run, change: dict, steps=None) -> dict:
 
     A step whose graph is one chain per rank (no logged op: _cp_coarse.chain_paths) is replayed
     at once with the others of its kind (_cp_coarse.chain_replay: what _changed and longest_path
-    give on its graph); the graph of every other step is built when it is replayed (a graph per
-    step of a long run held at once is GBs)."""
+    give on its graph); the graphs of the other steps are built and replayed a chunk of steps
+    at a time (analyzers/_cp_batch.py; a graph per step of a long run held at once is GBs)."""
     if not {"remove_excess", "scale", "hide_collective"} & set(change):
         raise ValueError(f"unknown change {sorted(change)}; known: remove_excess, scale, "
                          "hide_collective")
@@ -276,12 +299,15 @@ def replay(run, change: dict, steps=None) -> dict:
     joined = _cp_coarse.op_steps(prep)
     chained = _cp_coarse.chain_replay(prep, [s for s in use if s in per and s not in joined],
                                       change)
+    batched = _batched_replay(prep, [s for s in use if s in per and s in joined], change)
     rows = []
     for s in use:
         if s not in per:
             continue
         if s in chained:
             after = chained[s]
+        elif s in batched:
+            after = batched[s]
         else:
             g = _cp_coarse.step_graph(prep, s)
             if g is None:
@@ -295,6 +321,56 @@ def replay(run, change: dict, steps=None) -> dict:
     a = float(np.mean([x["after_ms"] for x in rows]))
     return {"steps": rows, "before_ms": round(b, 3), "after_ms": round(a, 3),
             "saving_ms": round(b - a, 3), "saving_share": round((b - a) / b, 4) if b else None}
+
+
+def _batched_replay(prep, steps, change: dict) -> dict:
+    """{step: longest path ns with ``change`` applied} of ``steps`` (with logged ops), a chunk
+    of their graphs at a time; a step left out is replayed on its own graph."""
+    out: dict = {}
+    if not steps:
+        return out
+    for chunk in _cp_batch.chunks(prep, steps):
+        b = _cp_batch.step_graphs(prep, chunk)
+        if b is None:
+            continue
+        g, st, node_lo, edge_lo = b
+        w = _changed_blocks(g, edge_lo, change)
+        for s, res in zip(st.tolist(), _cp_batch.longest_paths(g, node_lo, edge_lo, w)):
+            if res is not None:
+                out[s] = res[0]
+    return out
+
+
+def _changed_blocks(g, edge_lo, change: dict) -> np.ndarray:
+    """_changed on each block (step) of a union of step graphs (analyzers/_cp_batch.py): the
+    edge-wise changes on the whole union, ``remove_excess`` (a median over each step's ranks)
+    block by block, with the same float arithmetic."""
+    if "remove_excess" not in change:
+        return _changed(g, change)
+    r = int(change["remove_excess"])
+    w = g.weight.astype(np.float64).copy()
+    nb = len(edge_lo) - 1
+    eblk = np.repeat(np.arange(nb), np.diff(edge_lo))
+    work = np.flatnonzero(g.etype == _cp_graph.WORK)
+    if not len(work):
+        return w.astype(np.int64)
+    rk = g.rank[work]
+    lo = int(rk.min())
+    width = int(rk.max()) - lo + 1
+    keys, inv = np.unique(eblk[work] * width + (rk - lo), return_inverse=True)
+    tot = np.bincount(inv.reshape(-1), weights=g.weight[work], minlength=len(keys))
+    kb, kr = keys // width, keys % width + lo
+    mine = np.zeros(nb)
+    mine[kb[kr == r]] = tot[kr == r]
+    oth = kr != r
+    n_oth = np.bincount(kb[oth], minlength=nb)
+    med = _cp_coarse._grouped_median(kb[oth], tot[oth], nb)
+    ok = (mine > 0) & (n_oth > 0)
+    f = np.ones(nb)
+    f[ok] = np.minimum(1.0, med[ok] / mine[ok])
+    sel = work[(rk == r) & ok[eblk[work]]]
+    w[sel] *= f[eblk[sel]]
+    return w.astype(np.int64)
 
 
 def finding_change(f: dict) -> dict | None:
