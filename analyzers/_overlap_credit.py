@@ -88,7 +88,7 @@ def split_waits(total_ms, t_enq, t_last, group, op, nbytes):
 def last_arrivals(group, ordinal, rank, t_enq) -> pd.DataFrame:
     """Per instance (group, ordinal): the three latest arrivals, ``r1, t1`` (latest), ``r2, t2``,
     ``r3, t3`` (rank −1 and t −inf where the instance has fewer members)."""
-    d = pd.DataFrame({"group": np.asarray(group, object).astype(str), "ordinal": ordinal,
+    d = pd.DataFrame({"group": np.asarray(group), "ordinal": ordinal,
                       "rank": rank, "t": t_enq})
     d = d.sort_values(["group", "ordinal", "t"], ascending=[True, True, False], kind="mergesort")
     d["k"] = d.groupby(["group", "ordinal"], sort=False).cumcount()
@@ -169,9 +169,14 @@ def credits(run, per_rank: list[dict], per_step: list[dict]) -> dict[int, dict]:
     c = comp.loc[sync, ["rank", "group", "ordinal", "op", "bytes", "enqueue_ns", "t_enq", "wait_ms"]]
     if c.empty:
         return {}
-    top = last_arrivals(comp["group"], comp["ordinal"].to_numpy(), comp["rank"].to_numpy(),
+    # groups by code: at 1,024 ranks a group's name is ~5 KB, and 700k of them as strings took
+    # 24 s and GBs
+    g = comp["group"]
+    gcode = g.cat.codes.to_numpy(np.int64) if isinstance(g.dtype, pd.CategoricalDtype) \
+        else pd.factorize(g)[0]
+    top = last_arrivals(gcode, comp["ordinal"].to_numpy(), comp["rank"].to_numpy(),
                         comp["t_enq"].to_numpy(float))
-    c = c.assign(group=c["group"].astype(str)).join(top, on=["group", "ordinal"])
+    c = c.assign(group=gcode[sync]).join(top, on=["group", "ordinal"])
     rank = c["rank"].to_numpy(np.int64)
     t_enq = c["t_enq"].to_numpy(float)
     last_r, last_t, second = waited_for(rank, c["r1"], c["t1"], c["r2"], c["t2"], c["r3"], c["t3"])
