@@ -17,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 
 from trainprof.analyzers._cp_graph import COLL, DEEP, DEP, KIND_INDEX, KINDS, WORK, Arrays, uniq
-from trainprof.analyzers import _cp_coarse
 
 CHUNK_ITEMS = 250_000  # windows + ops per union graph (bounds its memory)
 
@@ -39,6 +38,16 @@ def chunks(prep: dict, steps) -> list[np.ndarray]:
         acc += c
     out.append(steps[lo:])
     return out
+
+
+def chunk_graphs(prep, steps):
+    """step_graphs() of ``steps`` a chunk at a time (chunks()), the chunks that have one."""
+    if not steps:
+        return
+    for chunk in chunks(prep, steps):
+        b = step_graphs(prep, chunk)
+        if b is not None:
+            yield b
 
 
 def step_graphs(prep: dict, steps: np.ndarray):

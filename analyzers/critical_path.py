@@ -94,13 +94,7 @@ def _batched_paths(prep, steps) -> dict:
     """paths()'s entries of ``steps`` from their graphs built and walked a chunk of steps at a
     time (analyzers/_cp_batch.py); a step left out (a cycle, a deep graph) is done on its own."""
     out: dict = {}
-    if not steps:
-        return out
-    for chunk in _cp_batch.chunks(prep, steps):
-        b = _cp_batch.step_graphs(prep, chunk)
-        if b is None:
-            continue
-        g, st, node_lo, edge_lo = b
+    for g, st, node_lo, edge_lo in _cp_batch.chunk_graphs(prep, steps):
         done = [(s, res, el) for s, res, el in zip(st.tolist(), _cp_batch.longest_paths(
             g, node_lo, edge_lo), edge_lo.tolist()) if res is not None]
         summ = _cp_batch.summaries(g, [res[1] + el for _, res, el in done])
@@ -327,13 +321,7 @@ def _batched_replay(prep, steps, change: dict) -> dict:
     """{step: longest path ns with ``change`` applied} of ``steps`` (with logged ops), a chunk
     of their graphs at a time; a step left out is replayed on its own graph."""
     out: dict = {}
-    if not steps:
-        return out
-    for chunk in _cp_batch.chunks(prep, steps):
-        b = _cp_batch.step_graphs(prep, chunk)
-        if b is None:
-            continue
-        g, st, node_lo, edge_lo = b
+    for g, st, node_lo, edge_lo in _cp_batch.chunk_graphs(prep, steps):
         w = _changed_blocks(g, edge_lo, change)
         for s, res in zip(st.tolist(), _cp_batch.longest_paths(g, node_lo, edge_lo, w)):
             if res is not None:
