@@ -48,7 +48,7 @@ DATA_SHARE = 0.30              # host step time in the data loader: data-loader-
 SYNC_SHARE = 0.30              # host step time blocked in synchronizations: synchronization-bound
 MAX_STREAMS, MAX_STEPS, MAX_HTA_STREAMS = 8, 64, 32  # digest bounds
 HTA_LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaMemsetAsync")
-# host calls that block until the device catches up (as in analyzers/comm_compute.py)
+# host calls that block until the device catches up (as in analyzers/_comm_breakdown.py)
 SYNC_CALLS = _gpu_calls.SYNC_CALLS  # CUDA and HIP
 DATA_PREFIX = "enumerate(DataLoader)"
 

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainprof.analyzers.comm_compute import rank_breakdown
+from trainprof.analyzers._comm_breakdown import rank_breakdown
 from trainprof.settings import available_cpus as _cpus
 from trainprof.trace import _decode, _frames, load_traces, parse_trace
 

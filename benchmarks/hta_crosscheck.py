@@ -171,11 +171,11 @@ def run_hta(python: str, path: Path) -> dict:
 
 
 def run_trainprof(path: Path) -> dict:
-    from trainprof.analyzers import comm_compute
+    from trainprof.analyzers import _comm_breakdown
     from trainprof.trace import load_trace
 
     try:
-        _, view, kind = comm_compute.rank_breakdown(load_trace(path))
+        _, view, kind = _comm_breakdown.rank_breakdown(load_trace(path))
     except Exception as e:  # noqa: BLE001 - a row saying why, not a crash
         return {"error": f"{type(e).__name__}: {e}"[:200]}
     return view if view else {"error": f"no hta_view ({kind} trace)"}

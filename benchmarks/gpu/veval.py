@@ -239,10 +239,10 @@ def eval_job_trace(v: Verdict, trace: Path, cuda: bool, syncs: int = 4, d2h: int
     synchronize() are the host syncs (trainprof, wrapped around the job, adds none: its NaN
     watch copies to pinned memory without waiting), the .item() ones device-to-host copies
     (at least: the NaN watch's own copies are in the job's trace too). On CPU: none."""
-    from trainprof.analyzers import comm_compute
+    from trainprof.analyzers import _comm_breakdown
     from trainprof.trace import load_trace
 
-    rows, _, kind = comm_compute.rank_breakdown(load_trace(trace))
+    rows, _, kind = _comm_breakdown.rank_breakdown(load_trace(trace))
     v.need(f"4 profiled steps in the job's trace (got {len(rows)})", len(rows) == 4)
     got = sorted({(r["sync_calls"], r.get("d2h_copies", 0)) for r in rows})
     want_syncs, want_d2h = (syncs, d2h) if cuda else (0, 0)

@@ -2,7 +2,7 @@
 
 HTA (the optional extra, `pip install -e .[hta]`, package traceinsight) runs in its own process
 (--hta-python; benchmarks/hta_crosscheck.py's HTA_WORKER: TraceAnalysis, get_temporal_breakdown,
-get_comm_comp_overlap); trainprof's side is comm_compute.rank_breakdown, the function
+get_comm_comp_overlap); trainprof's side is _comm_breakdown.rank_breakdown, the function
 `trainprof analyze` digests each rank with. Idle / compute / non-compute % of HTA's window and
 the share of communication overlapped with compute must agree within the tolerance.
 

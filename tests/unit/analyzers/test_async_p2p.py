@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainprof.analyzers import comm_compute
+from trainprof.analyzers import _comm_breakdown
 from trainprof.rundir.files import profiler_trace_path, rank_dir, write_json_atomic
 from trainprof.analysis.run import RunDir
 from trainprof.trace import load_trace
@@ -48,7 +48,7 @@ def _run(root: Path, events, log=None) -> RunDir:
 
 def _row(run):
     trace = load_trace(profiler_trace_path(run.path, 0))
-    rows, _, kind = comm_compute.rank_breakdown(trace, log=comm_compute._rank_log(run, 0))
+    rows, _, kind = _comm_breakdown.rank_breakdown(trace, log=_comm_breakdown.rank_log(run, 0))
     assert kind == "cpu" and len(rows) == 1
     return rows[0]
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from trainprof.analyzers import _coll_kernels, comm_compute, gpu_overview
+from trainprof.analyzers import _coll_kernels, _comm_breakdown, gpu_overview
 from trainprof.trace import parse_trace
 
 GENERIC = "ncclDevKernel_Generic(ncclDevKernelArgsStorage<4096ul>)"
@@ -53,7 +53,7 @@ def test_generic_kernels_named(launch, tmp_path):
     assert summ[0]["collective"] == "all_reduce" and summ[0]["count"] == 3
     assert summ[0]["kernel_ms"] == 0.15 and summ[0]["seqs"] == [1, 2, 3]
     # the communication breakdown names them too (not "other")
-    rows_, _, kind = comm_compute.rank_breakdown(tr)
+    rows_, _, kind = _comm_breakdown.rank_breakdown(tr)
     assert kind == "gpu"
     assert set(rows_[0]["comm_by_type_ms"]) == {"all_reduce", "broadcast"}
 
@@ -62,7 +62,7 @@ def test_generic_kernels_named(launch, tmp_path):
 def test_device_synchronize_is_a_sync(sync, tmp_path):
     p = tmp_path / "t.json"
     p.write_text(json.dumps(trace(sync=sync)))
-    rows_, _, _ = comm_compute.rank_breakdown(parse_trace(p))
+    rows_, _, _ = _comm_breakdown.rank_breakdown(parse_trace(p))
     assert rows_[0]["sync_calls"] == 1 and rows_[0]["sync_ms"] == 0.3
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainprof.analyzers import comm_compute
+from trainprof.analyzers import _comm_breakdown, comm_compute
 from trainprof.rundir.files import profiler_trace_path, rank_dir, write_json_atomic
 from trainprof.analysis.run import RunDir
 from trainprof.trace import load_trace
@@ -49,7 +49,7 @@ def test_gpu_step_by_hand(tmp_path):
           X("Memcpy DtoH", "gpu_memcpy", 500, 20, tid=7, pid=0, stream=7, correlation=3),
           X("elementwise", "kernel", 600, 100, tid=7, pid=0, stream=7, correlation=4)]
     write_trace(tmp_path, 0, ev)
-    rows, _, kind = comm_compute.rank_breakdown(load_trace(profiler_trace_path(tmp_path, 0)))
+    rows, _, kind = _comm_breakdown.rank_breakdown(load_trace(profiler_trace_path(tmp_path, 0)))
     assert kind == "gpu" and len(rows) == 1
     r = rows[0]
     # window [100, 700) µs; compute 300 of which 50 overlap the 200 µs all-reduce
@@ -69,7 +69,7 @@ def test_cpu_step_by_hand(tmp_path):
           X("aten::add", "cpu_op", 700, 100),
           X("gloo:all_reduce", "user_annotation", 250, 340, tid=2)]
     write_trace(tmp_path, 0, ev)
-    rows, _, kind = comm_compute.rank_breakdown(load_trace(profiler_trace_path(tmp_path, 0)))
+    rows, _, kind = _comm_breakdown.rank_breakdown(load_trace(profiler_trace_path(tmp_path, 0)))
     assert kind == "cpu"
     r = rows[0]
     expect = {"compute_ms": 0.25, "overlapped_ms": 0.05, "exposed_comm_ms": 0.3, "data_ms": 0.05,
@@ -86,13 +86,13 @@ def test_cpu_step_by_hand(tmp_path):
     ("nccl_parser_config/nccl_data.json.gz", (77.78, 17.26, 4.97, 14.31)),  # sub-µs timestamps
 ])
 def test_hta_view_agrees_with_hta(path, hta):
-    _, view, _ = comm_compute.rank_breakdown(load_trace(HTA / path))
+    _, view, _ = _comm_breakdown.rank_breakdown(load_trace(HTA / path))
     got = (view["idle_pct"], view["compute_pct"], view["non_compute_pct"], view["overlap_pct"])
     assert got == pytest.approx(hta, abs=0.011)  # both round to 0.01 pp
 
 
 def test_our_breakdown_partitions_every_gpu_step():
-    rows, _, _ = comm_compute.rank_breakdown(load_trace(HTA / "df_index_resolver" / "df_index_resolver.json.gz"))
+    rows, _, _ = _comm_breakdown.rank_breakdown(load_trace(HTA / "df_index_resolver" / "df_index_resolver.json.gz"))
     assert [r["step"] for r in rows] == [2, 3, 4, 5, 6]  # HTA drops the last one; we keep it
     for r in rows:
         assert sum(r[k] for k in CATS) == pytest.approx(r["window_ms"], abs=1e-3)
@@ -120,13 +120,13 @@ def _independent_stalls(path):
                                   HTA / "trace_filter" / "sampled_rank-0.json.gz",
                                   HTA / "nccl_parser_config" / "nccl_data.json.gz"])
 def test_host_stalls_counted_per_step(path):
-    rows, _, _ = comm_compute.rank_breakdown(load_trace(path))
+    rows, _, _ = _comm_breakdown.rank_breakdown(load_trace(path))
     assert [r["sync_calls"] for r in rows] == _independent_stalls(path)
 
 
 def test_item_and_synchronize_on_a_real_h100_trace():
     # made by tests/fixtures/gpu/make_trace.py: per step 3 × loss.item() + 1 × synchronize()
-    rows, _, _ = comm_compute.rank_breakdown(load_trace(GPU / "h100_item_sync.pt.trace.json.gz"))
+    rows, _, _ = _comm_breakdown.rank_breakdown(load_trace(GPU / "h100_item_sync.pt.trace.json.gz"))
     assert len(rows) == 4
     for r in rows:
         assert r["sync_calls"] == 4 and r["d2h_copies"] == 3
@@ -199,7 +199,7 @@ def test_nccl_kernels_carry_their_group():
     from trainprof.analyzers._comm_groups import dim_of_ranks
 
     tr = load_trace(HTA / "nccl_parser_config" / "nccl_data.json.gz")
-    rows, _, _ = comm_compute.rank_breakdown(tr, {"0": "world"})
+    rows, _, _ = _comm_breakdown.rank_breakdown(tr, {"0": "world"})
     for r in rows:
         assert set(r["by_dim"]) == {"world"}
         assert r["by_dim"]["world"]["comm_ms"] == pytest.approx(r["comm_ms"])

@@ -1,4 +1,5 @@
-"""comm_compute's ``hta_view`` equals HTA's own numbers on every real trace in tests/fixtures.
+"""``hta_view`` (analyzers/_hta_numbers.py; comm_compute's per_rank[].hta_view) equals HTA's own
+numbers on every real trace in tests/fixtures.
 
 HTA's numbers below were obtained with HTA (traceinsight 0.6.1, pandas 3.1.1) in a separate venv,
 each file loaded alone as rank 0:
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from trainprof.analyzers import comm_compute
+from trainprof.analyzers import _comm_breakdown
 from trainprof.trace import load_trace
 from paths import FIXTURES, REPO
 
@@ -60,7 +61,7 @@ DERIVED = {
 
 
 def _view(path: Path) -> dict:
-    rows, view, kind = comm_compute.rank_breakdown(load_trace(path))
+    rows, view, kind = _comm_breakdown.rank_breakdown(load_trace(path))
     assert kind == "gpu" and view is not None
     return view
 
@@ -99,6 +100,6 @@ def test_hta_view_equals_hta_on_derived_trace(name, tmp_path):
 def test_cpu_trace_has_no_hta_view():
     # HTA 0.6.1 raises IndexError in get_temporal_breakdown on this trace (no GPU op);
     # trainprof analyzes it as a CPU trace and gives no HTA view
-    _, view, kind = comm_compute.rank_breakdown(
+    _, view, kind = _comm_breakdown.rank_breakdown(
         load_trace(FIX / "hta" / "cpu_only" / "rank-34.Jul_15_10_52_41.1074.pt.trace.json.gz"))
     assert kind == "cpu" and view is None

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from trainprof.analyzers import comm_compute
+from trainprof.analyzers import _comm_breakdown
 from trainprof.rundir.files import profiler_trace_path, rank_dir, write_json_atomic
 from trainprof.analysis.run import RunDir
 from trainprof.trace import load_trace
@@ -30,7 +30,7 @@ def _row(root, log):
         json.dump({"distributedInfo": {"rank": 0, "world_size": 2, "backend": "gloo"}, "traceEvents": ev}, fh)
     write_json_atomic(rank_dir(root, 0) / "meta.json", {"rank": 0, "world_size": 2})
     (rank_dir(root, 0) / "collectives.jsonl").write_text("".join(json.dumps(c) + "\n" for c in log))
-    rows, _, _ = comm_compute.rank_breakdown(load_trace(p), log=comm_compute._rank_log(RunDir(root), 0))
+    rows, _, _ = _comm_breakdown.rank_breakdown(load_trace(p), log=_comm_breakdown.rank_log(RunDir(root), 0))
     return rows[0]
 
 

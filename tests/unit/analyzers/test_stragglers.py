@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from trainprof.analyzers import _straggler_cause, collectives, comm_compute, stragglers
+from trainprof.analyzers import _peer_waits, _straggler_cause, collectives, comm_compute, stragglers
 from trainprof.rundir.files import JsonlWriter, rank_dir
 from trainprof.analysis.run import RunDir
 
@@ -435,7 +435,7 @@ def test_exposed_comm_leaves_out_waits_for_a_straggler(tmp_path):
                  "compute_fraction": 0.28 if r != 2 else 0.72,
                  "tail_exposed_fraction": 0.3 if r != 2 else 0.28, "step_window_ms": STEP_MS, "by_dim_ms_per_step": {}, "comm_by_type_ms_per_step":
                  {"all_reduce": 720.0}, "sync_fraction": 0.0} for r in range(4)]
-    late = comm_compute._late_waits(run, per_rank)
+    late = _peer_waits.late_waits(run, per_rank, comm_compute.NAME)
     assert late["late"] == [2]
     assert late["adjusted"][0] == pytest.approx(0.72 - w["wait_ms"][0] / STEP_MS, abs=1e-4)
     assert not [f for f in comm_compute._findings(per_rank, 0.72, late) if f.kind == "exposed_comm"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainprof.analyzers import comm_compute, gpu_overview, roofline
+from trainprof.analyzers import _comm_breakdown, gpu_overview, roofline
 from trainprof.trace import parse_trace
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures" / "tracelens"
@@ -40,6 +40,6 @@ def test_overview_equals_tracelens(dev):
 def test_hip_synchronize_counts_like_cuda():
     calls = {}
     for dev in DEVICES:
-        rows, _, _ = comm_compute.rank_breakdown(parse_trace(FIX / dev / MODEL / f"{MODEL}.json.gz"))
+        rows, _, _ = _comm_breakdown.rank_breakdown(parse_trace(FIX / dev / MODEL / f"{MODEL}.json.gz"))
         calls[dev] = sum(r["sync_calls"] for r in rows)
     assert calls["mi300"] == calls["h100"] == 2  # hipDeviceSynchronize x2, cudaDeviceSynchronize x2

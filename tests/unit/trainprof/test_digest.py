@@ -15,7 +15,7 @@ import pytest
 
 from trainprof.analysis import digest, pool
 from trainprof.analysis.runner import analyze, analyze_and_write
-from trainprof.analyzers import comm_compute, roofline
+from trainprof.analyzers import _comm_breakdown, comm_compute, roofline
 from trainprof.rundir.files import profiler_trace_path
 from trainprof.analysis.run import RunDir
 from trainprof.trace import load_trace
@@ -81,7 +81,7 @@ def test_pool_digests_equal_in_process_and_trace_numbers(tmp_path):
     assert pooled == single
     assert digest.build(run_dir)["reused"] == [0, 1, 2, 3]
     tr = load_trace(profiler_trace_path(run_dir, 2))
-    rows, hta, kind = comm_compute.rank_breakdown(tr, {})
+    rows, hta, kind = _comm_breakdown.rank_breakdown(tr, {})
     d = pooled[2]["comm_compute"]["data"]
     assert (d["kind"], d["hta"]) == (kind, hta) and len(d["rows"]) == len(rows)
     assert [r["compute_ms"] for r in d["rows"]] == [r["compute_ms"] for r in rows]
@@ -155,7 +155,7 @@ def test_bare_trace_folder_is_left_untouched(tmp_path):
     assert after == before
     # the digests (in memory) hold what the trace gives
     tr = load_trace(folder / "sampled_rank-1.json.gz")
-    _, hta, _ = comm_compute.rank_breakdown(tr)
+    _, hta, _ = _comm_breakdown.rank_breakdown(tr)
     assert run.trace_digests("comm_compute")[1]["hta"] == hta
     with pytest.raises(Exception, match="not a trainprof run directory"):
         digest.build(folder)

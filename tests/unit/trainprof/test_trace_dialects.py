@@ -15,7 +15,7 @@ import pytest
 
 from trainprof.analysis.run import RunDir
 from trainprof.analysis.runner import analyze
-from trainprof.analyzers import comm_compute, gpu_overview, roofline
+from trainprof.analyzers import _comm_breakdown, gpu_overview, roofline
 from trainprof.trace import _decode, parse_trace
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
@@ -73,7 +73,7 @@ def _write(tmp_path, doc, name="t.json"):
 
 
 def _numbers(tr):
-    _, view, kind = comm_compute.rank_breakdown(tr)
+    _, view, kind = _comm_breakdown.rank_breakdown(tr)
     return kind, view, gpu_overview.trace_digest(None, tr.rank, tr)["job"], roofline.op_classes(tr)
 
 

@@ -138,7 +138,7 @@ def test_hta_layout_matches_hta_numbers(tmp_path):
                     d / f"rank-{r}.Apr_03_18_51_38.110{r}.pt.trace.json.gz")
     run = RunDir(d)
     assert run.ranks == [0, 1]
-    from trainprof.analyzers.comm_compute import rank_breakdown
+    from trainprof.analyzers._comm_breakdown import rank_breakdown
 
     want = {0: (53.56, 17.71, 28.74, 11.81), 1: (54.72, 22.57, 22.72, 20.05)}
     for r, tr in run.traces().items():
@@ -260,7 +260,7 @@ def test_gpu_ops_without_launch_are_left_out_of_the_windows(tmp_path):
     assert tr.stats["gpu_ops_without_launch"] == 50
     assert (tr.events.loc[tr.events["name"] == "queued_kernel", "step"] == -1).all()
     assert any("50 GPU op(s) have no launching runtime call" in p for p in run.problems)
-    from trainprof.analyzers.comm_compute import rank_breakdown
+    from trainprof.analyzers._comm_breakdown import rank_breakdown
 
     rows, hta, _ = rank_breakdown(tr)
     got = (hta["idle_pct"], hta["compute_pct"], hta["non_compute_pct"], hta["overlap_pct"])
