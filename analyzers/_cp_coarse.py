@@ -13,7 +13,8 @@ profiled steps' path, from the traces, can). A collective instance (group, ordin
 node at its last member's arrival: each member's enqueue -> join (no weight), join -> each
 member's end (``communication``: the time after the last arrival, or after the member started
 waiting, whichever is later). The k-th send a->b and the k-th recv on b from a are one join of
-two. Built with numpy, one step at a time (analyzers/_cp_batch.py: many steps at once).
+two. Built with numpy, many steps at once as one disjoint union (``graphs``; step_graph: one
+step; analyzers/_cp_batch.py walks the union's paths).
 """
 
 from __future__ import annotations
@@ -145,27 +146,6 @@ def _codes(keys: list) -> tuple[np.ndarray, list]:
     return codes, list(index)
 
 
-def _place_data(prep, step, wr, ws, dw, epos, ta, tb):
-    """Where each rank's data wait lies (the log gives its length only): at the start of the
-    first stretch of the rank's own work long enough to hold it (the batch is drawn between
-    the ops around it: after the previous step's closing collectives, before the first
-    forward), else at the step's start. Per work edge: (data start, data end); also kept in
-    ``prep["data_at"][(rank, step)]``."""
-    start = ws.copy()
-    has = dw > 0
-    if has.any() and len(epos):
-        fits = (tb - ta) >= 0.9 * dw[epos]
-        fits &= has[epos]
-        idx = np.flatnonzero(fits)
-        if len(idx):
-            first_pos, first = np.unique(epos[idx], return_index=True)
-            start[first_pos] = ta[idx[first]]
-    at = prep.setdefault("data_at", {})
-    for i in np.flatnonzero(has):
-        at[(int(wr[i]), int(step))] = (int(start[i]), int(start[i] + dw[i]))
-    return start[epos], (start + dw)[epos]
-
-
 def step_ids(prep: dict) -> list[int]:
     w = prep.get("win") or {}
     return [int(x) for x in np.unique(w["step"])] if w else []
@@ -189,22 +169,11 @@ def chain_paths(prep: dict, skip: set) -> dict:
     (its data wait at the start: nothing logged in it to place it after), so the longest path
     is the longest window, the lowest rank's on a tie (step_graph's node order), and its
     edge id counts the ranks before it with a window longer than 0 (one edge each)."""
-    w = prep.get("win") or {}
-    if not w or not len(w["step"]):
+    rows = _chain_rows(prep, skip, keep=False)
+    if rows is None:
         return {}
-    sel = ~np.isin(w["step"], np.fromiter(skip, np.int64, len(skip)))
-    k, r = w["step"][sel], w["rank"][sel]
-    if not len(k):
-        return {}
-    a, b, d = w["start"][sel], w["end"][sel], w["dend"][sel]
-    o = np.lexsort((r, k))
-    k, r, a, b, d = k[o], r[o], a[o], b[o], d[o]
-    dur = b - a
-    data = np.clip(np.minimum(b, d) - a, 0, None)
-    first = np.r_[True, k[1:] != k[:-1]]
-    starts = np.flatnonzero(first)
+    k, r, a, b, dur, data, starts, grp = rows
     longest = np.maximum.reduceat(dur, starts)
-    grp = np.cumsum(first) - 1
     # the first row of each step with its longest window; edges before it: windows > 0
     hit = dur == longest[grp]
     pos = np.arange(len(k))
@@ -217,27 +186,37 @@ def chain_paths(prep: dict, skip: set) -> dict:
             for i, (s, j) in enumerate(zip(starts, best))}
 
 
+def _chain_rows(prep: dict, steps, keep: bool):
+    """The step windows of ``steps`` (``keep``) or of every other step, by step then rank, as
+    (step, rank, start, end, length, data ns, the first row of each step, each row's step
+    index), or None where there are none."""
+    w = prep.get("win") or {}
+    if not w or not len(w["step"]):
+        return None
+    sel = np.isin(w["step"], np.fromiter(steps, np.int64, len(steps)))
+    if not keep:
+        sel = ~sel
+    k, r = w["step"][sel], w["rank"][sel]
+    if not len(k):
+        return None
+    a, b, d = w["start"][sel], w["end"][sel], w["dend"][sel]
+    o = np.lexsort((r, k))
+    k, r, a, b, d = k[o], r[o], a[o], b[o], d[o]
+    first = np.r_[True, k[1:] != k[:-1]]
+    return (k, r, a, b, b - a, np.clip(np.minimum(b, d) - a, 0, None), np.flatnonzero(first),
+            np.cumsum(first) - 1)
+
+
 def chain_replay(prep: dict, steps, change: dict) -> dict:
     """{step: longest path ns with ``change`` applied} of chain steps (no logged op: each rank's
     step one work edge, its window, its data wait at the start) at once: what
     critical_path._changed and longest_path give on those steps' graphs, the same float
     arithmetic per edge (a rank's work scaled, its data or compute part taken off, truncated
     to ns), the longest path the longest changed edge."""
-    w = prep.get("win") or {}
-    if not w or not len(steps) or not len(w["step"]):
+    rows = _chain_rows(prep, steps, keep=True)
+    if rows is None:
         return {}
-    sel = np.isin(w["step"], np.fromiter(steps, np.int64, len(steps)))
-    k, r = w["step"][sel], w["rank"][sel]
-    if not len(k):
-        return {}
-    a, b, d = w["start"][sel], w["end"][sel], w["dend"][sel]
-    o = np.lexsort((r, k))
-    k, r, a, b, d = k[o], r[o], a[o], b[o], d[o]
-    dur = b - a
-    data = np.clip(np.minimum(b, d) - a, 0, None)
-    first = np.r_[True, k[1:] != k[:-1]]
-    starts = np.flatnonzero(first)
-    grp = np.cumsum(first) - 1
+    k, r, _, _, dur, data, starts, grp = rows
     edge = dur > 0  # a rank whose window is 0 long has no edge
     new = dur.astype(np.float64)
     if "remove_excess" in change:
@@ -300,71 +279,141 @@ def step_graph(prep: dict, step: int, ranks=None) -> Arrays | None:
         sel = sel[np.isin(w["rank"][sel], list(ranks))]
     if not len(sel):
         return None
-    wr, ws, we, wd = w["rank"][sel], w["start"][sel], w["end"][sel], w["dend"][sel]
-    order = np.argsort(wr, kind="stable")
-    wr, ws, we, wd = wr[order], ws[order], we[order], wd[order]
+    sel = sel[np.argsort(w["rank"][sel], kind="stable")]
     ops = prep["ops"]
     if ops is not None:
         lo, hi = np.searchsorted(ops["step"], [step, step + 1])
         o = {k: v[lo:hi] for k, v in ops.items()}
-        m = np.isin(o["rank"], wr)
-        o = {k: v[m] for k, v in o.items()}
     else:
-        o = {"rank": np.zeros(0, np.int64), "enq": np.zeros(0, np.int64), "wait": np.zeros(0, np.int64),
-             "end": np.zeros(0, np.int64), "inst": np.zeros(0, np.int64), "op": np.zeros(0, object)}
+        o = {k: np.zeros(0, np.int64) for k in ("rank", "step", "enq", "wait", "end", "inst")}
+        o["op"] = np.zeros(0, object)
+    return graphs(prep, np.array([step], np.int64), {k: v[sel] for k, v in w.items()}, o)[0]
+
+
+def graphs(prep: dict, steps: np.ndarray, win: dict, ops: dict, limit: int | None = None):
+    """(Arrays, node_lo, edge_lo): the disjoint union of the graphs of ``steps`` (sorted, each
+    with a window), from ``win``, their step windows by step then rank, and ``ops``, their ops
+    by step (an op of a rank without a window that step is left out). Block i holds step
+    steps[i]'s nodes from node_lo[i] (its ranks' points by rank then time, then its joins by
+    instance code) and edges from edge_lo[i] (work, then each op's arrival -> join, then join
+    -> end); both end with a final end entry. None when a point's key (window index × the
+    longest step's span) would reach ``limit``."""
+    wk, wr, ws, we, wd = win["step"], win["rank"], win["start"], win["end"], win["dend"]
+    n_steps, nw = len(steps), len(wk)
+    wsi = np.searchsorted(steps, wk)  # each window's step index
+    # each op's window: the one of its step and rank
+    osi = np.searchsorted(steps, ops["step"])
+    rmin, rmax = int(wr.min()), int(wr.max())
+    wkey = wsi * (rmax - rmin + 1) + (wr - rmin)  # sorted: windows by step, then rank
+    okey = osi * (rmax - rmin + 1) + np.clip(ops["rank"] - rmin, 0, None)
+    pos = np.clip(np.searchsorted(wkey, okey), 0, nw - 1)
+    m = (wkey[pos] == okey) & (ops["rank"] >= rmin) & (ops["rank"] <= rmax)
+    oo = {k: v[m] for k, v in ops.items()}
+    pos, osi = pos[m], osi[m]
     # clip each op into its rank's step window
-    pos = np.searchsorted(wr, o["rank"])
     lo_, hi_ = ws[pos], we[pos]
-    enq, wait, fin = (np.clip(o[k], lo_, hi_) for k in ("enq", "wait", "end"))
+    enq, wait, fin = (np.clip(oo[k], lo_, hi_) for k in ("enq", "wait", "end"))
     wait = np.maximum(wait, enq)
     fin = np.maximum(fin, wait)
-    base = int(min(ws.min(), enq.min() if len(enq) else ws.min()))
-    span = int(max(we.max(), fin.max() if len(fin) else we.max())) - base + 1
-    rank_pos = np.arange(len(wr))
+    # per step: base (earliest time) and span
+    first_w = np.searchsorted(wsi, np.arange(n_steps))
+    base = np.minimum.reduceat(ws, first_w)
+    top = np.maximum.reduceat(we, first_w)
+    if len(enq):
+        np.minimum.at(base, osi, enq)
+        np.maximum.at(top, osi, fin)
+    span = int((top - base).max()) + 1
+    if limit is not None and nw * span >= limit:
+        return None
+    wbase = base[wsi]
 
-    def key(rpos, ts):
-        return rpos.astype(np.int64) * span + (ts - base)
+    def key(wi, ts):
+        return wi.astype(np.int64) * span + (ts - wbase[wi])
 
-    pts = np.unique(np.concatenate([key(rank_pos, ws), key(rank_pos, we),
-                                    key(pos, enq), key(pos, wait), key(pos, fin)]))
-    n = len(pts)
-    prank_pos = pts // span
-    pts_ts = pts % span + base
-    node_rank = wr[prank_pos]
-    # chain edges between consecutive points of a rank, unless inside a wait
-    same = prank_pos[1:] == prank_pos[:-1]
-    a_i = np.flatnonzero(same)
-    wk, fk = np.sort(key(pos, wait)), np.sort(key(pos, fin))
-    open_at = np.searchsorted(wk, pts, "right") - np.searchsorted(fk, pts, "right")
+    widx = np.arange(nw)
+    pts = _sorted_unique(np.concatenate([key(widx, ws), key(widx, we), key(pos, enq),
+                                         key(pos, wait), key(pos, fin)]))
+    n_pts = len(pts)
+    pwin = pts // span
+    pts_ts = pts % span + wbase[pwin]
+    node_rank = wr[pwin]
+    # chain edges between consecutive points of a window, unless inside a wait
+    a_i = np.flatnonzero(pwin[1:] == pwin[:-1])
+    wk_, fk_ = np.sort(key(pos, wait)), np.sort(key(pos, fin))
+    open_at = np.searchsorted(wk_, pts, "right") - np.searchsorted(fk_, pts, "right")
     a_i = a_i[open_at[a_i] <= 0]
     b_i = a_i + 1
     ta, tb = pts_ts[a_i], pts_ts[b_i]
-    dstart, dend = _place_data(prep, step, wr, ws, wd - ws, prank_pos[a_i], ta, tb)
+    dstart, dend = _place_data(prep, wk, wr, ws, wd - ws, pwin[a_i], ta, tb)
     data = np.clip(np.minimum(tb, dend) - np.maximum(ta, dstart), 0, None)
     parts_w = np.zeros((len(a_i), len(KINDS)), np.int64)
     parts_w[:, KIND_INDEX["data"]] = data
     parts_w[:, KIND_INDEX["compute"]] = (tb - ta) - data
-    # joins
+    # joins: per step, one per instance code (ascending)
     n_ops = len(enq)
     arr_node = np.searchsorted(pts, key(pos, enq))
     fin_node = np.searchsorted(pts, key(pos, fin))
-    uniq, inv = np.unique(o["inst"], return_inverse=True)
-    t_j = np.full(len(uniq), np.iinfo(np.int64).min)
+    inst = oo["inst"]
+    combo = osi * (int(inst.max()) + 1 if n_ops else 1) + inst
+    ucombo, inv = np.unique(combo, return_inverse=True)
+    inv = inv.reshape(-1)
+    t_j = np.full(len(ucombo), np.iinfo(np.int64).min)
     np.maximum.at(t_j, inv, enq)
-    j_node = n + np.arange(len(uniq))
+    jstep = ucombo // (int(inst.max()) + 1) if n_ops else np.zeros(0, np.int64)
     comm = np.clip(fin - np.maximum(t_j[inv], wait), 0, None)
+    # nodes by step: its points, then its joins
+    nstep = np.concatenate([wsi[pwin], jstep])
+    nperm = np.argsort(nstep, kind="stable")
+    newid = np.empty(len(nstep), np.int64)
+    newid[nperm] = np.arange(len(nstep))
+    j_node = n_pts + np.arange(len(ucombo))
+    src = newid[np.concatenate([a_i, arr_node, j_node[inv]])]
+    dst = newid[np.concatenate([b_i, j_node[inv], fin_node])]
+    # edges by step: work, arrivals, transfers
+    estep = np.concatenate([wsi[pwin[a_i]], osi, osi])
+    eperm = np.argsort(estep, kind="stable")
     parts_c = np.zeros((n_ops, len(KINDS)), np.int64)
     parts_c[:, KIND_INDEX["communication"]] = comm
-    src = np.concatenate([a_i, arr_node, j_node[inv]])
-    dst = np.concatenate([b_i, j_node[inv], fin_node])
-    weight = np.concatenate([tb - ta, np.zeros(n_ops, np.int64), comm])
-    rank = np.concatenate([node_rank[a_i], o["rank"], o["rank"]])
-    parts = np.concatenate([parts_w, np.zeros((n_ops, len(KINDS)), np.int64), parts_c])
-    etype = np.concatenate([np.full(len(a_i), WORK), np.full(n_ops, DEP), np.full(n_ops, COLL)])
-    inst = np.concatenate([np.full(len(a_i), -1), np.full(n_ops, -1), o["inst"]])
     label = np.concatenate([np.full(len(a_i), None, object), np.full(n_ops, None, object),
-                            np.asarray(o["op"], object)])
-    g = Arrays(np.concatenate([pts_ts, t_j]), np.concatenate([node_rank, np.full(len(uniq), -1)]),
-               src, dst, weight, rank, parts, etype, inst, label)
+                            np.asarray(oo["op"], object)])
+    g = Arrays(np.concatenate([pts_ts, t_j])[nperm],
+               np.concatenate([node_rank, np.full(len(ucombo), -1)])[nperm],
+               src[eperm], dst[eperm],
+               np.concatenate([tb - ta, np.zeros(n_ops, np.int64), comm])[eperm],
+               np.concatenate([node_rank[a_i], oo["rank"], oo["rank"]])[eperm],
+               np.concatenate([parts_w, np.zeros((n_ops, len(KINDS)), np.int64), parts_c])[eperm],
+               np.concatenate([np.full(len(a_i), WORK), np.full(n_ops, DEP), np.full(n_ops, COLL)])[eperm],
+               np.concatenate([np.full(len(a_i), -1), np.full(n_ops, -1), inst])[eperm],
+               label[eperm])
     g.inst_names = prep.get("inst_names", [])
-    return g
+    node_lo = np.searchsorted(nstep[nperm], np.arange(n_steps + 1))
+    edge_lo = np.searchsorted(estep[eperm], np.arange(n_steps + 1))
+    return g, node_lo, edge_lo
+
+
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """np.unique of an int array by sorting (numpy's hash table for values only costs several
+    times more on millions of distinct keys)."""
+    a = np.sort(a)
+    return a[np.r_[True, a[1:] != a[:-1]]] if len(a) else a
+
+
+def _place_data(prep, wk, wr, ws, dw, epos, ta, tb):
+    """Where each window's data wait lies (the log gives its length only): at the start of the
+    first stretch of the rank's own work long enough to hold it (the batch is drawn between
+    the ops around it: after the previous step's closing collectives, before the first
+    forward), else at the step's start. Per work edge (``epos``: its window): (data start,
+    data end); also kept in ``prep["data_at"][(rank, step)]``."""
+    start = ws.copy()
+    has = dw > 0
+    if has.any() and len(epos):
+        fits = (tb - ta) >= 0.9 * dw[epos]
+        fits &= has[epos]
+        idx = np.flatnonzero(fits)
+        if len(idx):
+            first_pos, first = np.unique(epos[idx], return_index=True)
+            start[first_pos] = ta[idx[first]]
+    at = prep.setdefault("data_at", {})
+    for i in np.flatnonzero(has).tolist():
+        at[(int(wr[i]), int(wk[i]))] = (int(start[i]), int(start[i] + dw[i]))
+    return start[epos], (start + dw)[epos]

@@ -119,40 +119,14 @@ def longest_path(g, weights=None) -> tuple[int, np.ndarray]:
     ValueError on a cycle (a builder bug: edges follow time or a join)."""
     a = _as_arrays(g)
     w = a.weight if weights is None else np.maximum(np.asarray(weights, np.int64), 0)
-    n, m = len(a.node_ts), len(a.src)
+    n = len(a.node_ts)
     if n == 0:
         return 0, np.zeros(0, np.int64)
     ranks = max(1, len(uniq(a.node_rank)))
     if n / ranks > DEEP:  # long chains, few ranks (a profiled window): one edge at a time
         return _longest_path_py(a, w)
-    order = np.argsort(a.src, kind="stable")
-    starts = np.searchsorted(a.src[order], np.arange(n + 1))
-    indeg = np.bincount(a.dst, minlength=n).astype(np.int64)
-    dist = np.zeros(n, np.int64)
-    pred = np.full(n, -1, np.int64)
-    frontier = np.flatnonzero(indeg == 0)
-    done = 0
-    while len(frontier):
-        done += len(frontier)
-        lo, hi = starts[frontier], starts[frontier + 1]
-        cnt = hi - lo
-        if not cnt.sum():
-            break
-        idx = np.repeat(lo - np.cumsum(np.r_[0, cnt[:-1]]), cnt) + np.arange(cnt.sum())
-        es = order[idx]
-        dst = a.dst[es]
-        cand = dist[a.src[es]] + w[es]
-        # the best candidate per destination (ties: the later edge, so a chain is followed)
-        srt = np.lexsort((es, cand, dst))
-        last = np.r_[dst[srt][1:] != dst[srt][:-1], True]
-        bd, bc, be = dst[srt][last], cand[srt][last], es[srt][last]
-        better = (bc > dist[bd]) | ((bc == dist[bd]) & (pred[bd] < 0))
-        dist[bd[better]] = bc[better]
-        pred[bd[better]] = be[better]
-        np.subtract.at(indeg, dst, 1)
-        touched = uniq(dst)
-        frontier = touched[indeg[touched] == 0]
-    if done != n:
+    dist, pred, seen = frontier_pass(a.src, a.dst, w, n)
+    if not seen.all():
         raise ValueError("critical-path graph has a cycle")
     end = int(np.argmax(dist))
     path = []
@@ -161,6 +135,40 @@ def longest_path(g, weights=None) -> tuple[int, np.ndarray]:
         end = int(a.src[pred[end]])
     path.reverse()
     return int(dist.max()), np.asarray(path, np.int64)
+
+
+def frontier_pass(src, dst, w, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The longest distance to each of ``n`` nodes over edges src -> dst of weight ``w``, a
+    frontier (the nodes whose in-edges are all done) at a time: (dist, pred (the edge it is
+    reached by, -1 for none), seen (False: on or after a cycle)). Ties among a node's in-edges
+    go to the later edge, so a chain is followed."""
+    order = np.argsort(src, kind="stable")
+    starts = np.searchsorted(src[order], np.arange(n + 1))
+    indeg = np.bincount(dst, minlength=n).astype(np.int64)
+    dist = np.zeros(n, np.int64)
+    pred = np.full(n, -1, np.int64)
+    seen = np.zeros(n, bool)
+    frontier = np.flatnonzero(indeg == 0)
+    while len(frontier):
+        seen[frontier] = True
+        lo, hi = starts[frontier], starts[frontier + 1]
+        cnt = hi - lo
+        if not cnt.sum():
+            break
+        idx = np.repeat(lo - np.cumsum(np.r_[0, cnt[:-1]]), cnt) + np.arange(cnt.sum())
+        es = order[idx]
+        d = dst[es]
+        cand = dist[src[es]] + w[es]
+        srt = np.lexsort((es, cand, d))
+        last = np.r_[d[srt][1:] != d[srt][:-1], True]
+        bd, bc, be = d[srt][last], cand[srt][last], es[srt][last]
+        better = (bc > dist[bd]) | ((bc == dist[bd]) & (pred[bd] < 0))
+        dist[bd[better]] = bc[better]
+        pred[bd[better]] = be[better]
+        np.subtract.at(indeg, d, 1)
+        touched = uniq(d)
+        frontier = touched[indeg[touched] == 0]
+    return dist, pred, seen
 
 
 DEEP = 2000  # nodes per rank above which the frontier pass has too many, too small frontiers
@@ -227,6 +235,25 @@ def attribute(g, path, weights=None) -> dict:
     tot = parts.sum(axis=0)
     return {"by_rank": by_rank, "by_kind": {k: float(v) for k, v in zip(KINDS, tot)},
             "by_rank_kind": both}
+
+
+def path_rows(a: Arrays, paths) -> list[list[tuple]]:
+    """Per path (edge ids of ``a``): (rank, kind, start ns, end ns, label) of its edges with
+    weight (the timeline's highlighted track), kind the edge's largest part ("idle": none)."""
+    n = len(paths)
+    e = np.concatenate([np.asarray(p, np.int64) for p in paths]) if n else np.zeros(0, np.int64)
+    blk = np.repeat(np.arange(n), [len(p) for p in paths])
+    parts = a.parts[e]
+    kind = np.where(parts.any(axis=1), np.argmax(parts, axis=1), -1) if len(e) else e
+    lab = a.label
+    labels = ([None] * len(e) if lab is None else lab[e].tolist() if isinstance(lab, np.ndarray)
+              else [lab[i] for i in e.tolist()])
+    rows: list[list[tuple]] = [[] for _ in range(n)]
+    for b, r, k, ts, w, x in zip(blk.tolist(), a.rank[e].tolist(), kind.tolist(),
+                                 a.node_ts[a.dst[e]].tolist(), a.weight[e].tolist(), labels):
+        if w:
+            rows[b].append((r, KINDS[k] if k >= 0 else "idle", ts - w, ts, x))
+    return rows
 
 
 def replay(g, weights) -> tuple[int, np.ndarray]:

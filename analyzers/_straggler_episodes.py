@@ -64,7 +64,8 @@ def _host_blocks(k) -> bool:
 def find(k, step_ms: float, noise: float, th, col: str = "excess_ms") -> dict[int, list[dict]]:
     """rank -> its straggler episodes of signal ``col``, each {"first", "last" (steps), "steps"
     (analysed steps in it), "excess_ms" (median of the signal), "score", "over_frac"}. ``k``:
-    the analysed-steps table (rank, step, col); ``th``: the stragglers module (thresholds)."""
+    the analysed-steps table (rank, step, col); ``th``: the thresholds
+    (analyzers/_straggler_judge.py)."""
     if k.empty or col not in k.columns or k[col].isna().all():
         return {}
     floor = max(th.MIN_EXCESS * step_ms, th.MIN_EXCESS_MS)

@@ -43,21 +43,6 @@ def data_placement(run) -> dict:
     return prepared(run).get("data_at", {})
 
 
-def _path_rows(g, path, weights=None) -> list[tuple]:
-    """(rank, kind, start ns, end ns, label) of the path's edges with weight (the timeline's
-    highlighted track)."""
-    w = g.weight if weights is None else weights
-    rows = []
-    for e in path:
-        if not w[e]:
-            continue
-        b = int(g.node_ts[g.dst[e]])
-        kind = KINDS[int(np.argmax(g.parts[e]))] if g.parts[e].any() else "idle"
-        label = g.label[e] if g.label is not None else None
-        rows.append((int(g.rank[e]), kind, b - int(w[e]), b, label))
-    return rows
-
-
 def paths(run) -> dict:
     """{step: {"length_ns", "path" (edge ids), "attr", "rows"}} (cached)."""
     return once(run, "analyzers.critical_path.paths", _paths)
@@ -86,7 +71,7 @@ def _paths(run) -> dict:
                                 "(inconsistent p2p pairs?); no path for this step")
             continue
         out[s] = {"length_ns": length, "path": path, "attr": _cp_graph.attribute(g, path),
-                  "rows": _path_rows(g, path)}
+                  "rows": _cp_graph.path_rows(g, [path])[0]}
     return out
 
 
@@ -105,7 +90,7 @@ def _batched_paths(prep, steps) -> dict:
 
 def _chain_path(length, rank, start, end, data, edge) -> dict:
     """paths()'s entry of a step whose graph is one chain per rank (_cp_coarse.chain_paths):
-    what longest_path, attribute and _path_rows give on that graph."""
+    what longest_path, attribute and path_rows give on that graph."""
     if length <= 0:
         return {"length_ns": 0, "path": np.zeros(0, np.int64),
                 "attr": {"by_rank": {}, "by_kind": {}, "by_rank_kind": {}}, "rows": []}
@@ -547,8 +532,8 @@ def profiled_paths(run, traces: dict, steps, shifts: dict | None = None) -> dict
             _unjoined(g, arrivals, leaves, force=True)
             a = g.arrays()
             length, path = _cp_graph.longest_path(a)
-        out[s] = {"length_ns": length, "rows": _path_rows(a, path), "attr": _cp_graph.attribute(a, path),
-                  "ranks": used}
+        out[s] = {"length_ns": length, "rows": _cp_graph.path_rows(a, [path])[0],
+                  "attr": _cp_graph.attribute(a, path), "ranks": used}
     return out
 
 

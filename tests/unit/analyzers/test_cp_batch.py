@@ -122,7 +122,7 @@ def test_union_of_step_graphs_gives_each_steps_own_path(seed, chunk, grid, monke
             got_len, got_path = res[i]
             assert got_len == length and got_path.tolist() == path.tolist(), s
             gp = got_path + el
-            assert critical_path._path_rows(g, gp) == critical_path._path_rows(one, path)
+            assert _cp_graph.path_rows(g, [gp])[0] == _cp_graph.path_rows(one, [path])[0]
             assert _cp_graph.attribute(g, gp) == _cp_graph.attribute(one, path)
             seen += 1
     assert seen + cycles == len(joined) and seen > 20
@@ -149,7 +149,7 @@ def test_paths_take_the_batch_and_leave_a_cycle_to_the_per_step_graph():
         if s in _cp_coarse.op_steps(prep):
             one, length, path = _one(prep, s)
             assert got[s]["length_ns"] == length and got[s]["path"].tolist() == path.tolist()
-            assert got[s]["rows"] == critical_path._path_rows(one, path)
+            assert got[s]["rows"] == _cp_graph.path_rows(one, [path])[0]
 
 
 def test_deep_graphs_are_left_to_the_per_step_path(monkeypatch):
@@ -214,7 +214,7 @@ def test_batched_paths_entries_are_the_per_step_ones_value_and_type(seed, grid, 
             assert s not in got
             continue
         want = {"length_ns": length, "path": path, "attr": _cp_graph.attribute(one, path),
-                "rows": critical_path._path_rows(one, path)}
+                "rows": _cp_graph.path_rows(one, [path])[0]}
         assert repr(got[s]["attr"]) == repr(want["attr"]), s  # (floats stay floats)
         assert repr(got[s]["rows"]) == repr(want["rows"]), s
         assert got[s]["length_ns"] == length and got[s]["path"].tolist() == path.tolist()
@@ -222,7 +222,7 @@ def test_batched_paths_entries_are_the_per_step_ones_value_and_type(seed, grid, 
 
 def test_summaries_of_paths_with_idle_edges_zero_ranks_and_no_edges():
     """A hand-built graph: a weighted edge without parts (idle), a rank whose path edges carry
-    nothing (left out of by_rank), an empty path; summaries gives attribute / _path_rows."""
+    nothing (left out of by_rank), an empty path; summaries gives attribute and the path's rows."""
     K = len(_cp_graph.KINDS)
     parts = np.zeros((5, K), np.int64)
     parts[0, _cp_graph.KIND_INDEX["compute"]] = 7
@@ -236,8 +236,12 @@ def test_summaries_of_paths_with_idle_edges_zero_ranks_and_no_edges():
                          label=np.array([None, None, None, "all_reduce", None], object))
     paths = [np.array([0, 1, 2]), np.zeros(0, np.int64), np.array([0, 1, 3, 4]), np.array([4])]
     got = _cp_batch.summaries(g, paths)
-    for p, (attr, rows) in zip(paths, got):
+    # (rank, largest part or idle, end - weight, end = the dst node's time, label), weight > 0
+    e0, e2 = (0, "compute", 0, 10, None), (1, "idle", 10, 15, None)
+    e3, e4 = (1, "communication", 15, 19, "all_reduce"), (2, "idle", 19, 30, None)
+    want_rows = [[e0, e2], [], [e0, e3, e4], [e4]]
+    for p, (attr, rows), want in zip(paths, got, want_rows):
         assert repr(attr) == repr(_cp_graph.attribute(g, p))
-        assert repr(rows) == repr(critical_path._path_rows(g, p))
+        assert rows == want and rows == _cp_graph.path_rows(g, [p])[0]
     assert 3 not in got[0][0]["by_rank"] and got[0][1][1][1] == "idle"
     assert got[1] == ({"by_rank": {}, "by_kind": {}, "by_rank_kind": {}}, [])

@@ -80,7 +80,7 @@ def _full(prep, step) -> dict:
     g = _cp_coarse.step_graph(prep, step)
     length, path = _cp_graph.longest_path(g)
     return {"length_ns": length, "path": path, "attr": _cp_graph.attribute(g, path),
-            "rows": critical_path._path_rows(g, path)}
+            "rows": _cp_graph.path_rows(g, [path])[0]}
 
 
 def _same(a: dict, b: dict) -> None:

@@ -16,7 +16,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from trainprof.analyzers import _peer_waits, _straggler_cause, collectives, comm_compute, stragglers
+from trainprof.analyzers import (_peer_waits, _straggler_cause, _straggler_judge, collectives,
+                                   comm_compute, stragglers)
 from trainprof.rundir.files import JsonlWriter, rank_dir
 from trainprof.analysis.run import RunDir
 
@@ -124,7 +125,7 @@ def test_straggler_by_hand(tmp_path):
     assert m["noise_ms"] == pytest.approx(noise)
     p5 = next(p for p in m["per_rank"] if p["rank"] == 5)
     assert p5["excess_ms"] == pytest.approx(e5)
-    assert p5["score"] == pytest.approx(e5 / max(noise, stragglers.FLOOR * STEP_MS))
+    assert p5["score"] == pytest.approx(e5 / max(noise, _straggler_judge.FLOOR * STEP_MS))
     assert p5["status"] == "chronic" and p5["straggling_steps"] == [1, 2, 3, 4, 5]
     assert p5["signal"] == "own_time"
     assert m["steps_analysed"] == [1, 2, 3, 4, 5]
@@ -149,8 +150,8 @@ def test_two_ranks_by_hand(tmp_path):
     e1 = float(np.median(list(x[1].values())))
     per = {p["rank"]: p for p in res.metrics["per_rank"]}
     assert per[1]["excess_ms"] == pytest.approx(e1) and per[0]["excess_ms"] == pytest.approx(-e1)
-    assert per[1]["score"] == pytest.approx(e1 / max(noise, stragglers.FLOOR * STEP_MS))
-    assert per[1]["score"] >= stragglers.SCORE
+    assert per[1]["score"] == pytest.approx(e1 / max(noise, _straggler_judge.FLOOR * STEP_MS))
+    assert per[1]["score"] >= _straggler_judge.SCORE
     # arrival lateness on 2 ranks: the difference of the two enqueues
     assert per[1]["late_ms"] == pytest.approx(e1, abs=1e-3)
     (f,) = straggler_findings(res)
@@ -196,12 +197,12 @@ def test_many_ranks_statistic():
     x[700] += 150
     k = pd.DataFrame({"rank": np.repeat(np.arange(n), steps), "step": np.tile(np.arange(steps), n),
                       "group": "all", "excess_ms": x.reshape(-1)})
-    per, noise = stragglers.judge(k, "excess_ms", STEP_MS)
+    per, noise = _straggler_judge.judge(k, "excess_ms", STEP_MS)
     d = np.abs(np.diff(x, axis=1)).reshape(-1)
     assert noise == pytest.approx(1.4826 * np.median(d) / math.sqrt(2))
     e = np.median(x, axis=1)
     spread = 1.4826 * np.median(np.abs(e - np.median(e)))
-    scale = max(noise, spread, stragglers.FLOOR * STEP_MS)
+    scale = max(noise, spread, _straggler_judge.FLOOR * STEP_MS)
     assert per[700]["score"] == pytest.approx(e[700] / scale)
     assert [r for r, p in per.items() if p["status"] == "chronic"] == [700]
     assert per[700]["steps"] == list(range(steps))
