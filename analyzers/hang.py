@@ -113,7 +113,9 @@ def _detect(run, views, exits=None) -> dict:
         ended = [run.rank_meta(r).get("ended_ns") for r in views]
         end_ns = max((e for e in ended if e), default=None)
     last = max((v.last_progress_ns for v in views.values() if v.last_progress_ns), default=None)
-    stalled = (end_ns - last) / 1e9 if end_ns and last else None
+    # a rank that progressed after the job's end point (a peer finishing its step after the first
+    # failure, before the launcher stopped it) means no stall: 0 s, never a negative one
+    stalled = max(0.0, (end_ns - last) / 1e9) if end_ns and last else None
     live = [v for v in views.values() if v.heartbeats and not v.closed]
     quiet_end = None
     if stalled is not None and stalled > threshold and live and not reasons:
@@ -201,7 +203,7 @@ def postmortem(run) -> dict | None:
                  or v.heartbeats else "unknown")
         rows.append({
             "rank": r, "state": state, "step": v.step, "last_progress_ns": v.last_progress_ns,
-            "stalled_s": round((det["end_ns"] - v.last_progress_ns) / 1e9, 3)
+            "stalled_s": round(max(0.0, (det["end_ns"] - v.last_progress_ns) / 1e9), 3)
             if det["end_ns"] and v.last_progress_ns else None,
             "waiting_in": w, "last_collective": v.last_collective, "dumped": bool(v.dump),
             "flight_recorder": bool(v.fr), "frame": fmt_frame(v.frame),

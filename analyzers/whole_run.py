@@ -31,7 +31,9 @@ Findings with onset / end (analyzers/_changepoint.py segments):
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 
 import numpy as np
 
@@ -117,6 +119,14 @@ def _bins(steps, x, starts: dict) -> list[dict]:
     return out
 
 
+@contextlib.contextmanager
+def _quiet():
+    """numpy's nan-reductions over an all-NaN slice warn through ``warnings`` (not errstate)."""
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
 def _heatmap(sm: dict, steps) -> dict:
     """Per rank (block) × bin: median own time per step (busy + input wait)."""
     busy, data = sm.get("busy_ms_by_rank") or {}, sm.get("data_ms_by_rank") or {}
@@ -135,12 +145,12 @@ def _heatmap(sm: dict, steps) -> dict:
                      dtype=float)[idx]
         m[i] = b + d
     e = _edges(idx.size)
-    with np.errstate(all="ignore"):
+    with _quiet():  # a rank that stopped early (crash, hang) has empty bins: NaN, no warning
         binned = np.stack([np.nanmedian(m[:, a:b], axis=1) for a, b in zip(e[:-1], e[1:])], axis=1)
     block = max(1, math.ceil(len(ranks) / MAX_ROWS))
     rows, labels = [], []
     for i in range(0, len(ranks), block):
-        with np.errstate(all="ignore"):
+        with _quiet():
             rows.append(np.nanmax(binned[i:i + block], axis=0))
         rs = ranks[i:i + block]
         labels.append(str(rs[0]) if len(rs) == 1 else f"{rs[0]}–{rs[-1]}")

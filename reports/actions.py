@@ -200,6 +200,14 @@ def _per_rank(v) -> bool:
         all(_num(x) for x in v.values())
 
 
+STEP_KEYED = frozenset({"slow_ms"})  # evidence maps keyed by step, not rank (analyzers/slow_steps.py)
+
+
+def _unit(key: str) -> str:
+    """What a numeric-keyed evidence map's keys are: steps or ranks."""
+    return "step" if key in STEP_KEYED or str(key).endswith("_by_step") else "rank"
+
+
 def evidence_sentences(evidence: Mapping, limit: int = 6) -> list[str]:
     """The evidence as short sentences: scalars as 'label: value', per-rank maps as 'label:
     rank 0 29.9 %, rank 1 …' (largest first); nested tables are left to the raw view."""
@@ -207,8 +215,9 @@ def evidence_sentences(evidence: Mapping, limit: int = 6) -> list[str]:
     for k, v in evidence.items():
         if _per_rank(v):
             items = sorted(v.items(), key=lambda kv: -float(kv[1]))
-            shown = ", ".join(f"rank {r} {_fmt(k, x)}" for r, x in items[:limit])
-            more = f" and {len(items) - limit:,} more ranks" if len(items) > limit else ""
+            u = _unit(k)
+            shown = ", ".join(f"{u} {r} {_fmt(k, x)}" for r, x in items[:limit])
+            more = f" and {len(items) - limit:,} more {u}s" if len(items) > limit else ""
             out.append(f"{_label(k)}: {shown}{more}.")
         elif _num(v) or isinstance(v, str):
             scalars.append(f"{_label(k)} {_fmt(k, v)}")
@@ -218,16 +227,16 @@ def evidence_sentences(evidence: Mapping, limit: int = 6) -> list[str]:
 
 
 def rank_bars(evidence: Mapping) -> str:
-    """A small bar chart of the first per-rank map of more than 2 ranks (≤ 64 bars)."""
+    """A small bar chart of the first per-rank (or per-step) map of more than 2 entries (≤ 64 bars)."""
     for k, v in evidence.items():
         if _per_rank(v) and 2 < len(v) <= 64:
             items = sorted(((int(r), float(x)) for r, x in v.items()))
             top = max(x for _, x in items) or 1.0
             p = svg.Plot((-0.5, len(items) - 0.5), (0, top * 1.1), width=min(640, 14 * len(items) + 200),
-                         height=90, ylabel=_label(k), xlabel="rank",
+                         height=90, ylabel=_label(k), xlabel=_unit(k),
                          xticks=svg.category_ticks([str(r) for r, _ in items]))
             for j, (r, x) in enumerate(items):
-                p.rect(j - 0.35, j + 0.35, 0, x, "#e8a200", f"rank {r}: {_fmt(k, x)}")
+                p.rect(j - 0.35, j + 0.35, 0, x, "#e8a200", f"{_unit(k)} {r}: {_fmt(k, x)}")
             return svg.figure(p.render(), _label(k))
     return ""
 

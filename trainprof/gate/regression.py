@@ -913,14 +913,19 @@ JOB_FACTS = (("script", None), ("framework", "run.run_info.framework"),
              ("tokens per step", "run.run_info.tokens_per_step"), ("dtype", "run.run_info.dtype"))
 
 
+# `python -m` of these is a launcher (torchrun's module, its predecessor): the job is what it runs
+LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch"})
+
+
 def _script(summary: Mapping) -> str | None:
-    """The job's script (file name of the first *.py argument, or the -m module)."""
+    """The job's script (file name of the first *.py argument, or the -m module; a launcher's
+    module, as in ``python -m torch.distributed.run train.py``, is not the job)."""
     cmd = get_path(summary, "run.command")
     if not isinstance(cmd, list):
         return None
     for i, a in enumerate(cmd):
         a = str(a)
-        if a == "-m" and i + 1 < len(cmd):
+        if a == "-m" and i + 1 < len(cmd) and str(cmd[i + 1]) not in LAUNCHER_MODULES:
             return f"-m {cmd[i + 1]}"
         if a.endswith(".py"):
             return a.replace("\\", "/").rsplit("/", 1)[-1]

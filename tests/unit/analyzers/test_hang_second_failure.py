@@ -45,3 +45,16 @@ def test_same_error_later_is_said_and_the_launchers_stop_only_for_the_others(tmp
     assert "rank 2 failed too 0.20 s later: raised RuntimeError: gloo: connection closed" in f.message
     assert "the launcher then ended rank 3" in f.message
     assert "ended rank 1" not in f.message and "ranks 1" not in f.message
+
+
+def test_peers_progress_after_the_first_failure_is_no_negative_stall(tmp_path):
+    # rank 1 finished its step 0.7 s after rank 0 raised (and before the launcher stopped it):
+    # the job did not stall before it ended; the evidence says 0 s, never "-0.7 s"
+    run = _write(tmp_path, {0: _failing(105.0, BOOM),
+                            1: [_hb(100, 0, "start"), _hb(104, 5), _hb(105.7, 6)]})
+    res = hang_analyzer.analyze(run)
+    (f,) = res.findings
+    assert f.kind == "rank_failure" and f.ranks == [0]
+    assert f.evidence["stalled_s"] == 0.0
+    assert res.metrics["stalled_s"] == 0.0
+    assert {r["rank"]: r["stalled_s"] for r in res.metrics["ranks"]} == {0: 1.0, 1: 0.0}  # rank 0: 104 s -> 105 s

@@ -4,6 +4,7 @@ the generator's parameters (the analyzers never see them)."""
 from __future__ import annotations
 
 import json
+import warnings
 from datetime import datetime
 
 import numpy as np
@@ -224,3 +225,15 @@ def test_midrun_late_arrivals_found_with_onset(tmp_path):
     assert f.evidence["late_ms"] == pytest.approx(6.0, abs=1.0)
     clean = stragglers.analyze(make_async_run(tmp_path / "clean", late_ms=0.0))
     assert not clean.findings, [x.message for x in clean.findings]
+
+
+def test_heatmap_of_a_rank_that_stopped_early_warns_nothing():
+    # a crashed or hung rank has no own time for the last steps: its bins are empty (no value),
+    # and the analysis prints no numpy "All-NaN slice" warning on the user's terminal
+    sm = {"steps": list(range(1, 11)),
+          "busy_ms_by_rank": {"0": [10.0] * 10, "1": [11.0] * 5 + [None] * 5}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h = whole_run._heatmap(sm, list(range(1, 11)))
+    assert h["ms"][0] == [10.0] * len(h["bins"])
+    assert h["ms"][1][0] == 11.0 and h["ms"][1][-1] is None

@@ -90,3 +90,15 @@ def test_report_renders_in_headless_chromium(tmp_path):
     assert r.returncode == 0 and shot.stat().st_size > 10_000, r.stderr[-2000:]
     dom = subprocess.run(args + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
     assert "What to change first" in dom and "saves ≈ 40.1 ms/step" in dom and "<svg" in dom
+
+
+def test_step_keyed_evidence_is_labelled_by_step_not_rank():
+    # slow_steps' evidence "slow_ms" maps step -> ms: the report said "slow: rank 7 161 ms" and
+    # drew a bar chart over "rank" 7, 8, 9, 10 on a 2-rank job
+    from trainprof.reports.actions import rank_bars
+
+    ev = {"slow_ms": {"7": 161.4, "8": 80.1, "9": 57.9}, "own_extra_ms": {"0": 43.2, "1": 23.0}}
+    assert evidence_sentences(ev) == ["slow: step 7 161 ms, step 8 80.1 ms, step 9 57.9 ms.",
+                                      "own extra: rank 0 43.2 ms, rank 1 23.0 ms."]
+    svg = rank_bars(ev)
+    assert "step 7: 161 ms" in svg and "rank 7" not in svg and ">step<" in svg

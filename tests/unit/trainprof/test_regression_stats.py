@@ -564,3 +564,19 @@ def test_job_facts_differ_only_where_both_runs_know_them():
     assert job_differences(a, a) == [] and job_differences(a, {"run": {}}) == []
     assert same_fact("mesh", {}, {"dp": 2, "pp": 1, "tp": 1})  # an older summary's unknown mesh
     assert not same_fact("mesh", {"dp": 2}, {"dp": 1})
+
+
+def test_job_script_is_the_same_under_torchrun_and_python_m_torch_distributed_run():
+    # `python -m torch.distributed.run` is torchrun: the job is the script it launches, so a run
+    # launched either way is the same job (compare refused them as "different jobs")
+    from trainprof.gate.regression import job_differences, job_facts
+
+    tr = {"run": {"command": ["torchrun", "--nproc-per-node", "2", "job.py", "--accum", "4"]}}
+    pm = {"run": {"command": ["python", "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "/tmp/job.py", "--accum", "4"]}}
+    old = {"run": {"command": ["python", "-m", "torch.distributed.launch", "job.py"]}}
+    mod = {"run": {"command": ["python", "-m", "torch.distributed.run", "-m", "pkg.train"]}}
+    assert job_facts(pm)["script"] == job_facts(old)["script"] == "job.py"
+    assert job_differences(tr, pm) == []
+    assert job_facts(mod)["script"] == "-m pkg.train"
+    assert job_facts({"run": {"command": ["python", "-m", "pkg.train"]}})["script"] == "-m pkg.train"
