@@ -85,7 +85,7 @@ def snapshot(root, window_s: float = 300.0, now_ns: int | None = None) -> dict:
     if st["state"] == "running" and quiet is not None and quiet >= limit:
         hang = {"no_progress_s": quiet, "limit_s": round(limit, 1),
                 "text": f"no rank made progress for {quiet:.0f} s (limit {limit:.0f} s): a hang? "
-                        f"`trainprof hang {root}` dumps every rank's stacks"}
+                        f"`trainprof hang {root} --dump` dumps every rank's stacks"}
     rows = sorted(ranks.values(), key=lambda v: (-(v.get("lag") or 0), -(v.get("age_s") or 0),
                                                  v["rank"]))
     return {"dir": str(root), "state": st["state"], "why": st["why"],

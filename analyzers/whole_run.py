@@ -24,8 +24,9 @@ Findings with onset / end (analyzers/_changepoint.py segments):
   contention.
 - ``memory_growth``: per rank, allocated device memory (else RSS) per step from memory.jsonl;
   growth when the last tenth's median exceeds the first tenth's (after warm-up) by
-  ≥ max(GROWTH_SHARE × first, GROWTH_MIN_BYTES) and, from its onset (the first change point,
-  when the level rises there) on, the series rises in
+  ≥ max(GROWTH_SHARE × first, GROWTH_MIN_BYTES) and, from its onset (the start of the run of
+  segments, each above the one before by ≥ ONSET_TOL of the growth, that ends the series; the
+  level before it that much below the end too) on, the series rises in
   ≥ GROWTH_MONOTONE of its tenths: a leak keeps climbing, a cache that fills once levels off.
 """
 
@@ -54,6 +55,7 @@ BASE_WINDOW = 10        # the baseline: the last 10 × MIN_LEN-or-1 % steps befo
 GROWTH_SHARE = 0.10     # memory growth: last tenth ≥ first tenth × 1.10 ...
 GROWTH_MIN_BYTES = 64 << 20  # ... and ≥ 64 MiB more
 GROWTH_MONOTONE = 0.7   # ... rising in ≥ 70 % of consecutive tenths
+ONSET_TOL = 0.01        # memory growth onset: a segment above the one before it by ≥ 1 % of the growth
 MEMORY_MIN_STEPS = 50   # memory growth needs this many steps with samples
 
 
@@ -256,16 +258,24 @@ def _memory_growth(run, metrics: dict) -> list[Finding]:
             seen[str(rank)] = {"metric": key, "first_bytes": int(tenths[0]),
                                "last_bytes": int(tenths[-1])}
             continue
-        # onset: the first change point (the end of the first level); from there on the level
-        # keeps rising (a cache that fills once levels off)
+        # onset: the start of the rise that lasts to the end. Walking back from the last
+        # segment while each one's level is above the one before it (by more than ONSET_TOL of
+        # the growth: flat stretches cut into segments differ by less), the segment where that
+        # stops is the level the memory grew from, and the onset is the next segment's start —
+        # not a warm-up's rise long before, nor the start of a flat stretch. From there on the
+        # level keeps rising (a cache that fills once levels off) and grows by the amount above
         segs, _ = cp.segments(v, min_size=max(2, len(v) // 50))
-        start = segs[1][0] if len(segs) > 1 and segs[1][2] > segs[0][2] else 0
+        k = len(segs) - 1
+        while k > 0 and segs[k - 1][2] < segs[k][2] - ONSET_TOL * grow:
+            k -= 1
+        start = segs[k + 1][0] if k + 1 < len(segs) else segs[k][0]
+        rising = _rising_share(v[start:])
+        grew_since = float(np.median(v[-max(1, v.size // 10):])) - segs[k][2] \
+            >= max(GROWTH_SHARE * tenths[0], GROWTH_MIN_BYTES)
         post = v[start:]
-        parts = [float(np.median(c)) for c in np.array_split(post, min(10, max(2, post.size // 5)))]
-        rising = float(np.mean(np.diff(parts) > 0))
         seen[str(rank)] = {"metric": key, "first_bytes": int(tenths[0]), "last_bytes": int(tenths[-1]),
                            "rising_share": rising}
-        if rising < GROWTH_MONOTONE:
+        if rising < GROWTH_MONOTONE or not grew_since:
             continue
         onset = int(s[start])
         per_step = (float(np.median(post[-max(1, post.size // 10):])) - float(v[max(0, start - 1)])) \
@@ -291,6 +301,13 @@ def _memory_growth(run, metrics: dict) -> list[Finding]:
         f0.onset = min((f.onset for f in out), key=lambda o: o["step"])
         out = [f0]
     return out
+
+
+def _rising_share(post: np.ndarray) -> float:
+    """The share of consecutive parts of ``post`` (tenths; fewer, of at least 5 points, when
+    short) whose median is above the previous part's."""
+    parts = [float(np.median(c)) for c in np.array_split(post, min(10, max(2, post.size // 5)))]
+    return float(np.mean(np.diff(parts) > 0))
 
 
 def _r(v):

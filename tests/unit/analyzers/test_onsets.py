@@ -155,6 +155,33 @@ def test_memory_growth_with_onset(tmp_path):
     assert f.evidence["bytes_per_step"] == pytest.approx(512 << 10, rel=0.35)
 
 
+def _rss_after_warmup(tail):
+    """RSS as a CPU rank records it: 300 MiB, +8 MiB over the first 800 steps (warm-up), page
+    noise of ±64 KiB, then tail(s) bytes more."""
+    noise = np.random.default_rng(7).integers(-16, 17, 3000) * 4096
+    return lambda s: (300 << 20) + min(s, 800) * (8 << 20) // 800 + int(noise[s]) + tail(s)
+
+
+@pytest.mark.parametrize("leak_from", [2000, 1000])
+def test_memory_growth_starting_late_after_a_warmup_rise(tmp_path, leak_from):
+    # the 2-rank gloo job of 30,000 steps leaking 16 KiB per step from step 20,000 on rank 0
+    # (+140 MiB) was missed: its first change point was the warm-up's rise
+    run = make_run(tmp_path, steps=3000, memory={
+        0: _rss_after_warmup(lambda s: max(0, s - leak_from) * (96 << 10)),
+        1: _rss_after_warmup(lambda s: 0)})
+    res = whole_run.analyze(run)
+    (f,) = _kinds(res.findings, "memory_growth")
+    assert f.ranks == [0] and abs(f.onset["step"] - leak_from) <= 60
+    assert f.evidence["bytes_per_step"] == pytest.approx(96 << 10, rel=0.35)
+
+
+def test_memory_of_a_cache_filled_once_after_a_warmup_rise_is_no_growth(tmp_path):
+    run = make_run(tmp_path, steps=3000, memory={
+        0: _rss_after_warmup(lambda s: min(max(0, s - 1500), 200) * (500 << 10)),  # +100 MiB
+        1: _rss_after_warmup(lambda s: 0)})
+    assert not _kinds(whole_run.analyze(run).findings, "memory_growth")
+
+
 def test_heatmap_bounded_at_many_ranks(tmp_path):
     run = make_run(tmp_path, steps=300, nranks=130, slow={77: lambda s: 5.0})
     h = whole_run.analyze(run).metrics["heatmap"]

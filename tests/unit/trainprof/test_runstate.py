@@ -91,6 +91,8 @@ def test_snapshot_worst_first_and_hang(tmp_path):
     assert [v["rank"] for v in snap["worst"][:2]] == [17, 3] and snap["worst"][0]["lag"] == 9
     assert snap["step_ms"] == pytest.approx(10.0) and snap["steps_per_s"] == pytest.approx(100, rel=0.05)
     assert snap["hang"] and snap["hang"]["no_progress_s"] >= 89  # 90 s without progress > 60 s
+    # the command offered must make the ranks dump (plain `trainprof hang` only reads the files)
+    assert f"`trainprof hang {root} --dump`" in snap["hang"]["text"]
     from rich.console import Console
 
     from trainprof.reports.live import render_watch
