@@ -35,6 +35,8 @@ and words the finding.
 
 from __future__ import annotations
 
+import time
+
 from trainprof.analyzers import _flight_recorder as fr
 from trainprof.analyzers import _hang_ledger as led
 from trainprof.analyzers._hang_exits import (_clean_exits, _died, _early_exit, _fatal_desync, _first_line,
@@ -46,6 +48,7 @@ from trainprof.analyzers._hang_views import (DUMP, PROGRESS_EVENTS, RankView, _d
                                              fmt_frame)
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.rundir import worker_exits
+from trainprof.wording import ranks_phrase, verb
 
 NAME = "hang"
 MIN_STALL_S = 5.0
@@ -112,6 +115,9 @@ def _detect(run, views, exits=None) -> dict:
     if end_ns is None:
         ended = [run.rank_meta(r).get("ended_ns") for r in views]
         end_ns = max((e for e in ended if e), default=None)
+    until = None  # the end is not recorded: the job still runs, or its launcher was killed
+    if end_ns is None:
+        end_ns, until = _unrecorded_end(run)
     last = max((v.last_progress_ns for v in views.values() if v.last_progress_ns), default=None)
     # a rank that progressed after the job's end point (a peer finishing its step after the first
     # failure, before the launcher stopped it) means no stall: 0 s, never a negative one
@@ -121,13 +127,29 @@ def _detect(run, views, exits=None) -> dict:
     if stalled is not None and stalled > threshold and live and not reasons:
         quiet_end = _work_ended(man, views, live)
     if stalled is not None and stalled > threshold and live and not reasons and not quiet_end:
-        reasons.append(f"no rank progressed during the last {stalled:.1f} s before the job ended "
-                       f"(threshold {threshold:.1f} s) and {len(live)} rank(s) never closed")
+        reasons.append(f"no rank progressed during the last {stalled:.1f} s before "
+                       f"{until or 'the job ended'} (threshold {threshold:.1f} s) and {len(live)} "
+                       f"rank(s) never closed")
     recovered = bool(reasons) and man.get("status") == "ok" and not live
     return {"reasons": reasons, "end_ns": end_ns, "last_progress_ns": last, "p90_gap_s": p90_gap,
             "stalled_s": None if stalled is None else round(stalled, 3),
             "threshold_s": round(threshold, 3), "recovered": recovered,
             **({"quiet_end": quiet_end} if quiet_end else {})}
+
+
+def _unrecorded_end(run) -> tuple[int | None, str | None]:
+    """(the end point, its wording) of a job whose end nobody recorded: now, while its launcher
+    runs (a hang in progress); the launcher's last sign of life when it is gone without
+    recording the job's end (killed, e.g. with the job by kill -9: its node record, touched
+    every few seconds while it lived). (None, None) for a probe-only run."""
+    unrec = worker_exits.launcher_unrecorded(run.launcher)
+    if not unrec:
+        return None, None
+    if unrec["state"] == "alive":
+        return time.time_ns(), "now (the job is still running)"
+    seen = worker_exits.launcher_last_seen_ns(run.path, run.launcher)
+    return (seen, "the launcher's last sign of life (it ended without recording the job's "
+                  "end: killed?)") if seen else (None, None)
 
 
 def _work_ended(man: dict, views: dict, live: list) -> str | None:
@@ -220,7 +242,8 @@ def postmortem(run) -> dict | None:
         "ranks": rows, "job": {k: run.launcher.get(k) for k in ("status", "exit_code", "signal",
                                                                   "signal_name", "job_exit_code",
                                                                   "hangs", "signals_forwarded")}
-        | {"exit_not_recorded": unrecorded["text"] if unrecorded else None},
+        | {"exit_not_recorded": unrecorded["text"] if unrecorded else None,
+           "running": bool(unrecorded and unrecorded["state"] == "alive")},
         "last_progress_ns": det["last_progress_ns"], "stalled_s": det["stalled_s"],
         "stall_threshold_s": det["threshold_s"], "quiet_end": det.get("quiet_end"),
         "ranks_with_heartbeat": sum(1 for v in views.values() if v.heartbeats),
@@ -394,6 +417,8 @@ def _message(pm) -> str:
             "rank_failure": "Rank failure"}[pm.get("kind") or kind_of(pm)]
     if pm["recovered"]:
         head = "Stall (the job recovered)"
+    elif head == "Hang" and pm["job"].get("running") and pm.get("stalled_s") is not None:
+        head = f"Hang in progress (no rank progressed for {pm['stalled_s']:.0f} s; the job still runs)"
     if c:
         where = f"; it is at {c['frame']}" if c["frame"] else ""
         code = f" (`{c['code']}`)" if c["frame"] and c.get("code") else ""
@@ -436,7 +461,8 @@ def _message(pm) -> str:
     if by_wait:
         (op, pg, seq), rows = max(by_wait.items(), key=lambda kv: len(kv[1]))
         frame = next((row["user_frame"] for row in rows if row["user_frame"]), None)
-        parts.append(f"ranks {_ranks([row['rank'] for row in rows])} wait in {op} #{seq} of "
+        who = [row["rank"] for row in rows]
+        parts.append(f"{ranks_phrase(who)} {verb(len(who), 'waits', 'wait')} in {op} #{seq} of "
                      f"group {pg}" + (f" at {frame}" if frame else ""))
     if pm["ranks_without_data"]:
         parts.append(f"no data from ranks {_ranks(pm['ranks_without_data'])}")

@@ -118,7 +118,9 @@ def render(pm: dict | None, run) -> None:
     if not pm["hung"] and not pm["desync"] and not pm.get("died"):
         console.print(f"[green]No hang[/green] in {escape(run.path)}: "
                       f"{pm['ranks_with_heartbeat']} rank(s) with heartbeats"
-                      + (f", last progress {pm['stalled_s']:.1f} s before the end"
+                      + (f", last progress {pm['stalled_s']:.1f} s "
+                         + ("ago (the job is still running)" if pm["job"].get("running")
+                            else "before the end")
                          if pm.get("stalled_s") is not None else ""))
         return
     console.print(f"[bold red]{escape(pm['message'])}[/bold red]", highlight=False)
@@ -153,6 +155,10 @@ def render(pm: dict | None, run) -> None:
                          f"({ranks_phrase(m['waiting_ranks'])} "
                          f"{verb(len(m['waiting_ranks']), 'waits', 'wait')} in it)"),
                       highlight=False, markup=False)
+    if pm["job"].get("running") and not any(r["dumped"] for r in pm["ranks"]):
+        console.print(f"  stacks: `trainprof hang {escape(run.path)} --dump` makes every rank "
+                      f"write where it is (all threads), then says the same with frames",
+                      highlight=False)
     for g in pm["stack_groups"]:
         label = share_label(len(g["ranks"]), [len(x["ranks"]) for x in pm["stack_groups"]])
         console.print(f"\n[bold]stack group {escape(g['id'])} ({label}): "

@@ -277,6 +277,16 @@ def _stamp(path: Path):
         os.close(fd)
 
 
+def last_touched_ns(run: str | os.PathLike, node: str) -> int | None:
+    """The last time node ``node``'s record was touched (mtime, ns; its launcher touches it every
+    HEARTBEAT_S while it lives); None without the record or for a node id that is not a plain
+    file name."""
+    if not node or node.startswith(".") or "/" in node or "\\" in node or "\0" in node:
+        return None
+    st = _stamp(node_path(run, node))
+    return st[1] if st else None
+
+
 def state(rec: dict) -> str:
     """What a node record says without watching it: "ended" (its launcher finished its work:
     job, digests), "alive" / "dead" (a launcher of this host: its process exists or not), or

@@ -86,3 +86,14 @@ def launcher_unrecorded(man: dict) -> dict | None:
         text = (f"{who} has not recorded the job's exit: it is still running there, or it was "
                 f"killed (e.g. by SIGKILL); the job's status and exit code are unknown")
     return {"state": "dead" if state == "dead" else "unknown", "text": text}
+
+
+def launcher_last_seen_ns(run_path, man: dict) -> int | None:
+    """When a launcher that never recorded the job's end was last alive: its node record's last
+    touch (nodes.Heartbeat touches it every HEARTBEAT_S while the launcher lives, so a launcher
+    killed by SIGKILL left it within that of its death), on the file system's clock. None
+    without a node record."""
+    from trainprof.rundir import nodes  # lazy: start-up time of the job's bootstrap
+
+    node = man.get("node") if isinstance(man, dict) else None
+    return nodes.last_touched_ns(run_path, node) if isinstance(node, str) else None
