@@ -38,6 +38,7 @@ from __future__ import annotations
 import time
 
 from trainprof.analyzers import _flight_recorder as fr
+from trainprof.analyzers.live import HANG_MIN_S as RUNNING_HANG_MIN_S
 from trainprof.analyzers import _hang_ledger as led
 from trainprof.analyzers._hang_exits import (_clean_exits, _died, _early_exit, _fatal_desync, _first_line,
                                              _fmt_collective, _infer_fatal, _note_left, _worker_exits)
@@ -118,6 +119,8 @@ def _detect(run, views, exits=None) -> dict:
     until = None  # the end is not recorded: the job still runs, or its launcher was killed
     if end_ns is None:
         end_ns, until = _unrecorded_end(run)
+    if until and until.startswith("now"):  # as `trainprof watch` judges a running job
+        threshold = max(threshold, RUNNING_HANG_MIN_S)
     last = max((v.last_progress_ns for v in views.values() if v.last_progress_ns), default=None)
     # a rank that progressed after the job's end point (a peer finishing its step after the first
     # failure, before the launcher stopped it) means no stall: 0 s, never a negative one
