@@ -28,10 +28,11 @@ def render_watch(snap: Mapping, rows: int = 20):
     from rich.text import Text
 
     state = str(snap.get("state"))
+    step = snap.get("last_step")
+    at = f" at step {esc(step)}" if step is not None else ", no step finished yet"
     head = Text.from_markup(
         f"[bold]trainprof watch[/bold] {esc(snap.get('dir'))}: "
-        f"[{STATE_STYLE.get(state, 'bold')}]{esc(state)}[/] at step {esc(snap.get('last_step'))}"
-        f" ({esc(snap.get('why'))})")
+        f"[{STATE_STYLE.get(state, 'bold')}]{esc(state)}[/]{at} ({esc(snap.get('why'))})")
     rate = snap.get("steps_per_s")
     stats = Text.from_markup(
         f"last {snap.get('window_s', 0) / 60:.0f} min: "

@@ -35,6 +35,8 @@ def watch(run_dir, interval, window, rows, once):
     if not (run_dir / "ranks").is_dir() and not (run_dir / "manifest.json").is_file():
         raise InputError(f"{run_dir}: not a run directory (no manifest.json, no ranks/)")
     console = Console(highlight=False)
+    if not console.is_terminal:  # a file or a pipe: not squeezed to 80 columns (as compare)
+        console = Console(highlight=False, width=160)
     if once or not console.is_terminal:
         console.print(render_watch(snapshot(run_dir, window * 60), rows))
         return

@@ -121,3 +121,25 @@ def test_last_step_read_from_the_rotated_file_between_rotation_and_the_next_beat
         os.replace(d / "heartbeat.jsonl", d / "heartbeat.prev.jsonl")
     st = runstate.state(root)
     assert st["last_step"] == 50 and [x["step"] for x in st["ranks"]] == [50, 50]
+
+
+def test_watch_piped_is_not_squeezed_and_says_when_no_step_finished(tmp_path):
+    # `trainprof watch RUN > file`: the findings' text was folded to ~15 columns (80-column
+    # console) and a run without a finished step read "running at step  ("
+    from click.testing import CliRunner
+
+    from trainprof.cli import main
+
+    root = tmp_path / "r"
+    root.mkdir()
+    (root / "manifest.json").write_text(json.dumps(_manifest(os.getpid())))
+    (root / "ranks").mkdir()
+    out = CliRunner().invoke(main, ["watch", str(root), "--once"]).output
+    assert "running, no step finished yet (" in out and "at step  (" not in out
+    long = _run(tmp_path / "s", manifest=_manifest(os.getpid()))
+    (long / "summary.json").write_text(json.dumps({"findings": [
+        {"severity": "warning", "kind": "straggler", "ranks": [1], "onset": {"step": 15},
+         "message": "rank 1 is a straggler from step 15 on: its own work takes 6.9 ms a step "
+                    "longer than its peers'"}]}))
+    out = CliRunner().invoke(main, ["watch", str(long), "--once"]).output
+    assert "rank 1 is a straggler from step 15 on: its own work takes 6.9 ms a step" in out, out
