@@ -178,8 +178,13 @@ def _drops(run, steps, x, sm: dict, metrics: dict) -> list[Finding]:
     for e in eps[:8]:
         first, last = int(steps[e["start"]]), int(steps[e["end"] - 1])
         med, base, thr = e["median"], e["base"], e["threshold"]
+        # a straggler whose episode began with the drop (within its minimum length) caused it;
+        # one that began well inside it came later and does not explain its start
         who = sorted(r for r, es in episodic.items()
-                     if any(first - need <= q["first"] <= last for q in es))
+                     if any(abs(q["first"] - first) <= need for q in es))
+        later = {r: min(q["first"] for q in es if first + need < q["first"] <= last)
+                 for r, es in episodic.items() if r not in who
+                 and any(first + need < q["first"] <= last for q in es)}
         msg = (f"throughput dropped from step {first}"
                + (f" to step {last}" if e["end"] < steps.size else " on")
                + f": the job's step takes {med:.1f} ms (median) against {base:.1f} ms before "
@@ -190,13 +195,18 @@ def _drops(run, steps, x, sm: dict, metrics: dict) -> list[Finding]:
         else:  # no rank behind the others: the whole job slowed
             msg += ("; every rank slowed alike (no straggler): the hosts' load (other "
                     "processes), the input pipeline, storage or the network shared by all ranks")
+        if later:
+            msg += "; later in it " + ", ".join(
+                f"rank {r} turned slow from step {s}" for r, s in sorted(later.items())[:8]) \
+                + " (see the straggler finding)"
         own = [r for r in who if r not in contention]  # a straggler of the job's own making
         if who and not own:
             msg += "; its slowdown was another process competing for its CPUs (host contention)"
         f = Finding("throughput_drop", "warning" if own else "info", who, msg,
                     evidence={"first": first, "last": last, "steps": e["end"] - e["start"],
                               "step_ms": med, "baseline_ms": base, "threshold_ms": thr,
-                              "ratio": med / base if base else None, "stragglers": who})
+                              "ratio": med / base if base else None, "stragglers": who,
+                              "later_stragglers": {str(r): s for r, s in later.items()}})
         _onset.stamp(f, run, first, last if e["end"] < steps.size else None,
                      over_after=max(1, need // 2))
         out.append(f)

@@ -264,3 +264,16 @@ def test_heatmap_of_a_rank_that_stopped_early_warns_nothing():
         h = whole_run._heatmap(sm, list(range(1, 11)))
     assert h["ms"][0] == [10.0] * len(h["bins"])
     assert h["ms"][1][0] == 11.0 and h["ms"][1][-1] is None
+
+
+def test_throughput_drop_not_blamed_on_a_straggler_that_began_later_inside_it(tmp_path):
+    # the whole job slows from step 600 (other load on the hosts); rank 1 turns slow only from
+    # step 1400: the drop's start is no straggler's, and rank 1 is named as coming later
+    run = make_run(tmp_path, steps=2000, group_ms=lambda s: 8.0 if s >= 600 else 0.0,
+                   slow={1: lambda s: 6.0 if s >= 1400 else 0.0})
+    (f,) = _kinds(whole_run.analyze(run).findings, "throughput_drop")
+    assert abs(f.onset["step"] - 600) <= 20
+    assert f.ranks == [] and f.evidence["stragglers"] == []
+    assert abs(f.evidence["later_stragglers"]["1"] - 1400) <= 20
+    assert "every rank slowed alike" in f.message and "later in it rank 1 turned slow from step 14" \
+        in f.message
