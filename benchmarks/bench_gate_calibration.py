@@ -119,7 +119,8 @@ def _load(pool: Path, prefix: str) -> list[tuple[str, dict]]:
 
 
 def _gate(bases, cands, settings):
-    from trainprof.gate.regression import compare_runs, overall_verdict
+    from trainprof.gate.regression import compare_runs
+    from trainprof.gate.verdict import overall_verdict
 
     results, _ = compare_runs([s for _, s in bases], [s for _, s in cands], settings)
     code, _ = overall_verdict(results)
@@ -128,13 +129,13 @@ def _gate(bases, cands, settings):
 
 
 def _median_step(runs) -> float:
-    from trainprof.gate.regression import step_samples
+    from trainprof.gate.metrics import step_samples
 
     return statistics.median(statistics.median(step_samples(s)) for _, s in runs)
 
 
 def _median_cpu(runs) -> float | None:
-    from trainprof.gate.regression import cpu_time_value
+    from trainprof.gate.metrics import cpu_time_value
 
     vals = [cpu_time_value(s) for _, s in runs]
     return statistics.median(vals) if vals and None not in vals else None

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from trainprof.analyzers._comm_breakdown import rank_breakdown
 from trainprof.settings import available_cpus as _cpus
-from trainprof.trace import _decode, _frames, load_traces, parse_trace
+from trainprof.trace import _decode, _document, _frames, load_traces, parse_trace
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/hta/df_index_resolver/df_index_resolver.json.gz"
 
@@ -65,9 +65,9 @@ def phases(repeats: int) -> dict:
             t0 = time.perf_counter()
             data = _frames._read_bytes(FIXTURE)
             t1 = time.perf_counter()
-            doc = _decode._DECODER.decode(data)
+            doc = _document._DECODER.decode(data)
             t2 = time.perf_counter()
-            _decode._from_structs(doc)
+            _document._from_structs(doc)
             del doc
             t3 = time.perf_counter()
         parse_trace(FIXTURE)
@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=4)
     ap.add_argument("--hta", help="python of a venv with traceinsight installed")
     a = ap.parse_args()
-    if _decode.msgspec is not None:
+    if _document.msgspec is not None:
         print("  phases (median of 5, one process): " + ", ".join(
             f"{k} {v:.3f} s" for k, v in phases(5).items()))
     for pieces in (1, 2):

@@ -76,7 +76,7 @@ def _check(summary, path, role) -> dict:
     """The shape compare relies on: an object with a known schema_version, `run` and `metrics`
     objects, and the metrics it reads of the right types."""
     # lazy: start-up time of trainprof --help
-    from trainprof.gate.regression import BUILTIN, SAMPLES, malformed, peak_memory, step_samples
+    from trainprof.gate.metrics import BUILTIN, SAMPLES, malformed, peak_memory, step_samples
 
     if not isinstance(summary, dict):
         raise InputError(f"{role} {path}: not a trainprof summary.json (top level is "
@@ -201,7 +201,7 @@ def _percent(text, what) -> float:
 
 
 def _split(spec: str, option: str) -> tuple[str, str | None]:
-    from trainprof.gate.regression import canonical  # lazy: start-up time of trainprof --help
+    from trainprof.gate.metrics import canonical  # lazy: start-up time of trainprof --help
 
     name, sep, th = spec.rpartition(":")
     if not sep:
@@ -212,9 +212,10 @@ def _split(spec: str, option: str) -> tuple[str, str | None]:
 
 
 def build_settings(alpha, min_effect, fail_on, metric, config):
-    # lazy: start-up time of trainprof --help
-    from trainprof.gate.regression import (BUILTIN, DEFAULT_ALPHA, DEFAULT_MIN_EFFECT, Settings,
-                                      ThresholdError, canonical, parse_threshold)
+    from trainprof.gate.metrics import BUILTIN, canonical  # lazy: start-up time of trainprof --help
+    from trainprof.gate.regression import (DEFAULT_ALPHA, DEFAULT_MIN_EFFECT,
+                                           Settings)  # lazy: start-up time of trainprof --help
+    from trainprof.gate.threshold import ThresholdError, parse_threshold  # lazy: start-up time of trainprof --help
 
     cfg = load_config(config) if config else {}
     thresholds = {canonical(k): str(v) for k, v in (cfg.get("fail_on") or {}).items()}
@@ -254,7 +255,7 @@ def _who(role, path, bases, cands) -> str:
 
 def environment_mismatches(bases, cands) -> list[str]:
     """Every run against the first baseline run: device, world size, mesh, torch version."""
-    from trainprof.gate.regression import fingerprint, same_fact  # lazy: start-up time of trainprof --help
+    from trainprof.gate.facts import fingerprint, same_fact  # lazy: start-up time of trainprof --help
 
     ref = fingerprint(bases[0][0])
     out = []
@@ -269,8 +270,8 @@ def environment_mismatches(bases, cands) -> list[str]:
 
 def job_mismatches(bases, cands) -> list[str]:
     """Every run against the first baseline run: the job it ran (script, framework, model and
-    batch facts the probes recorded; regression.JOB_FACTS)."""
-    from trainprof.gate.regression import job_differences  # lazy: start-up time of trainprof --help
+    batch facts the probes recorded; facts.JOB_FACTS)."""
+    from trainprof.gate.facts import job_differences  # lazy: start-up time of trainprof --help
 
     out = []
     for role, runs in (("baseline", bases[1:]), ("candidate", cands)):
@@ -281,7 +282,8 @@ def job_mismatches(bases, cands) -> list[str]:
 
 
 def _side(runs, label=None) -> dict:
-    from trainprof.gate.regression import fingerprint, side_info  # lazy: start-up time of trainprof --help
+    from trainprof.gate.facts import fingerprint  # lazy: start-up time of trainprof --help
+    from trainprof.gate.metrics import side_info  # lazy: start-up time of trainprof --help
 
     info = side_info([s for s, _ in runs])
     return {"path": label or str(runs[0][1]), "paths": [str(p) for _, p in runs],
@@ -291,8 +293,8 @@ def _side(runs, label=None) -> dict:
 def comparison_result(bases, cands, settings, allow_mismatch=False, mismatches=(),
                       base_label=None, notes=(), job_diffs=()) -> dict:
     """Everything the outputs render (and --json prints). `bases`/`cands`: [(summary, path)]."""
-    # lazy: start-up time of trainprof --help
-    from trainprof.gate.regression import compare_runs, overall_verdict
+    from trainprof.gate.regression import compare_runs  # lazy: start-up time of trainprof --help
+    from trainprof.gate.verdict import overall_verdict  # lazy: start-up time of trainprof --help
 
     results, absent = compare_runs([s for s, _ in bases], [s for s, _ in cands], settings)
     code, verdict = overall_verdict(results)
@@ -323,7 +325,7 @@ def comparison_result(bases, cands, settings, allow_mismatch=False, mismatches=(
 def _underpowered(results) -> list[str]:
     """Gated metrics that moved beyond their threshold the bad way without significance; the
     throughput and MFU of the same steps are one hypothesis with step time (named once)."""
-    from trainprof.gate.regression import SAME_TEST  # lazy: start-up time of trainprof --help
+    from trainprof.gate.verdict import SAME_TEST  # lazy: start-up time of trainprof --help
 
     weak = [r.metric for r in results if r.gate and r.underpowered]
     return [m for m in weak if SAME_TEST.get(m) not in weak]
@@ -373,7 +375,8 @@ def load_history(directory: Path, keep: int, cands, allow_mismatch: bool,
                  allow_different: bool = False) -> tuple[list, list[str]]:
     """The newest `keep` baselines of the history that can be used, and notes on the others."""
     # lazy: start-up time of trainprof --help
-    from trainprof.gate.regression import fingerprint, fingerprint_mismatches, job_differences, run_problems
+    from trainprof.gate.facts import fingerprint, fingerprint_mismatches, job_differences
+    from trainprof.gate.metrics import run_problems  # lazy: start-up time of trainprof --help
 
     files = history_files(directory)[-keep:]
     runs, notes, other_env, other_job = [], [], [], []
@@ -493,8 +496,8 @@ def compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min
 
 def _compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min_effect, config,
              allow_mismatch, markdown_path, junit_path, as_json, allow_different=None):
-    # lazy: start-up time of trainprof --help
-    from trainprof.gate.regression import ThresholdError, run_problems
+    from trainprof.gate.metrics import run_problems  # lazy: start-up time of trainprof --help
+    from trainprof.gate.threshold import ThresholdError  # lazy: start-up time of trainprof --help
     from trainprof.reports import comparison as out  # lazy: start-up time of trainprof --help
 
     if save_baseline and baseline_dir is None:

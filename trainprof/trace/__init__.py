@@ -69,7 +69,7 @@ import importlib
 __all__ = ["GPU_CATS", "Trace", "TraceError", "load_trace", "load_traces", "name_mask", "parse_trace"]
 
 
-_SUBMODULES = ("_decode", "_discover", "_frames")
+_SUBMODULES = ("_columns", "_decode", "_discover", "_document", "_frames")
 
 
 def __getattr__(name: str):

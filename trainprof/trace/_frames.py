@@ -1,6 +1,6 @@
 """The frame builder behind trainprof.trace (see its docstring for the Trace schema): decoded
-columns (_decode.py) -> numpy tables (_table.py), steps and step assignment, and the per-rank
-loading pool. Imported on first use of trainprof.trace's names, so that finding traces
+columns (_decode.py, _columns.py) -> numpy tables (_table.py), steps and step assignment, and the
+per-rank loading pool. Imported on first use of trainprof.trace's names, so that finding traces
 (_discover.py) and commands that never parse one do not import numpy; pandas is imported only by
 a pandas view (``Trace.events`` and the like)."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from trainprof import safeio, settings
-from trainprof.trace import _decode, _dialects
+from trainprof.trace import _columns, _decode, _dialects, _document
 from trainprof.trace._table import Cat, Table, objects
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
@@ -165,7 +165,7 @@ def _parse(path: Path, rank: int | None, fast: bool, pieces: int) -> Trace:
             raise TraceError(f"{path}: empty file")
         try:
             cols = _decode.decode(data, fast=fast, pieces=pieces)
-        except _decode.DecodeError as e:
+        except _document.DecodeError as e:
             raise TraceError(f"{path}: not valid JSON ({e}); truncated or corrupt trace?") from None
         except (TypeError, ValueError, AttributeError) as e:
             raise TraceError(f"{path}: not a Chrome trace ({e})") from None
@@ -211,10 +211,10 @@ def _parse(path: Path, rank: int | None, fast: bool, pieces: int) -> Trace:
                  stats={"events": cols.n_events, "complete": len(events), "malformed": cols.n_bad,
                         "gpu_ops_without_launch": int(unlaunched.sum()),
                         "json_bytes": json_bytes,
-                        "decoder": "msgspec" if fast and _decode.msgspec is not None else "orjson"})
+                        "decoder": "msgspec" if fast and _document.msgspec is not None else "orjson"})
 
 
-_ints = _decode.ints
+_ints = _columns.ints
 
 
 def _us_to_ns(values) -> np.ndarray:
@@ -287,7 +287,7 @@ def _comm_table(rows: list, remap: np.ndarray) -> Table:
     return Table(out)
 
 
-LAUNCH_COLUMNS = tuple(col for _, col in _decode.LAUNCH_KEYS)
+LAUNCH_COLUMNS = tuple(col for _, col in _columns.LAUNCH_KEYS)
 
 
 def _launch_table(launch: dict, remap: np.ndarray) -> Table:

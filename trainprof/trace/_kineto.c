@@ -1,9 +1,9 @@
 /* One pass over a Kineto (Chrome trace) JSON document into the columns trainprof reads.
 
-   scan(buffer) -> None or a tuple (see the Python side, trainprof/trace/_decode.py `_from_scan`).
+   scan(buffer) -> None or a tuple (see the Python side, trainprof/trace/_document.py `_from_scan`).
 
    A fast path only: it returns None for anything it does not take exactly as the typed msgspec
-   decoder (_decode._DECODER) would — invalid JSON, an event of an unknown phase, a field of an
+   decoder (_document._DECODER) would — invalid JSON, an event of an unknown phase, a field of an
    unexpected type, an integer beyond int64, an escaped object key, a repeated key, nesting
    deeper than MAX_DEPTH — and the caller then decodes the document the usual way, which keeps
    every error message and the tolerant path. Every read is bounded by the buffer's end.
@@ -465,7 +465,7 @@ enum { F_PH, F_CAT, F_NAME, F_PID, F_TID, F_TS, F_DUR, F_ARGS, N_EV };
 static const Key EV_KEYS[N_EV] = {K("ph"), K("cat"), K("name"), K("pid"), K("tid"), K("ts"), K("dur"), K("args")};
 
 /* args of complete events: the int fields, the span fields, the collective keys (the order of
-   _decode.COMM_KEYS) */
+   _columns.COMM_KEYS) */
 #define N_LAUNCH 7
 enum { A_EXT, A_STREAM, A_CORR, A_DIMS, A_TYPES, A_CONC, A_COMM0, A_EXT_LC = A_COMM0 + 12,
        A_DIMS_LC, A_LAUNCH0, N_ARGS = A_LAUNCH0 + N_LAUNCH };
@@ -475,7 +475,7 @@ static const Key ARG_KEYS[N_ARGS] = {
     K("Group size"), K("dtype"), K("Process Group Name"), K("Process Group Description"),
     K("Process Group Ranks"), K("Seq"), K("Rank"), K("Src Rank"), K("Dst Rank"),
     K("external id"), K("Input dims"), /* PyTorch 1.8-1.10; then the launch figures, in
-                                            _decode.LAUNCH_KEYS' order */
+                                            _columns.LAUNCH_KEYS' order */
     K("grid"), K("block"), K("registers per thread"), K("shared memory"), K("blocks per SM"),
     K("warps per SM"), K("est. achieved occupancy %")};
 #define A_COLL A_COMM0

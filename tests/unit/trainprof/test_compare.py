@@ -396,7 +396,8 @@ def test_recorded_a_a_several_runs_per_side_passes():
 
 
 def test_recorded_a_a_two_runs_against_the_others_as_history():
-    from trainprof.gate.regression import Settings, compare_runs, overall_verdict
+    from trainprof.gate.regression import Settings, compare_runs
+    from trainprof.gate.verdict import overall_verdict
 
     base = [json.loads(p.read_text()) for p in fixtures("base")]
     for i in range(len(base) - 1):  # in process: the CLI's decision code, without a process per case
@@ -446,7 +447,8 @@ def test_recorded_profiled_window_missing_on_one_side():
 def test_recorded_slowdown_three_runs_per_side_is_found_by_cpu_time():
     """The straggler's extra work per step shows in the busiest rank's CPU time, which the
     machine's run-to-run noise barely moves: 3 runs per side suffice where step time does not."""
-    from trainprof.gate.regression import Settings, compare_runs, overall_verdict
+    from trainprof.gate.regression import Settings, compare_runs
+    from trainprof.gate.verdict import overall_verdict
 
     base = [json.loads(p.read_text()) for p in fixtures("base")]
     slow = [json.loads(p.read_text()) for p in fixtures("slow50")]
@@ -460,7 +462,8 @@ def test_recorded_slowdown_three_runs_per_side_is_found_by_cpu_time():
 def test_recorded_a_a_every_four_against_four_passes():
     from itertools import combinations
 
-    from trainprof.gate.regression import Settings, compare_runs, overall_verdict
+    from trainprof.gate.regression import Settings, compare_runs
+    from trainprof.gate.verdict import overall_verdict
 
     base = [json.loads(p.read_text()) for p in fixtures("base")]
     for pick in combinations(range(1, 8), 3):  # every split of the 8 runs into two halves once

@@ -1,12 +1,13 @@
-"""The trace decoder's columns (trainprof/trace/_decode.py): typed fast path and tolerant path
-agree on odd values, out-of-range integers never crash, and piece cuts fall on event bounds."""
+"""The trace decoder's columns (trainprof/trace/_decode.py, _document.py, _columns.py): typed fast
+path and tolerant path agree on odd values, out-of-range integers never crash, and piece cuts
+fall on event bounds."""
 
 import json
 
 import numpy as np
 import pytest
 
-from trainprof.trace import _decode
+from trainprof.trace import _columns, _decode, _document
 
 
 def _doc(*events, **top) -> bytes:
@@ -21,25 +22,25 @@ def _x(**kw):
 
 def _both(data: bytes):
     out = [_decode.decode(data, fast=False)]
-    if _decode.msgspec is not None:
+    if _document.msgspec is not None:
         out.append(_decode.decode(data, fast=True))
     return out
 
 
 def test_factorize_keeps_first_seen_order_from_a_sequence_or_an_iterator():
-    codes, uniq = _decode.factorize(["b", "a", "b", "c", "a"])
+    codes, uniq = _columns.factorize(["b", "a", "b", "c", "a"])
     assert codes.tolist() == [0, 1, 0, 2, 1] and uniq == ["b", "a", "c"]
-    codes, uniq = _decode.factorize(iter("xyx"), 3)
+    codes, uniq = _columns.factorize(iter("xyx"), 3)
     assert codes.tolist() == [0, 1, 0] and uniq == ["x", "y"]
-    codes, uniq = _decode.factorize([])
+    codes, uniq = _columns.factorize([])
     assert codes.dtype == np.int64 and len(codes) == 0 and uniq == []
 
 
 def test_ints_take_only_integers_integral_floats_and_digit_strings():
-    got = _decode.ints([7, None, "Spans", "7", 3.0, 3.5, float("nan"), 1e300, True, 2**70, -5,
+    got = _columns.ints([7, None, "Spans", "7", 3.0, 3.5, float("nan"), 1e300, True, 2**70, -5,
                         "99999999999999999999", "1_0", "\u0661"])
     assert got.tolist() == [7, -1, -1, 7, 3, 3, -1, -1, -1, -1, -5, -1, -1, -1]
-    assert _decode.ints([True, 1]).tolist() == [-1, 1]  # a bool is no id, whatever its company
+    assert _columns.ints([True, 1]).tolist() == [-1, 1]  # a bool is no id, whatever its company
 
 
 def test_string_pid_and_integers_beyond_int64_on_both_paths():

@@ -13,9 +13,9 @@ import sys
 import numpy as np
 import pytest
 
-from trainprof.trace import _decode
+from trainprof.trace import _decode, _document
 
-pytestmark = pytest.mark.skipif(_decode._kineto is None or _decode.msgspec is None,
+pytestmark = pytest.mark.skipif(_document._kineto is None or _document.msgspec is None,
                                 reason="the C scan is not built in this install")
 
 M64 = (1 << 64) - 1
@@ -74,7 +74,7 @@ def _doc(names) -> bytes:
 
 
 def test_names_built_to_collide_cost_bounded_probes_and_read_right():
-    k = _decode._kineto
+    k = _document._kineto
     key = 0x5DEECE66D1234567
     names = colliding_names(key, 600)
     assert len(set(names)) == 600
@@ -83,12 +83,12 @@ def test_names_built_to_collide_cost_bounded_probes_and_read_right():
         k._set_hash_key(key)
         assert len({k._hash_span(f'"{n}"'.encode()) for n in names}) == 1  # they do collide
         assert k.scan(data) is None  # past the probe budget: the typed decoder's document
-        ref = _decode._from_structs(_decode._DECODER.decode(data))
+        ref = _document._from_structs(_document._DECODER.decode(data))
         assert list(ref.name[1]) == names and ref.n_events == 600
         assert list(_decode.decode(data).name[1]) == names  # what the analysis reads
         k._set_hash_key(key ^ 0xFFFF_0000_FFFF)  # under another key they are ordinary names
         assert k.scan(data) is not None
-        scanned = _decode._from_scan(data)
+        scanned = _document._from_scan(data)
         assert list(scanned.name[1]) == names
         np.testing.assert_array_equal(scanned.name[0], ref.name[0])
     finally:
@@ -97,14 +97,14 @@ def test_names_built_to_collide_cost_bounded_probes_and_read_right():
 
 def test_a_few_colliding_names_stay_on_the_fast_path():
     """A handful of names sharing a slot run is within the budget: the scan keeps them."""
-    k = _decode._kineto
+    k = _document._kineto
     key = 0x0BADC0FFEE0DDF00
     names = colliding_names(key, 40, seed=1)
     data = _doc(names + ["aten::mm"] * 2000)
     try:
         k._set_hash_key(key)
         assert k.scan(data) is not None
-        assert list(_decode._from_scan(data).name[1]) == names + ["aten::mm"]
+        assert list(_document._from_scan(data).name[1]) == names + ["aten::mm"]
     finally:
         k._set_hash_key(int.from_bytes(__import__("os").urandom(8), "little"))
 

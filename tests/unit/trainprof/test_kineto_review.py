@@ -7,16 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainprof.trace import _decode
+from trainprof.trace import _document
 
-pytestmark = pytest.mark.skipif(_decode._kineto is None or _decode.msgspec is None,
+pytestmark = pytest.mark.skipif(_document._kineto is None or _document.msgspec is None,
                                 reason="the C scan is not built in this install")
 
 
 def _typed_refuses(data: bytes) -> bool:
     try:
-        _decode._from_structs(_decode._DECODER.decode(data))
-    except (_decode.msgspec.ValidationError, _decode.msgspec.DecodeError, ValueError,
+        _document._from_structs(_document._DECODER.decode(data))
+    except (_document.msgspec.ValidationError, _document.msgspec.DecodeError, ValueError,
             RecursionError):
         return True
     return False
@@ -38,7 +38,7 @@ LONE_SURROGATES = [
 @pytest.mark.parametrize("data", LONE_SURROGATES, ids=range(len(LONE_SURROGATES)))
 def test_a_lone_surrogate_escape_anywhere_is_left_to_the_typed_decoder(data):
     assert _typed_refuses(data)
-    assert _decode._from_scan(data) is None
+    assert _document._from_scan(data) is None
 
 
 # Any-typed fields the typed decoder decodes (so refuses invalid UTF-8, numbers beyond float and
@@ -57,7 +57,7 @@ UNDECODED_ANY = [
 @pytest.mark.parametrize("data", UNDECODED_ANY, ids=range(len(UNDECODED_ANY)))
 def test_any_fields_the_typed_decoder_decodes_are_checked(data):
     assert _typed_refuses(data)
-    assert _decode._from_scan(data) is None
+    assert _document._from_scan(data) is None
 
 
 def test_negative_zero_integer_timestamp_is_positive_zero():
@@ -65,8 +65,8 @@ def test_negative_zero_integer_timestamp_is_positive_zero():
     a float literal such as -0.0); the scan gave -0.0 (np.array_equal does not tell them apart)."""
     data = (b'{"traceEvents": [{"ph": "X", "ts": -0, "dur": -0},'
             b' {"ph": "i", "name": "[memory]", "ts": -0, "args": {}}]}')
-    ref = _decode._from_structs(_decode._DECODER.decode(data))
-    got = _decode._from_scan(data)
+    ref = _document._from_structs(_document._DECODER.decode(data))
+    got = _document._from_scan(data)
     assert got is not None
     assert np.signbit(got.ts).tolist() == np.signbit(ref.ts).tolist() == [False]
     assert np.signbit(got.dur).tolist() == np.signbit(ref.dur).tolist() == [False]
@@ -81,12 +81,12 @@ def test_a_memory_error_is_raised_as_memory_error():
         pytest.skip("no _testcapi.set_nomemory")
     events = ",".join('{"ph":"X","name":"n%d","cat":"c","pid":"p%d","tid":1}' % (i, i) for i in range(30))
     data = ('{"traceEvents":[' + events + ',{"ph":"X","tid":"\xff"}]}').encode("latin-1")
-    assert _decode._kineto.scan(data) is None
+    assert _document._kineto.scan(data) is None
     errors = set()
     for start in range(0, 400):
         _testcapi.set_nomemory(start, start + 1)
         try:
-            _decode._kineto.scan(data)
+            _document._kineto.scan(data)
         except MemoryError:
             pass
         except Exception as e:  # noqa: BLE001 - what the test is about

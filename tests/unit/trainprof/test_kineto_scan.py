@@ -12,11 +12,11 @@ import random
 import numpy as np
 import pytest
 
-from trainprof.trace import _decode
+from trainprof.trace import _document
 from trainprof.trace._frames import _read_bytes
 from paths import FIXTURES
 
-pytestmark = pytest.mark.skipif(_decode._kineto is None or _decode.msgspec is None,
+pytestmark = pytest.mark.skipif(_document._kineto is None or _document.msgspec is None,
                                 reason="the C scan is not built in this install")
 
 ROOT = FIXTURES
@@ -26,8 +26,8 @@ TRACES = sorted(p for p in ROOT.rglob("*.json*") if ".pt.trace." in p.name or "h
 def typed(data: bytes):
     """The typed decoder's columns, or the exception it raises."""
     try:
-        return _decode._from_structs(_decode._DECODER.decode(data))
-    except (_decode.msgspec.ValidationError, _decode.msgspec.DecodeError, ValueError,
+        return _document._from_structs(_document._DECODER.decode(data))
+    except (_document.msgspec.ValidationError, _document.msgspec.DecodeError, ValueError,
             RecursionError) as e:
         return e
 
@@ -48,7 +48,7 @@ def differences(a, b) -> list[str]:
 def agrees(data: bytes) -> str:
     """'same' (the scan's columns equal the typed decoder's), 'deferred' (the scan left it to
     the typed decoder), or an AssertionError."""
-    scanned = _decode._from_scan(data)
+    scanned = _document._from_scan(data)
     ref = typed(data)
     if scanned is None:
         return "deferred"
@@ -78,7 +78,7 @@ def test_trace_reads_the_same_through_either_path(monkeypatch):
 
     path = ROOT / "hta" / "nccl_parser_config" / "nccl_data.json.gz"
     fast = parse_trace(path)
-    monkeypatch.setattr(_decode, "_kineto", None)
+    monkeypatch.setattr(_document, "_kineto", None)
     slow = parse_trace(path)
     for name in ("events", "comm", "memory", "steps", "launch"):
         a, b = getattr(fast.tables, name), getattr(slow.tables, name)
@@ -147,7 +147,7 @@ def test_documents_probing_each_rule_scan_the_same(events):
     b'{"traceEvents": [{"ph": "X", "name": "a\nb"}]}', b'{}', b'',
 ], ids=lambda d: f"{len(d)}-bytes")
 def test_what_the_scan_does_not_take_is_left_to_the_typed_decoder(data):
-    assert _decode._from_scan(data) is None
+    assert _document._from_scan(data) is None
     assert agrees(data) == "deferred"
 
 

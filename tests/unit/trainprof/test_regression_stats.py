@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from trainprof.gate.regression import (DIFFERS, IMPROVEMENT, INSUFFICIENT, MISSING, REGRESSION,
-                                  TEST_RUNS, TEST_STEPS, UNCHANGED, Comparison, Settings,
-                                  Threshold, ThresholdError, benjamini_hochberg,
-                                  bootstrap_ratio_ci, compare_per_rank, compare_runs,
-                                  compare_samples, compare_summaries, compare_values,
-                                  fingerprint_mismatches, overall_verdict, parse_threshold,
-                                  run_problems, step_samples, t_test)
+from trainprof.gate.facts import fingerprint_mismatches
+from trainprof.gate.metrics import run_problems, step_samples
+from trainprof.gate.regression import (Settings, compare_per_rank, compare_runs, compare_samples,
+                                       compare_summaries, compare_values)
+from trainprof.gate.stats import benjamini_hochberg, bootstrap_ratio_ci, t_test
+from trainprof.gate.threshold import Threshold, ThresholdError, parse_threshold
+from trainprof.gate.verdict import (DIFFERS, IMPROVEMENT, INSUFFICIENT, MISSING, REGRESSION, TEST_RUNS,
+                                    TEST_STEPS, UNCHANGED, Comparison, overall_verdict)
 
 STEP = Threshold(+1, 0.05)  # step time: up is bad, 5 % minimum effect
 
@@ -434,7 +435,7 @@ def contended(level_ms, cpu_ms, k, seed, burst_p=0.3):
 
 
 def test_cpu_time_value_is_the_busiest_ranks_and_absent_safe():
-    from trainprof.gate.regression import cpu_time_value
+    from trainprof.gate.metrics import cpu_time_value
 
     s = summary(samples(100), extra={"stragglers": {"per_rank": [{"rank": 0, "cpu_ms": 30.0},
                                                                  {"rank": 1, "cpu_ms": 42.5}]}})
@@ -496,7 +497,7 @@ def test_runs_without_cpu_time_still_compare():
 def test_throughput_and_mfu_are_one_hypothesis_with_step_time():
     """They are step time in other units: Benjamini–Hochberg counts the three once, so a fourth
     metric is adjusted over 2 hypotheses, not 4 (0.003 × 2 / 1 = 0.006 < 0.01; × 4 would fail)."""
-    from trainprof.gate.regression import adjust
+    from trainprof.gate.verdict import adjust
 
     def made(metric, p, kind="sampled"):
         return Comparison(metric, metric, "", kind, UNCHANGED, p_value=p, moved=REGRESSION, runs=[3, 3],
@@ -523,7 +524,8 @@ CAND_LEVELS = [130.0, 105.0, 160.0]  # three runs, +30 %
 def test_large_but_not_significant_change_is_underpowered_with_its_detectable_change():
     from scipy.stats import t as t_dist
 
-    from trainprof.gate.regression import compare_run_values, min_detectable_change
+    from trainprof.gate.regression import compare_run_values
+    from trainprof.gate.verdict import min_detectable_change
 
     r = compare_run_values("cpu_time", BASE_LEVELS, CAND_LEVELS, STEP)
     assert r.verdict == UNCHANGED and r.moved == REGRESSION and r.underpowered
@@ -553,7 +555,7 @@ def test_significant_regression_and_small_moves_are_not_underpowered():
 
 
 def test_job_facts_differ_only_where_both_runs_know_them():
-    from trainprof.gate.regression import job_differences, same_fact
+    from trainprof.gate.facts import job_differences, same_fact
 
     a = {"run": {"command": ["torchrun", "--nproc-per-node", "2", "/x/pl_tiny.py", "--lr", "1"],
                  "run_info": {"framework": "lightning", "n_params_non_embedding": 4740}}}
@@ -569,7 +571,7 @@ def test_job_facts_differ_only_where_both_runs_know_them():
 def test_job_script_is_the_same_under_torchrun_and_python_m_torch_distributed_run():
     # `python -m torch.distributed.run` is torchrun: the job is the script it launches, so a run
     # launched either way is the same job (compare refused them as "different jobs")
-    from trainprof.gate.regression import job_differences, job_facts
+    from trainprof.gate.facts import job_differences, job_facts
 
     tr = {"run": {"command": ["torchrun", "--nproc-per-node", "2", "job.py", "--accum", "4"]}}
     pm = {"run": {"command": ["python", "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -16,7 +16,7 @@ import pytest
 from trainprof.analysis.run import RunDir
 from trainprof.analysis.runner import analyze
 from trainprof.analyzers import _comm_breakdown, gpu_overview, roofline
-from trainprof.trace import _decode, parse_trace
+from trainprof.trace import _document, parse_trace
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
 TRACES = ["gpu/h100_item_sync.pt.trace.json.gz", "hta/trace_filter/sampled_rank-0.json.gz"]
@@ -95,10 +95,10 @@ def test_dialect_reads_as_the_modern_trace(rel, dialect, tmp_path):
 @pytest.mark.parametrize("rel", TRACES)
 def test_old_dialect_same_columns_on_every_decoder_path(rel, tmp_path):
     data = json.dumps(pytorch_18(_doc(rel)), indent=2).encode()
-    scanned = _decode._from_scan(data)
+    scanned = _document._from_scan(data)
     assert scanned is not None  # the C scan takes the old dialect itself
-    typed = _decode._from_structs(_decode._DECODER.decode(data))
-    tolerant = _decode._from_dicts(data)
+    typed = _document._from_structs(_document._DECODER.decode(data))
+    tolerant = _document._from_dicts(data)
     for c in (typed, tolerant):
         assert np.array_equal(c.ext, scanned.ext)
         assert c.dims == scanned.dims
