@@ -28,6 +28,16 @@ class CompareCommand(click.Command):
         return super().parse_args(ctx, args)
 
 
+def _holds_no_rank_data(summary) -> bool:
+    """A summary of a run in which no rank wrote anything: no rank, world size 0, no steps."""
+    run = summary.get("run") if isinstance(summary, dict) else None
+    if not isinstance(run, dict):
+        return False
+    steps = ((summary.get("metrics") or {}).get("step_time") or {}) if isinstance(
+        summary.get("metrics"), dict) else {}
+    return not run.get("ranks") and not run.get("world_size") and not steps
+
+
 def known_versions() -> range:
     from trainprof.findings import SUMMARY_SCHEMA_VERSION  # lazy: start-up time of trainprof --help
 
@@ -531,6 +541,11 @@ def _compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, mi
             click.echo(f"INCONCLUSIVE: no usable baseline run in {baseline_dir} (a cold cache? run "
                        f"the main-branch job with --save-baseline first) (exit 3)")
             sys.exit(EXIT_INCONCLUSIVE)
+    empty = [f"{side} {p}" for side, runs in (("baseline", bases), ("candidate", cands))
+             for sm, p in runs if _holds_no_rank_data(sm)]
+    if empty:  # said as such: its missing facts are no "different environment"
+        raise InputError("run(s) holding no data from any rank (the job ran without probes, e.g. "
+                         "TRAINPROF_DISABLE=1, or no rank started): " + ", ".join(map(str, empty)))
     job_diffs, mismatches = job_mismatches(bases, cands), environment_mismatches(bases, cands)
     refused = []
     if job_diffs and not allow_different:

@@ -533,3 +533,17 @@ def test_baseline_history_leaves_out_other_jobs(tmp_path):
     proc = compare("--baseline-dir", hist, other)
     assert proc.returncode == 2 and "no run of the candidate's job" in proc.stderr
     assert compare("--baseline-dir", hist, other, "--allow-different").returncode == 0
+
+
+def test_a_run_without_any_rank_data_is_said_as_such(tmp_path):
+    # a baseline wrapped with TRAINPROF_DISABLE=1: no rank wrote anything; its missing device,
+    # world size and torch version are no "different environment"
+    empty = {"schema_version": 1, "run": {"world_size": 0, "ranks": [], "device": None,
+                                          "torch_version": None, "exit_code": 0},
+             "metrics": {}, "findings": []}
+    b = write(tmp_path, "b.json", empty)
+    c = write(tmp_path, "c.json", summary(steps(100)))
+    p = compare(str(b), "--", str(c))
+    assert p.returncode == 2, p
+    assert "holding no data from any rank" in p.stderr and "baseline" in p.stderr and "b.json" in p.stderr
+    assert "different environments" not in p.stderr
