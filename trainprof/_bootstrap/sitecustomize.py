@@ -10,6 +10,8 @@ def _trainprof_bootstrap():
     off = os.environ.get("TRAINPROF_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off")
     if not os.environ.get("TRAINPROF_RUN_DIR") or off:
         return
+    if not _same_trainprof():
+        return
     try:
         # lazy: start-up time of the job's bootstrap (only when the probes are on)
         from trainprof.probes.bootstrap import install
@@ -17,6 +19,32 @@ def _trainprof_bootstrap():
         install()
     except Exception as e:  # noqa: BLE001 - never stop the job
         sys.stderr.write(f"trainprof: probes not installed in pid {os.getpid()}: {e}\n")
+
+
+def _same_trainprof():
+    """False (said once on stderr) when this Python cannot import trainprof, or imports another
+    copy than the `trainprof wrap` this folder belongs to: its probes would not be the ones the
+    launcher and the analysis expect. Nothing is imported to find out."""
+    import importlib.util
+
+    ours = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        spec = importlib.util.find_spec("trainprof")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        sys.stderr.write(f"trainprof: probes not installed in pid {os.getpid()}: this Python "
+                         f"({sys.executable}) cannot import trainprof; `trainprof wrap` is "
+                         f"{ours}: run the job with the Python it is installed in\n")
+        return False
+    where = [os.path.realpath(p) for p in (spec.submodule_search_locations or [])]
+    if where and ours not in where:
+        sys.stderr.write(f"trainprof: probes not installed in pid {os.getpid()}: this Python "
+                         f"({sys.executable}) imports trainprof from {where[0]}, but `trainprof "
+                         f"wrap` is {ours}: run the job with the Python trainprof wrap is "
+                         f"installed in (python -m torch.distributed.run instead of torchrun)\n")
+        return False
+    return True
 
 
 def _chain_next_sitecustomize():

@@ -53,6 +53,36 @@ def test_disable_flag_values(monkeypatch, tmp_path, value, on):
     assert res.stdout.strip() == str(on), res.stderr
 
 
+def test_bootstrap_refuses_another_copy_of_trainprof_and_says_so(tmp_path):
+    # a worker Python that imports another trainprof (another install, another checkout: a
+    # `torchrun` of another environment) would run probes the launcher and the analysis do not
+    # expect; one that cannot import trainprof at all gets none. Either is said on stderr, and
+    # the job runs as it is.
+    other = tmp_path / "other"
+    (other / "trainprof" / "probes").mkdir(parents=True)
+    (other / "trainprof" / "__init__.py").write_text("")
+    (other / "trainprof" / "probes" / "__init__.py").write_text("")
+    (other / "trainprof" / "probes" / "bootstrap.py").write_text(
+        "def install():\n    print('OTHER PROBES')\n")
+    boot = str(ROOT / "trainprof" / "_bootstrap")
+    env = {**os.environ, "TRAINPROF_RUN_DIR": str(tmp_path / "run"), "TRAINPROF_DISABLE": "0"}
+    res = subprocess.run([sys.executable, "-c", "print('job')"], capture_output=True, text=True,
+                         env={**env, "PYTHONPATH": os.pathsep.join([boot, str(other)])}, timeout=60)
+    assert res.returncode == 0 and res.stdout == "job\n", res
+    assert f"imports trainprof from {other / 'trainprof'}" in res.stderr
+    assert f"`trainprof wrap` is {os.path.realpath(ROOT / 'trainprof')}" in res.stderr
+    # this checkout's own trainprof: no word of it
+    res = subprocess.run([sys.executable, "-c", "print('job')"], capture_output=True, text=True,
+                         env={**env, "PYTHONPATH": boot, "TRAINPROF_DISABLE": "1"}, timeout=60)
+    assert res.stdout == "job\n" and "trainprof" not in res.stderr, res.stderr
+    # a Python that cannot import trainprof: -S drops site-packages (and sitecustomize with it),
+    # so run the bootstrap by hand the way site would
+    code = f"import runpy; runpy.run_path({os.path.join(boot, 'sitecustomize.py')!r}); print('job')"
+    res = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         env=env, timeout=60, cwd=tmp_path)
+    assert res.stdout == "job\n" and "cannot import trainprof" in res.stderr, res
+
+
 def _synthetic(root: Path, ranks: dict, status="failed", exits=None, end_ns=None) -> Path:
     from synth import _write_run
 
