@@ -38,13 +38,29 @@ def _same_trainprof():
                          f"{ours}: run the job with the Python it is installed in\n")
         return False
     where = [os.path.realpath(p) for p in (spec.submodule_search_locations or [])]
-    if where and ours not in where:
+    if where and ours not in where and _version(where[0]) != _version(ours):
         sys.stderr.write(f"trainprof: probes not installed in pid {os.getpid()}: this Python "
-                         f"({sys.executable}) imports trainprof from {where[0]}, but `trainprof "
-                         f"wrap` is {ours}: run the job with the Python trainprof wrap is "
-                         f"installed in (python -m torch.distributed.run instead of torchrun)\n")
+                         f"({sys.executable}) imports trainprof {_version(where[0])} from "
+                         f"{where[0]}, but `trainprof wrap` is {_version(ours)} from {ours}: run "
+                         f"the job with the Python trainprof wrap is installed in (python -m "
+                         f"torch.distributed.run instead of torchrun), or install the same "
+                         f"version there\n")
         return False
     return True
+
+
+def _version(package_dir):
+    """__version__ of the trainprof package in ``package_dir``, read from its __init__.py's text
+    (importing it would run it); None when unreadable. Another copy of the same version (pipx
+    for the CLI, the job's environment for the probes) is the same trainprof."""
+    import re
+
+    try:
+        with open(os.path.join(package_dir, "__init__.py"), encoding="utf-8") as f:
+            m = re.search(r"^__version__\s*=\s*[\"']([^\"']+)[\"']", f.read(1 << 16), re.M)
+    except (OSError, UnicodeDecodeError):
+        return None
+    return m.group(1) if m else None
 
 
 def _chain_next_sitecustomize():

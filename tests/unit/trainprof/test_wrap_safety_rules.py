@@ -60,7 +60,7 @@ def test_bootstrap_refuses_another_copy_of_trainprof_and_says_so(tmp_path):
     # the job runs as it is.
     other = tmp_path / "other"
     (other / "trainprof" / "probes").mkdir(parents=True)
-    (other / "trainprof" / "__init__.py").write_text("")
+    (other / "trainprof" / "__init__.py").write_text('__version__ = "0.0.1"\n')
     (other / "trainprof" / "probes" / "__init__.py").write_text("")
     (other / "trainprof" / "probes" / "bootstrap.py").write_text(
         "def install():\n    print('OTHER PROBES')\n")
@@ -69,8 +69,17 @@ def test_bootstrap_refuses_another_copy_of_trainprof_and_says_so(tmp_path):
     res = subprocess.run([sys.executable, "-c", "print('job')"], capture_output=True, text=True,
                          env={**env, "PYTHONPATH": os.pathsep.join([boot, str(other)])}, timeout=60)
     assert res.returncode == 0 and res.stdout == "job\n", res
-    assert f"imports trainprof from {other / 'trainprof'}" in res.stderr
-    assert f"`trainprof wrap` is {os.path.realpath(ROOT / 'trainprof')}" in res.stderr
+    assert f"imports trainprof 0.0.1 from {other / 'trainprof'}" in res.stderr
+    from trainprof import __version__
+
+    assert f"`trainprof wrap` is {__version__} from {os.path.realpath(ROOT / 'trainprof')}" \
+        in res.stderr
+    # another copy of the same version is the same trainprof (pipx for the CLI, the job's
+    # environment for the probes): its probes run
+    (other / "trainprof" / "__init__.py").write_text(f'__version__ = "{__version__}"\n')
+    res = subprocess.run([sys.executable, "-c", "print('job')"], capture_output=True, text=True,
+                         env={**env, "PYTHONPATH": os.pathsep.join([boot, str(other)])}, timeout=60)
+    assert res.stdout == "OTHER PROBES\njob\n" and "trainprof" not in res.stderr, res
     # this checkout's own trainprof: no word of it
     res = subprocess.run([sys.executable, "-c", "print('job')"], capture_output=True, text=True,
                          env={**env, "PYTHONPATH": boot, "TRAINPROF_DISABLE": "1"}, timeout=60)
