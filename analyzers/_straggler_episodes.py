@@ -193,10 +193,12 @@ def _last_over(ep: dict, kept) -> bool:
 
 
 def started_late(eps: list[dict], kept) -> bool:
-    """The first episode starts after the run's first min_len analysed steps: the rank turned
-    slow during the run (reported with its onset, its waits counted over its episodes)."""
+    """The first episode starts after the first analysed step: the rank turned slow during the
+    run (reported "from step N on" with its onset, its cause and waits over its episodes). The
+    steps before it are a segment of their own whose mean excess is under the floor: the rank
+    was not straggling there, and its onset (``stamp``) is the episode's first step either way."""
     kept = list(kept)
-    return bool(eps) and len(kept) > 0 and eps[0]["first"] > kept[min(len(kept) - 1, min_len(len(kept)))]
+    return bool(eps) and len(kept) > 0 and eps[0]["first"] > kept[0]
 
 
 def judge_cause(finding, p: dict, ep: dict, why: dict) -> None:

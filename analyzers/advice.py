@@ -5,8 +5,9 @@ Runs after the analyzers, on their metrics and findings (never on the fault-inje
 truth). A finding whose analyzer set neither gets them here: ``fix`` from its kind and evidence,
 ``estimate`` from the matching model of analyzers/estimates.py (null for findings that are not
 about speed: a NaN, a hang, a desync). Findings whose fix would save less than
-``estimates.MIN_SAVING`` of the step become ``info``; the others are ``actions``, largest saving
-first. docs/estimates.md has the models and the estimates checked against runs with the fix.
+``estimates.MIN_SAVING`` of the step become ``info``; the others are ``actions``, after the
+findings that stopped the job or made it compute wrong values (``actions``). docs/estimates.md
+has the models and the estimates checked against runs with the fix.
 """
 
 from __future__ import annotations
@@ -102,21 +103,42 @@ def saving(f: Mapping) -> float:
     return float(e["saving_fraction"]) if isinstance(e, Mapping) and e.get("saving_fraction") is not None else -1.0
 
 
+SEVERITY_RANK = {"critical": 0, "error": 1, "warning": 2, "info": 3}
+BLOCKING = ("critical", "error")  # the job did not finish, or what it computes is wrong
+# why a blocking finding leads, per kind (others: BLOCKED_DEFAULT)
+BLOCKED = {"rank_failure": "the job did not finish", "hang": "the job hung",
+           "desync": "the ranks issued different collectives",
+           "memory": "a rank ran out of memory", "fragmentation": "a rank ran out of memory",
+           "nan_origin": "the training computes non-finite values"}
+BLOCKED_DEFAULT = "the job failed or computes wrong values"
+
+
 def actions(findings: list[dict]) -> list[dict]:
-    """The findings whose fix saves ≥ MIN_SAVING of the step, largest saving first, each with a
-    one-sentence evidence and the report section it comes from. ``finding`` is the index in
-    ``findings`` (sorted as summary.json has them)."""
+    """"What to change first": the findings that stop the job or make it compute wrong values
+    (severity critical or error: a rank failure, a hang, a desync, a NaN, an out-of-memory)
+    first, most severe first, with ``blocked`` saying why and no saving; then the findings
+    whose fix saves ≥ MIN_SAVING of the step, warnings before info (a shared host's contention
+    never leads), largest saving first. Each with a one-sentence evidence and the report
+    section it comes from. ``finding`` is the index in ``findings`` (sorted as summary.json has
+    them)."""
     out = []
     for i, f in enumerate(findings):
+        sev = f.get("severity")
         e = f.get("estimate")
-        if not isinstance(e, Mapping) or e.get("saving_fraction", 0) < est.MIN_SAVING:
+        worth = isinstance(e, Mapping) and (e.get("saving_fraction") or 0) >= est.MIN_SAVING
+        if sev not in BLOCKING and not worth:
             continue
-        out.append({"finding": i, "kind": f.get("kind"), "fix": f.get("fix"),
-                    "saving_ms": e["saving_ms"], "saving_fraction": e["saving_fraction"],
-                    "step_ms_before": e["step_ms_before"], "step_ms_after": e["step_ms_after"],
-                    "evidence": sentence(f.get("message") or ""),
-                    "section": f"s-{f.get('analyzer') or f.get('kind')}"})
-    out.sort(key=lambda a: -a["saving_fraction"])
+        a = {"finding": i, "kind": f.get("kind"), "severity": sev, "fix": f.get("fix"),
+             "saving_ms": None, "saving_fraction": None, "step_ms_before": None,
+             "step_ms_after": None, "evidence": sentence(f.get("message") or ""),
+             "section": f"s-{f.get('analyzer') or f.get('kind')}"}
+        if sev in BLOCKING:
+            a["blocked"] = BLOCKED.get(f.get("kind"), BLOCKED_DEFAULT)
+        if worth:
+            a.update({k: e[k] for k in ("saving_ms", "saving_fraction", "step_ms_before",
+                                         "step_ms_after")})
+        out.append(a)
+    out.sort(key=lambda a: (SEVERITY_RANK.get(a["severity"], 9), -(a["saving_fraction"] or 0.0)))
     return out
 
 

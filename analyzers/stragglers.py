@@ -186,7 +186,7 @@ def _metrics(run, t, scored, kept, excluded, step_ms, groups, per_rank, noises,
 
 def _mark_episodic(per_rank: list[dict], episodes: dict, kept) -> None:
     """Each rank's episodes in its record; a rank slow for part of the run (and a chronic one
-    that turned slow after the run's first steps) becomes ``episodic``."""
+    that turned slow after the first analysed step) becomes ``episodic``."""
     for p in per_rank:
         eps = episodes.get(p["rank"], [])
         p["episodes"] = [{x: e[x] for x in ("first", "last", "excess_ms", "score", "signal")}

@@ -63,7 +63,8 @@ def device_info(local_rank: int) -> dict:
 
 def process_group_at_exit() -> dict | None:
     """The default process group as the job leaves it, read at the probes' close (an atexit hook
-    registered before the job's own, so it runs after them): ``{"live": bool, "backend": str}``,
+    registered before the job's own, so it runs after them): ``{"live": bool, "backend": str}``
+    (and ``frameworks``: those of TEARDOWN_FRAMEWORKS the job imported, when the group is live),
     or None when the job never imported torch.distributed. A group still live at exit is torch's
     to tear down during interpreter finalization, where gloo can abort the process (SIGABRT,
     "terminate called without an active exception"; docs/hangs.md)."""
@@ -72,9 +73,17 @@ def process_group_at_exit() -> dict | None:
         return None
     try:
         live = bool(dist.is_initialized())
-        return {"live": live, "backend": str(dist.get_backend()) if live else None}
+        out = {"live": live, "backend": str(dist.get_backend()) if live else None}
     except Exception:  # noqa: BLE001 - a half-torn-down group: say nothing
         return None
+    loaded = [m for m in TEARDOWN_FRAMEWORKS if m in sys.modules]
+    if live and loaded:  # whose teardown call the fix names (analyzers/teardown.py)
+        out["frameworks"] = loaded
+    return out
+
+
+# frameworks with their own way to destroy the group, looked up (never imported) at exit
+TEARDOWN_FRAMEWORKS = ("accelerate", "deepspeed", "lightning", "pytorch_lightning", "transformers")
 
 
 def mesh_info(mesh) -> dict:

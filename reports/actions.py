@@ -35,6 +35,15 @@ def saving_text(a: Mapping) -> str:
             f"{kit.fmt_ms(a.get('step_ms_before'))} → {kit.fmt_ms(a.get('step_ms_after'))}")
 
 
+def gain_text(a: Mapping) -> str:
+    """An action's line under its fix: its saving, or for a finding that stopped the job or made
+    it compute wrong values (``blocked``) why it comes first: 'critical: the job hung; fix
+    this before any speed-up'."""
+    if a.get("blocked"):
+        return f"{a.get('severity') or 'error'}: {a['blocked']}; fix this before any speed-up"
+    return saving_text(a)
+
+
 def coverage_is_the_input(summary: Mapping) -> bool:
     """Whether what was not analyzed is just the nature of the input (bare profiler traces carry
     no run directory's streams: summary.json coverage.input_only), to be said plainly rather
@@ -58,8 +67,9 @@ def lead_html(summary: Mapping) -> str:
             i = a.get("finding")
             links = [f'<a href="#f-{kit.esc(i)}">finding</a>' if isinstance(i, int) else "",
                      f'<a href="#{kit.esc(a.get("section"))}">section</a>' if a.get("section") else ""]
+            cls = "blocked" if a.get("blocked") else "saving"
             items.append(f"<li><b>{kit.esc(a.get('fix'))}</b> <span class=\"kind\">[{kit.esc(a.get('kind'))}]</span>"
-                         f"<br><span class=\"saving\">{kit.esc(saving_text(a))}</span><br>"
+                         f"<br><span class=\"{cls}\">{kit.esc(gain_text(a))}</span><br>"
                          f"{kit.esc(a.get('evidence'))} — {' · '.join(x for x in links if x)}</li>")
         out.append(f"<ol class=\"actions\">{''.join(items)}</ol>")
         more = len(summary.get("actions") or []) - len(acts)
@@ -260,6 +270,7 @@ CSS = """
 ol.actions{background:var(--card);border:1px solid var(--line);border-radius:6px;padding:10px 14px 10px 34px}
 ol.actions li{margin:6px 0}
 .saving{color:#2b8a3e;font-weight:600}
+.blocked{color:#c92a2a;font-weight:600}
 .fix{margin:4px 0}
 .fix details summary{cursor:pointer;color:var(--muted);font-size:12px}
 p.plain{color:var(--fg);background:#eef1f5;border:1px solid var(--line);padding:6px 10px;border-radius:4px}
@@ -274,7 +285,7 @@ def terminal_lines(summary: Mapping, limit: int = 5) -> list[str]:
     if acts:
         out.append("What to change first:")
         for n, a in enumerate(acts[:limit], 1):
-            out.append(f"  {n}. {a.get('fix')} — {saving_text(a)}")
+            out.append(f"  {n}. {a.get('fix')} — {gain_text(a)}")
             out.append(f"     {a.get('kind')}: {a.get('evidence')}")
         if len(acts) > limit:
             out.append(f"  … {len(acts) - limit} more (see the report)")

@@ -8,7 +8,8 @@ summary.json (schema documented in docs/summary.md)::
      "findings": [{"kind", "severity", "ranks", "message", "evidence": {...}, "analyzer",
                    "onset": {"step", "time"}, "end": {"step", "time"},  (onset/end: when known)
                    "fix": "what to change", "estimate": {...} | null}],
-     "actions": [{"kind", "ranks", "fix", "estimate", "evidence", "section", "finding"}],
+     "actions": [{"finding", "kind", "severity", "fix", "saving_ms", "saving_fraction",
+                  "step_ms_before", "step_ms_after", "evidence", "section", "blocked"}],
      "problems": ["<file>: what is wrong", ...],
      "errors": [{"analyzer", "error"}]}
 """

@@ -178,7 +178,8 @@ def analyze(run: RunDir, progress: Callable[[str], None] | None = None) -> dict:
         "problems": list(dict.fromkeys(run.problems)),
         "errors": errors,
         "analyzer_seconds": timings,
-        # what to change first: findings whose fix saves ≥ 5 % of the step, largest saving first
+        # what to change first: failures (critical, error), then findings whose fix saves ≥ 5 %
+        # of the step, warnings before info, largest saving first (analyzers/advice.actions)
         "actions": actions or [],
         **({"nothing_analyzed": nothing} if nothing else {}),
         # what could not be analyzed (and why): never "nothing looks wrong" about it

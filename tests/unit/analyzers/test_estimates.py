@@ -305,10 +305,14 @@ def test_every_finding_gets_a_fix_and_actions_are_ranked_by_saving():
     acts = advice.advise(metrics, findings)
     assert all(f["fix"] for f in findings)
     assert findings[2]["estimate"] is None  # a NaN is not about speed
-    assert [a["kind"] for a in acts] == ["slow_steps", "host_stall"]  # 23 % before 20 %
+    # the NaN first (the job computes wrong values), then 23 % before 20 %
+    assert [a["kind"] for a in acts] == ["nan_origin", "slow_steps", "host_stall"]
+    assert acts[0]["saving_ms"] is None and acts[0]["severity"] == "critical"
+    assert acts[0]["blocked"] == "the training computes non-finite values"
+    acts = acts[1:]
     assert acts[0]["saving_ms"] == pytest.approx(30.0) and acts[0]["evidence"] == "m2"
     assert acts[1]["step_ms_after"] == pytest.approx(90.0) and acts[1]["evidence"] == "m1"
-    assert acts[1]["section"] == "s-comm_compute"
+    assert acts[1]["section"] == "s-comm_compute" and "blocked" not in acts[1]
     # a finding whose fix saves < 5 % is info, and no action
     metrics["comm_compute"]["per_rank"][0]["sync_ms_per_step"] = 2.0
     f = [{"kind": "host_stall", "severity": "warning", "ranks": [0], "message": "m", "evidence": {}}]
@@ -389,3 +393,34 @@ def test_ddp_bucket_service_time_fit():
     service[0] *= 40  # a stall: the medians keep it out
     alpha, beta = _ddp_buckets._fit(sizes, service)
     assert beta == pytest.approx(3.0) and alpha == pytest.approx(2e5)
+
+
+def test_a_failed_job_leads_and_info_never_leads_a_warning():
+    """A crashed run (a rank failed, the others waited in a desynchronized collective) with a
+    host-contention straggler (info: a shared host's doing) that prices at 24 % and a slow-steps
+    warning at 10 %: the failure leads, then the warning, then the info finding."""
+    metrics = {"step_time": {"job": {"median_ms": 100.0, "mean_ms": 110.0}}}
+    strag = {"step_ms_before": 25.3, "step_ms_after": 19.3, "saving_ms": 6.0,
+             "saving_fraction": 0.238, "model": "m", "assumptions": [], "basis": "b"}
+    findings = [{"kind": "rank_failure", "severity": "error", "ranks": [0],
+                 "message": "Rank failure: rank 0 was the first to fail; more", "evidence": {},
+                 "analyzer": "hang"},
+                {"kind": "straggler", "severity": "info", "ranks": [1], "message": "rank 1 is slow",
+                 "evidence": {}, "analyzer": "stragglers", "estimate": strag},
+                {"kind": "slow_steps", "severity": "warning", "ranks": [], "message": "m2",
+                 "evidence": {}, "analyzer": "slow_steps"},
+                {"kind": "hang", "severity": "critical", "ranks": [1], "message": "rank 1 hung",
+                 "evidence": {}, "analyzer": "hang"}]
+    acts = advice.advise(metrics, findings)
+    assert [(a["kind"], a["severity"]) for a in acts] == [
+        ("hang", "critical"), ("rank_failure", "error"), ("slow_steps", "warning"),
+        ("straggler", "info")]
+    assert [a["finding"] for a in acts] == [3, 0, 2, 1]
+    assert acts[0]["blocked"] == "the job hung" and acts[1]["blocked"] == "the job did not finish"
+    assert acts[1]["fix"].startswith("read the failed rank's error")
+    assert acts[1]["evidence"] == "Rank failure: rank 0 was the first to fail"
+    assert acts[2]["saving_fraction"] == pytest.approx(10 / 110, abs=1e-3)
+    assert acts[3]["saving_fraction"] == pytest.approx(0.238)
+    # a recovered hang (warning, no saving) is no action
+    findings[3]["severity"] = "warning"
+    assert [a["kind"] for a in advice.actions(findings)] == ["rank_failure", "slow_steps", "straggler"]

@@ -99,6 +99,31 @@ def test_midrun_straggler_found_with_onset_and_waits(tmp_path, onset, until):
     assert f.evidence["episode"]["excess_ms"] == pytest.approx(6.0, abs=1.0)
 
 
+@pytest.mark.parametrize("onset,profiled", [(15, (3, 4)), (11, ())])
+def test_short_run_straggler_from_step_n_on(tmp_path, onset, profiled):
+    """40 steps, rank 1 slow by 30 ms from step ``onset`` on: with the warm-up (and the profiled
+    steps 2-5) excluded, the onset is the 11th analysed step, within the run's first min_len
+    (10) analysed steps. The whole-run test alone calls it chronic; it started during the run:
+    "from step N on", its excess and waits over the steps from N."""
+    run = make_run(tmp_path, steps=40, profiled=profiled,
+                   slow={1: lambda s: 30.0 if s >= onset else 0.0})
+    (f,) = _kinds(stragglers.analyze(run).findings, "straggler")
+    assert f.ranks == [1] and f.onset["step"] == onset and f.end is None
+    assert f"is a straggler from step {onset} on: " in f.message
+    assert "chronic" not in f.message
+    assert f"in {40 - onset} of {40 - onset} analysed steps of that stretch" in f.message
+    assert f.evidence["episode"]["first"] == onset
+    assert f.evidence["excess_ms"] == pytest.approx(30.0, abs=2.0)
+    assert f.evidence["waiters_wait_ms"] == pytest.approx(30.0, abs=2.0)
+
+
+def test_short_run_straggler_from_the_start_is_chronic(tmp_path):
+    run = make_run(tmp_path, steps=40, profiled=(3, 4), slow={1: lambda s: 30.0})
+    (f,) = _kinds(stragglers.analyze(run).findings, "straggler")
+    assert f.ranks == [1] and "is a chronic straggler: " in f.message
+    assert f.onset["step"] == 1 and "from step" not in f.message
+
+
 def test_midrun_straggler_waits_not_subtracted_outside_the_window(tmp_path):
     run = make_run(tmp_path, steps=2000, slow={1: lambda s: 6.0 if s >= 1000 else 0.0})
     w = stragglers.waits_for_stragglers(run)  # no profiler window: spread over the run

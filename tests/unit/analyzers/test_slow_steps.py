@@ -125,6 +125,21 @@ def test_slow_on_every_rank(tmp_path):
     assert "the mean step is 185 ms (1.76× the median)" in f.message
 
 
+def test_checkpoints_of_varied_cost_are_every_8_steps(tmp_path):
+    """A checkpoint every 8 steps on both ranks, large at 8, 24, 40 and small at 16, 32, 48:
+    the class of every 16th step has the larger mean excess, yet the period is 8."""
+    own = flat(50)
+    for s, extra in ((8, 500.0), (16, 40.0), (24, 120.0), (32, 35.0), (40, 150.0), (48, 220.0)):
+        own[0][s] += extra
+        own[1][s] += extra
+    (f,) = found(make_run(tmp_path, own))
+    ev = f.evidence
+    assert ev["period"] == 8 and ev["phase"] == 0
+    assert ev["slow_steps"] == [8, 16, 24, 32, 40, 48]
+    assert ev["excess_ms"] == pytest.approx(500 + 40 + 120 + 35 + 150 + 220)
+    assert f.message.startswith("steps 8, 16, 24, 32, 40, 48 (every 8 steps) take 140–605 ms")
+
+
 def test_irregular_slow_steps_without_period(tmp_path):
     own = flat(30)
     for s in (7, 11, 23):  # three slow steps, no common period

@@ -102,3 +102,30 @@ def test_step_keyed_evidence_is_labelled_by_step_not_rank():
                                       "own extra: rank 0 43.2 ms, rank 1 23.0 ms."]
     svg = rank_bars(ev)
     assert "step 7: 161 ms" in svg and "rank 7" not in svg and ">step<" in svg
+
+
+def test_a_failed_job_leads_the_report_and_the_terminal():
+    """A blocked action (analyzers/advice.py: a rank failure) before the straggler's saving: it
+    says why it comes first and shows no saving."""
+    s = _summary()
+    s["findings"].insert(0, {"kind": "rank_failure", "severity": "error", "ranks": [0],
+                             "analyzer": "hang", "message": "Rank failure: rank 0 was the first to fail",
+                             "fix": "read the failed rank's error", "evidence": {}})
+    s["actions"][0]["finding"] = 1
+    s["actions"].insert(0, {"finding": 0, "kind": "rank_failure", "severity": "error",
+                            "fix": "read the failed rank's error", "saving_ms": None,
+                            "saving_fraction": None, "step_ms_before": None, "step_ms_after": None,
+                            "blocked": "the job did not finish",
+                            "evidence": "Rank failure: rank 0 was the first to fail", "section": "s-hang"})
+    html = render_html(s)
+    lead = html[html.index("What to change first"):html.index("Findings (")]
+    first = lead.index("read the failed rank&#x27;s error")
+    assert first < lead.index("remove it")
+    assert ('<span class="blocked">error: the job did not finish; fix this before any speed-up'
+            '</span>') in lead
+    assert lead.count("saves ≈") == 1 and "saves ≈ –" not in lead and "None" not in lead
+    lines = terminal_lines(s)
+    assert lines[1] == ("  1. read the failed rank's error — error: the job did not finish; fix "
+                        "this before any speed-up")
+    assert lines[2] == "     rank_failure: Rank failure: rank 0 was the first to fail"
+    assert lines[3].startswith("  2. remove it — saves ≈ 40.1 ms/step")
