@@ -19,6 +19,10 @@ MAX_PEER_EVIDENCE = 32  # per-peer entries kept in a finding's evidence (largest
                         # count and median say what the rest are: summary.json at 1,000+ ranks)
 MAX_EPISODES = 8     # straggler episodes of one rank reported (the first ones)
 
+# a chronic straggler whose first analysed step is this late: the per-step detail starts there
+# (warm-up and profiler exclusions never reach it), so the steps before are not known
+LATE_DETAIL_STEP = 100
+
 
 def full_waits(run) -> dict:
     """{late rank (or tuple of ranks): {rank: ms}} uncapped, kept beside the cached result."""
@@ -141,6 +145,12 @@ def _straggler_finding(p, peers, size, why, waits, kept) -> Finding:
     ep = p.get("episode")
     kind = (f"a straggler from step {ep['first']}" + (f" to step {ep['last']}" if ep.get("over")
                                                        else " on") if ep else "a chronic straggler")
+    if not ep and kept and kept[0] >= LATE_DETAIL_STEP:
+        # the per-step detail starts late (a long run's bounded capture keeps its last steps):
+        # "chronic" is said of what was analysed, not of the steps before
+        kind = (f"a straggler in every stretch of the analysed steps {kept[0]}–{kept[-1]} (the "
+                f"run's per-step detail starts at step {kept[0]}; whether it was slow before is "
+                f"not in it)")
     msg = (f"rank {p['rank']} ({_coords_text(p['coords'])}, host {p['host']}) is {kind}: "
            f"{what} in {len(p['straggling_steps'])} of {p['steps']} analysed steps "
            + ("of that stretch " if ep else "")

@@ -21,7 +21,7 @@ MS = 1_000_000
 
 
 def make_run(root, steps=2000, nranks=2, step_ms=10.0, sd=0.6, slow=None, seed=0,
-             memory=None, group_ms=None, profiled=()):
+             memory=None, group_ms=None, profiled=(), first_step=0):
     """Synchronous job: each rank works busy(r, s) = 6 ms ± sd (+ slow[r](s) ms), then waits in
     one all_reduce for the last rank to arrive; the step lasts the slowest rank's work plus
     2 ms of communication (plus group_ms(s) for every rank: the whole job slowed).
@@ -42,11 +42,11 @@ def make_run(root, steps=2000, nranks=2, step_ms=10.0, sd=0.6, slow=None, seed=0
         st, co, mem = [], [], []
         for s in range(steps):
             t = int(start[s])
-            st.append({"step": s, "start_ns": t, "end_ns": t + int(dur[s] * MS),
+            st.append({"step": first_step + s, "start_ns": t, "end_ns": t + int(dur[s] * MS),
                        "dur_ms": float(dur[s]), "source": "optimizer",
                        **({"profiled": True} if s in profiled else {})})
             enq = t + int((busy[r, s] + extra[s]) * MS)
-            co.append({"step": s, "pg": "0", "seq": s, "op": "all_reduce", "bytes": 8,
+            co.append({"step": first_step + s, "pg": "0", "seq": s, "op": "all_reduce", "bytes": 8,
                        "enqueue_ns": enq, "end_ns": t + int(dur[s] * MS),
                        "blocked_ms": float(dur[s] - busy[r, s] - extra[s])})
             if memory:
@@ -302,3 +302,17 @@ def test_throughput_drop_not_blamed_on_a_straggler_that_began_later_inside_it(tm
     assert abs(f.evidence["later_stragglers"]["1"] - 1400) <= 20
     assert "every rank slowed alike" in f.message and "later in it rank 1 turned slow from step 14" \
         in f.message
+
+
+def test_chronic_straggler_of_a_late_detail_window_is_not_called_chronic(tmp_path):
+    # a long run whose bounded capture kept the per-step detail of its last 600 steps only
+    # (2000-2599): a rank slow in all of them is slow in what was analysed, not "chronic"
+    slow = {1: lambda s: 5.0}
+    late = stragglers.analyze(make_run(tmp_path / "late", steps=600, slow=slow, first_step=2000))
+    (f,) = _kinds(late.findings, "straggler")
+    assert "a straggler in every stretch of the analysed steps 20" in f.message
+    assert "–2599 (the run's per-step detail starts at step 20" in f.message
+    assert "chronic" not in f.message
+    whole = stragglers.analyze(make_run(tmp_path / "whole", steps=600, slow=slow))
+    (f,) = _kinds(whole.findings, "straggler")
+    assert "is a chronic straggler" in f.message
