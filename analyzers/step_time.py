@@ -48,6 +48,10 @@ def overhead_spans(run) -> dict[str, list[tuple[int, int]]]:
     """{excluded_steps key: [(start_ns, end_ns)]} from every rank's meta.json ``overhead_spans``
     (a span still running, end null, reaches past the rank's last step); {} for a run directory
     without them."""
+    return once(run, "analyzers.step_time.overhead_spans", _overhead_spans)
+
+
+def _overhead_spans(run) -> dict[str, list[tuple[int, int]]]:
     out: dict[str, list[tuple[int, int]]] = {}
     for r in getattr(run, "ranks", None) or []:
         for sp in run.rank_meta(r).get("overhead_spans") or []:
