@@ -33,7 +33,7 @@ WARMUP_STEPS = 1
 SPAN_KEYS = {"trace_export": "trace_export", "nan_replay": "nan_replay",
              "job_profiler": "job_profiler", "job_trace_export": "job_profiler"}
 REASONS = {
-    "warmup": "step 0 runs from the probes' start to the first step boundary (set-up)",
+    "warmup": "step 0 runs from the probes' start to the first step boundary: set-up",
     "profiler": "trainprof's profiler window: its warm-up step, the recorded steps and the step "
                 "that collected the trace",
     "trace_export": "trainprof was writing the profiler window's trace on a thread of its own, "
@@ -116,7 +116,7 @@ def excluded_reasons(excluded: dict[str, list[int]], spans: dict | None = None) 
         text = REASONS.get(key, key)
         longest = max((b - a for a, b in (spans or {}).get(key) or () if b != _OPEN), default=None)
         if longest is not None:
-            text += f" (longest {longest / 1e6:,.0f} ms)"
+            text += f"; longest {longest / 1e6:,.0f} ms"
         out[key] = text
     return out
 

@@ -98,7 +98,7 @@ def test_trace_export_steps_left_out_with_their_reason(tmp_path):
     assert "profiler window's trace" in m["excluded_reasons"]["trace_export"]
     # rank 0's span is the longest: from 20 ms into step 5 to 40 ms into step 9
     lens = [(s["end_ns"] - s["start_ns"]) / MS for s in run.rank_meta(0)["overhead_spans"]]
-    assert f"(longest {lens[0]:,.0f} ms)" in m["excluded_reasons"]["trace_export"]
+    assert f"; longest {lens[0]:,.0f} ms" in m["excluded_reasons"]["trace_export"]
     assert [p["step"] for p in m["per_step"]] == [1] + list(range(10, 40))
     assert m["job"]["median_ms"] == pytest.approx(35.0)
     assert found(run) == []
@@ -140,7 +140,7 @@ def test_nan_replay_on_one_rank_leaves_out_its_step_and_the_peers_wait(tmp_path)
     m = step_time.analyze(run).metrics
     assert m["excluded_steps"]["nan_replay"] == [20, 21]
     assert m["excluded_reasons"]["nan_replay"].startswith("trainprof was replaying a step")
-    assert "(longest 300 ms)" in m["excluded_reasons"]["nan_replay"]
+    assert "; longest 300 ms" in m["excluded_reasons"]["nan_replay"]
     assert 20 not in [p["step"] for p in m["per_step"]] and found(run) == []
     # without the span (an older run directory) the replay's steps are slow steps
     (rank_dir(tmp_path / "run", 0) / "meta.json").write_text(json.dumps({"rank": 0, "world_size": 2}))
