@@ -28,7 +28,7 @@ from trainprof._lazy import pd
 from trainprof.analyzers._clock import offsets, uncertainty_ns
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.analyzers._memo import once
-from trainprof.analyzers.step_time import excluded_steps
+from trainprof.analyzers.step_time import excluded_set, excluded_steps, overhead_spans
 from trainprof.analyzers import _ddp_buckets, estimates as est, step_time
 
 NAME = "collectives"
@@ -339,8 +339,7 @@ def _kept_steps(run, df):
     if steps.empty:
         return None
 
-    excl = excluded_steps(steps)
-    drop = set(excl["warmup"]) | set(excl["profiler"])
+    drop = excluded_set(excluded_steps(steps, overhead_spans(run)))
     kept = sorted(int(s) for s in steps["step"].unique() if int(s) not in drop)
     return kept or sorted(int(s) for s in steps["step"].unique())
 

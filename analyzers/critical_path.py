@@ -19,7 +19,7 @@ from trainprof.analyzers import _cp_batch, _cp_coarse, _cp_fine, _cp_graph
 from trainprof.analyzers._align import align
 from trainprof.analyzers._memo import once
 from trainprof.findings import AnalyzerResult
-from trainprof.analyzers.step_time import excluded_steps
+from trainprof.analyzers.step_time import excluded_set, excluded_steps, overhead_spans
 
 NAME = "critical_path"
 KINDS = _cp_graph.KINDS
@@ -106,8 +106,7 @@ def _kept(run, steps) -> list[int]:
     st = run.steps()
     if st.empty:
         return sorted(steps)
-    ex = excluded_steps(st)
-    drop = set(ex["warmup"]) | set(ex["profiler"])
+    drop = excluded_set(excluded_steps(st, overhead_spans(run)))
     kept = [s for s in sorted(steps) if s not in drop]
     return kept or sorted(steps)
 

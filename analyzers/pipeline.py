@@ -32,7 +32,8 @@ from trainprof.analyzers._pipeline_replay import replay_window
 from trainprof.analyzers._pipeline_theory import ORDER_FORMULA, fbw_times, order_theory, theory
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.wording import ranks_phrase
-from trainprof.analyzers.step_time import excluded_steps, partial_note
+from trainprof.analyzers.step_time import (excluded_set, excluded_steps, overhead_spans,
+                                            partial_note)
 
 NAME = "pipeline"
 BUBBLE_MARGIN = 0.10       # finding when measured share > theory + 10 percentage points
@@ -152,8 +153,8 @@ def _kept_steps(run, steps_in_spans):
     drop = {0}
     excluded = {"warmup": [0], "profiler": []}
     if not st.empty:
-        excluded = excluded_steps(st)
-        drop = set(excluded["warmup"]) | set(excluded["profiler"])
+        excluded = excluded_steps(st, overhead_spans(run))
+        drop = excluded_set(excluded)
     kept = sorted(s for s in steps_in_spans if s not in drop)
     return (kept or sorted(steps_in_spans)), excluded
 

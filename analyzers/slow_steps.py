@@ -2,11 +2,13 @@
 evaluation, a garbage collection every N steps — and cost a material share of the job's time,
 which the median step (and the throughput computed from it) does not show.
 
-The steps are step_time's analysed steps (warm-up and profiler window excluded); x(s) is the
-job's step time (the slowest rank's, step_time ``per_step``), m its median and
-σ = 1.4826 · MAD(x) the spread of the typical step. A step right after an excluded one (step 1
-after the warm-up, the step after the profiler window's export) is never counted as slow: it
-still pays first-time costs (DDP's bucket rebuild, the trace export's after-effects).
+The steps are step_time's analysed steps (warm-up, profiler window, and the steps trainprof's
+own work — its trace export, a NaN replay — or the job's own profiler overlapped excluded:
+step_time ``excluded_steps`` / ``excluded_reasons``); x(s) is the job's step time (the slowest
+rank's, step_time ``per_step``), m its median and σ = 1.4826 · MAD(x) the spread of the typical
+step. A step right after an excluded one (step 1 after the warm-up, the step after the profiler
+window's export) is never counted as slow: it still pays first-time costs (DDP's bucket
+rebuild, the trace export's after-effects).
 
 - *Periodic*: a class of steps s ≡ φ (mod P), 2 ≤ P ≤ PERIODIC_MAX_STEPS, with at least 3
   steps in the analysed range (analyzers/_periodic.py), is slow when at least PERIODIC_MIN of its steps (and at least half of them) are over

@@ -87,9 +87,8 @@ def _job_steps(run, step_time) -> tuple[np.ndarray, np.ndarray]:
     if st.empty or not {"step", "dur_ms"} <= set(st.columns):
         return np.array([], int), np.array([])
     st = st.drop_duplicates(["rank", "step"], keep="last")
-    ex = step_time.excluded_steps(st)
-    drop = set(ex["warmup"]) | set(ex["profiler"])
-    st = st[~st["step"].isin(drop)]
+    ex = step_time.excluded_steps(st, step_time.overhead_spans(run))
+    st = st[~st["step"].isin(step_time.excluded_set(ex))]
     g = st.groupby("step")["dur_ms"].max().sort_index()
     return g.index.to_numpy(dtype=int), g.to_numpy(dtype=float)
 

@@ -24,6 +24,7 @@ class PeerAgreement:
         loss_bad = any(not math.isfinite(float(x)) for x in self.losses)
         grads_bad = self.grad_info is not None and not math.isfinite(float(self.grad_info[0]))
         t0 = time.perf_counter()
+        t0_ns = time.time_ns()
         self._off += 1
         self.s.state["nan_replay"] = True  # the collective log marks what the replay issues
         try:
@@ -47,6 +48,7 @@ class PeerAgreement:
         finally:
             self._off -= 1
             self.s.state["nan_replay"] = False
+            self._book_replay(t0_ns)  # NanWatch: probe overhead and an overhead span
         rec = {"kind": "origin", "step": self.resolver.step, "t_ns": first.get("t_ns"),
                "detected_by": first.get("role"), "at": where, "root_calls": len(self.roots),
                "loss_nonfinite": loss_bad, "grads_nonfinite": grads_bad}

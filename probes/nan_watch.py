@@ -317,6 +317,7 @@ class NanWatch(ModuleHooks, PeerAgreement, DeferredSteps, RecordBuilder):
 
         cands, self.candidates = self.candidates, []
         self._off += 1
+        t0_ns = time.time_ns()
         try:
             for rec, module, m in cands:
                 t0 = time.perf_counter()
@@ -334,6 +335,20 @@ class NanWatch(ModuleHooks, PeerAgreement, DeferredSteps, RecordBuilder):
                     break
         finally:
             self._off -= 1
+            self._book_replay(t0_ns)
+
+    def _book_replay(self, t0_ns: int) -> None:
+        """A replay's time is trainprof's, inside the job's step: booked as the step's probe
+        overhead (steps.jsonl ``probe_overhead_ms``) and recorded as a span (meta.json
+        ``overhead_spans``, kind ``nan_replay``) whose steps step statistics leave out."""
+        t1_ns = time.time_ns()
+        try:
+            self.s.clock.overhead_ns += t1_ns - t0_ns
+            note = getattr(self.s, "note_span", None)
+            if note is not None:
+                note("nan_replay", t0_ns, t1_ns)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
 
     def _write(self, rec):
         # detections go out at once (the job may die of them); step records ride the ticker

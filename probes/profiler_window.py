@@ -3,7 +3,9 @@
 Steps are counted by the probes' own StepClock, so the window is "steps A..B of the job"
 whatever the training loop looks like. The trace is exported as gzip Chrome-trace JSON with
 distributedInfo into RUN/profiler/rank-NNNNN.pt.trace.json.gz, which HTA loads as a trace set.
-The export runs on a thread of ours, off the job's step (docs/overhead.md).
+The export runs on a thread of ours, off the job's step (docs/overhead.md); its span of time is
+reported to the session (meta.json ``overhead_spans``, kind ``trace_export``), so that the
+analysis leaves the steps it overlapped out of step statistics.
 """
 
 from __future__ import annotations
@@ -53,10 +55,11 @@ class ProfilerWindow:
     After a failure the window is ``done`` and never touched again: a profiler in an unknown
     state is left alone rather than stopped, since stopping could end the job's session."""
 
-    def __init__(self, trace_path, warmup: int, active: int, cuda: bool):
+    def __init__(self, trace_path, warmup: int, active: int, cuda: bool, on_span=None):
         from torch.profiler import ProfilerActivity, profile, schedule
 
         self.trace_path = trace_path
+        self.on_span = on_span   # on_span(kind, start_ns, end_ns | None): the export's span
         self.exported = False
         self.done = False        # exported, discarded or failed: the session drops the window
         self._discard = False
@@ -96,6 +99,8 @@ class ProfilerWindow:
 
     def _write(self, prof) -> None:
         t0 = time.perf_counter()
+        start_ns = time.time_ns()
+        self._span(start_ns, None)  # open: a process killed mid-export leaves its start
         try:
             self.trace_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.trace_path.with_name(self.trace_path.name.replace(".json.gz", ".tmp.json.gz"))
@@ -105,6 +110,15 @@ class ProfilerWindow:
         except Exception as e:  # noqa: BLE001
             runtime.warn(f"profiler trace export failed: {e}")
         self.export_ms = (time.perf_counter() - t0) * 1e3
+        self._span(start_ns, time.time_ns())
+
+    def _span(self, start_ns: int, end_ns: int | None) -> None:
+        if self.on_span is None:
+            return
+        try:
+            self.on_span("trace_export", start_ns, end_ns)
+        except Exception as e:  # noqa: BLE001
+            runtime.warn(f"profiler trace export span not recorded: {type(e).__name__}: {e}")
 
     def step(self) -> None:
         if self.done:

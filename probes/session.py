@@ -28,6 +28,7 @@ from trainprof.probes.profiler_window import ProfilerWindow, parse_steps
 
 DEFAULT_PROFILE_STEPS = "3-4"
 MAX_JOB_TRACES = 20  # paths of the job's own profiler traces kept in meta.json (the last ones)
+MAX_SPANS = 256      # overhead spans of one kind kept in meta.json (the last ones)
 
 # Probe modules attached to every session, in order. A module that is not present in this
 # build is skipped silently; one that fails to attach is reported and skipped.
@@ -164,6 +165,7 @@ class ProbeSession:
 
         if job_profiler.enabled_now():  # the job's, started before the guard was installed
             self.job_profiler_started({"kind": "profiler", "api": None, "where": None})
+            job_profiler.adopt_running()
             return
         if not self._profile_this_rank():
             self.window = None
@@ -173,7 +175,8 @@ class ProbeSession:
 
             cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
             self.profiler = ProfilerWindow(profiler_trace_path(self.run_dir, self.rank),
-                                           warmup=first - step, active=last - first + 1, cuda=cuda)
+                                           warmup=first - step, active=last - first + 1, cuda=cuda,
+                                           on_span=self.note_span)
         except Exception as e:  # noqa: BLE001
             runtime.warn(f"profiler window disabled: {type(e).__name__}: {e}")
             self.window = None
@@ -216,6 +219,27 @@ class ProbeSession:
         if skipped and self.rank == 0:
             runtime.warn("the job runs its own profiler: trainprof's profiler window steps aside "
                          "(the analysis uses the job's traces)")
+
+    def note_span(self, kind: str, start_ns: int, end_ns: int | None = None) -> None:
+        """A span of wall-clock time (ns) in which trainprof's own work ran beside the job's steps
+        (``trace_export``: the profiler window's trace written on a thread of ours; ``nan_replay``)
+        or the job's own profiler did (``job_profiler``: from its start to its stop;
+        ``job_trace_export``): meta.json ``overhead_spans``, whose steps the analysis leaves out
+        of step statistics. ``end_ns`` None: still running (a later call with the same kind and
+        start closes it). meta.json is written by the ticker thread: the caller never waits on
+        the disk."""
+        with self._meta_lock:
+            spans = self.meta.setdefault("overhead_spans", [])
+            for s in reversed(spans):
+                if s["kind"] == kind and s["start_ns"] == start_ns:
+                    s["end_ns"] = end_ns
+                    break
+            else:
+                spans.append({"kind": kind, "start_ns": int(start_ns), "end_ns": end_ns})
+                same = [s for s in spans if s["kind"] == kind]
+                if len(same) > MAX_SPANS:
+                    spans.remove(same[0])
+        self.ticker.call_soon(self.write_meta)
 
     def job_profiler_trace(self, path: str) -> None:
         """The job's profiler wrote a Chrome trace: remember where (the last ones)."""
@@ -406,6 +430,8 @@ def _install_job_profiler_guard(session) -> None:
         before = job_profiler.started_before_session()
         if before is not None:
             session.job_profiler_started(before)
+        for kind, start_ns, end_ns in job_profiler.spans_before_session():
+            session.note_span(kind, start_ns, end_ns)
     except Exception as e:  # noqa: BLE001
         runtime.warn(f"job profiler detection unavailable: {type(e).__name__}: {e}")
 

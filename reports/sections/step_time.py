@@ -96,8 +96,11 @@ def render(metrics: dict, summary: dict) -> str:
                  "max_ms": kit.fmt_ms, "spread_pct": lambda x: kit.fmt_pct(x / 100)},
             worst=lambda r: r.get("median_ms"), worst_label="median step time",
             pinned=rk.named(summary)))
+    reasons = metrics.get("excluded_reasons") or {}
     parts.append(kit.para(
         "Excluded from statistics: "
-        + "; ".join(f"{k}: {', '.join(str(s) for s in v) or 'none'}" for k, v in excluded_map.items())
+        + "; ".join(f"{k}: {', '.join(str(s) for s in v) or 'none'}"
+                    + (f" ({reasons[k]})" if isinstance(reasons.get(k), str) and v else "")
+                    for k, v in excluded_map.items() if isinstance(v, list))
         + ". The job's step time for a step is the slowest rank's.", "note"))
     return "".join(parts)

@@ -127,6 +127,19 @@ def test_ddp_job_with_its_own_scheduled_profiler(tmp_path):
         assert used.parent == out / "profiler" and os.path.samefile(used, by_rank[r][-1])
         assert not any(rec.get("profiled") for rec in run.stream(r, "steps"))
     assert not list((out / "profiler").glob("*.gz"))  # trainprof wrote no trace of its own
+    # the job's profiler ran from its first cycle's warm-up (prepared by prof.step() after step
+    # 0, i.e. in trainprof's step 1) to its stop, and exported, twice: spans in meta.json, and
+    # the steps they overlap left out of step statistics, with the reason
+    for r in (0, 1):
+        spans = [(x["kind"], x["start_ns"], x["end_ns"]) for x in run.rank_meta(r)["overhead_spans"]]
+        assert [k for k, _, _ in spans] == ["job_profiler", "job_trace_export"] * 2
+        assert all(a <= b for _, a, b in spans) and all(spans[i][2] <= spans[i + 1][1] for i in range(3))
+        step1 = next(x for x in run.stream(r, "steps") if x["step"] == 1)
+        assert step1["start_ns"] <= spans[0][1] <= step1["end_ns"]
+    st = summary["metrics"]["step_time"]
+    assert st["excluded_steps"]["job_profiler"] == list(range(1, 8))  # every step but the warm-up
+    assert st["excluded_reasons"]["job_profiler"].startswith("the job's own profiler")
+    assert not [f for f in summary["findings"] if f["kind"] == "slow_steps"]
     cc = summary["metrics"]["comm_compute"]
     assert sorted(p["rank"] for p in cc["per_rank"]) == [0, 1]
     assert {s["step"] for s in cc["per_step"]} == {6, 7}  # ProfilerStep numbers of the job's trace

@@ -55,6 +55,16 @@ def test_reference_injected_nan_found(reference_run, tmp_path, rank, step, modul
     assert value in ev["value"].split("+") and ev["created"] is True
     assert ev["received_by"] == [1 - rank]   # the other stage inherits it through p2p
     assert f["severity"] == "critical"       # AdamW spreads it into the weights: no recovery
+    # the replay's time is trainprof's: its span recorded on the creating rank, its step left
+    # out of step statistics (never a slow step of the job's)
+    r = RunDir(run)
+    (a, b) = next((x["start_ns"], x["end_ns"]) for x in r.rank_meta(rank)["overhead_spans"]
+                  if x["kind"] == "nan_replay")
+    rec = next(x for x in r.stream(rank, "steps") if x["step"] == step)
+    assert rec["start_ns"] <= a < b <= rec["end_ns"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert step in summary["metrics"]["step_time"]["excluded_steps"]["nan_replay"]
+    assert not [x for x in summary["findings"] if x["kind"] == "slow_steps"]
 
 
 @pytest.mark.multiproc

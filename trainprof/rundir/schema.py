@@ -100,7 +100,7 @@ META = {
     "activated_by": STR, "profile_steps": INTS, "started_ns": INT, "ended_ns": INT,
     "steps_recorded": NAT, "env": DICT, "probes_off": STRS, "pipeline": DICT, "telemetry": DICT,
     "memory_breakdown": DICT, "profiled": BOOL, "profile_policy": STR, "profile_ranks": STR,
-    "node": STR, "hosts": DICT, "process_group_at_exit": DICT,
+    "node": STR, "hosts": DICT, "process_group_at_exit": DICT, "overhead_spans": DICTS,
 }
 # meta.json sub-objects the analyzers compute with
 RUN_INFO = {
@@ -122,7 +122,9 @@ _RATES = (CALIBRATION_RATES, None)
 MEMORY_BREAKDOWN = {"params_bytes": NAT, "grads_bytes": NAT, "optimizer_state_bytes": NAT,
                     "n_params_local": NAT, "step": STEP, "param_dtypes": DICT,
                     "optimizer_state_dtypes": DICT}
-META_NESTED = {"memory_breakdown": (MEMORY_BREAKDOWN, None), "run_info": (RUN_INFO, None), "pipeline": (PIPELINE, None),
+# meta.json overhead_spans: time trainprof's own work or the job's profiler ran (end null: running)
+OVERHEAD_SPAN = {"kind": STR, "start_ns": NS, "end_ns": NS}
+META_NESTED = {"overhead_spans": (OVERHEAD_SPAN, None), "memory_breakdown": (MEMORY_BREAKDOWN, None), "run_info": (RUN_INFO, None), "pipeline": (PIPELINE, None),
                "calibration": (CALIBRATION, {"copy": _RATES, "matmul": _RATES, "matmul_*": _RATES})}
 
 # streams: field -> type; REQUIRED fields must be present (and not null)

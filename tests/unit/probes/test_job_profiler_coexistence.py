@@ -181,6 +181,36 @@ def test_in_process_job_profilers_hooks_and_anomaly_mode(tmp_path):
     assert run.problems == ["job runs its own profiler: trainprof's window skipped; it exported "
                             "no trace: no profiler analysis (ranks 0)"]
 
+    # the time each job profiler ran and exported is in meta.json overhead_spans, and step
+    # statistics leave out the steps it overlaps
+    from trainprof.analyzers import step_time
+
+    def spans(name):
+        return [(x["kind"], x["start_ns"], x["end_ns"])
+                for x in RunDir(tmp_path / name).rank_meta(0)["overhead_spans"]]
+
+    def steps_of(name):
+        return {r["step"]: (r["start_ns"], r["end_ns"]) for r in RunDir(tmp_path / name).stream(0, "steps")}
+
+    for name in ("before", "legacy-mid"):
+        (k1, a1, b1), (k2, a2, b2) = spans(name)
+        assert (k1, k2) == ("job_profiler", "job_trace_export") and a1 <= b1 <= a2 <= b2
+    # 1: on before the session: from the session's start (the guard's install) to its exit
+    st = steps_of("before")
+    assert spans("before")[0][1] <= st[0][0] and st[5][1] <= spans("before")[0][2]
+    # 2: entered in step 3 (after step 2's boundary), exited and exported in step 5
+    st = steps_of("legacy-mid")
+    (_, a1, b1), (_, a2, b2) = spans("legacy-mid")
+    assert st[2][1] <= a1 <= st[3][1] and st[4][1] <= b1 <= b2 <= st[5][1]
+    m = step_time.analyze(RunDir(tmp_path / "legacy-mid")).metrics
+    assert m["excluded_steps"]["job_profiler"] == [3, 4, 5]
+    # 3: started in step 0, stopped in step 2 (after step 1's boundary), no export
+    ((k, a, b),) = spans("start-stop")
+    st = steps_of("start-stop")
+    assert k == "job_profiler" and st[0][0] <= a <= st[0][1] and st[1][1] <= b <= st[2][1]
+    m = step_time.analyze(RunDir(tmp_path / "start-stop")).metrics
+    assert m["excluded_steps"]["job_profiler"] == [0, 1, 2]
+
     # 4: trainprof's own window, with the job's annotation in it; the job's hooks and mode intact
     run = RunDir(tmp_path / "plain")
     assert "job_profiler" not in run.rank_meta(0) and run.rank_meta(0)["profile_steps"] == [1, 2]

@@ -81,6 +81,16 @@ def test_masked_log_found_by_replay(tmp_path):
     assert o["at"] == "optimizer pre-step" and o["detected_by"] == "parameter_grads"
     # the loss stayed finite: only the gradients showed it
     assert o["loss_nonfinite"] is False and o["grads_nonfinite"] is True
+    # the replay ran inside step 0 (the optimizer pre-step hook): its span is recorded, its time
+    # booked as the step's probe overhead, and step statistics leave the step out
+    r = RunDir(run)
+    ((kind, a, b),) = [(x["kind"], x["start_ns"], x["end_ns"]) for x in r.rank_meta(0)["overhead_spans"]]
+    step0 = next(x for x in r.stream(0, "steps") if x["step"] == 0)
+    assert kind == "nan_replay" and step0["start_ns"] <= a < b <= step0["end_ns"]
+    assert (b - a) / 1e6 <= o["replay_ms"] <= (b - a) / 1e6 + 50  # (replay_ms: the record's too)
+    assert step0["probe_overhead_ms"] >= (b - a) / 1e6
+    from trainprof.analyzers import step_time
+    assert step_time.analyze(r).metrics["excluded_steps"]["nan_replay"] == [0]
 
 
 WEIGHT_GRAD_OVERFLOW = """

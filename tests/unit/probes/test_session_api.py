@@ -206,3 +206,30 @@ def test_a_job_a_rank_launches_itself_is_not_a_rank_of_the_run(tmp_path, monkeyp
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "inner")
     assert rank_claim.stands_aside(run)          # the nested launch's rank 1
     assert os.getpid() != 1
+
+
+def test_overhead_spans_open_close_and_keep_the_last_of_each_kind():
+    """ProbeSession.note_span: a span noted open (end null) is closed by the call that names its
+    kind and start; at most MAX_SPANS of one kind are kept (the last ones), other kinds untouched;
+    meta.json is left to the ticker thread (one write queued, never on the caller's thread)."""
+    import threading
+    from types import SimpleNamespace
+
+    from trainprof.probes import session as sess
+
+    queued = []
+    s = SimpleNamespace(meta={}, _meta_lock=threading.Lock(),
+                        ticker=SimpleNamespace(call_soon=queued.append), write_meta=lambda: None)
+    note = sess.ProbeSession.note_span.__get__(s)
+    note("trace_export", 100, None)
+    note("nan_replay", 150, 160)
+    assert s.meta["overhead_spans"][0] == {"kind": "trace_export", "start_ns": 100, "end_ns": None}
+    note("trace_export", 100, 900)
+    assert s.meta["overhead_spans"] == [{"kind": "trace_export", "start_ns": 100, "end_ns": 900},
+                                        {"kind": "nan_replay", "start_ns": 150, "end_ns": 160}]
+    for i in range(sess.MAX_SPANS + 5):
+        note("job_profiler", 1000 + 10 * i, 1005 + 10 * i)
+    jp = [x["start_ns"] for x in s.meta["overhead_spans"] if x["kind"] == "job_profiler"]
+    assert jp == [1000 + 10 * i for i in range(5, sess.MAX_SPANS + 5)]
+    assert [x["kind"] for x in s.meta["overhead_spans"][:2]] == ["trace_export", "nan_replay"]
+    assert queued and all(f is s.write_meta for f in queued)

@@ -1,6 +1,7 @@
 """The profiler window's trace export (writing + gzipping the collected results, 0.6-2.4 s on
 CPU) runs on a thread of ours, not in the job's step; the session's close waits for it, so the
-trace is complete when the process ends."""
+trace is complete when the process ends. Its span of time is recorded (meta.json
+overhead_spans), and step statistics leave out the steps it ran beside."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ write = pw.ProfilerWindow._write
 def spy(self, prof):
     threads.append(threading.current_thread().name)
     write(self, prof)
+    with open("export_ms.txt", "w") as f:  # (the thread is joined before the process ends)
+        f.write(repr(self.export_ms))
 pw.ProfilerWindow._write = spy
 m = torch.nn.Linear(64, 64); opt = torch.optim.SGD(m.parameters(), lr=0.1)
 with trainprof.session("run", profile_steps="1-2"):
@@ -38,4 +41,15 @@ def test_trace_written_off_the_jobs_thread_and_complete_at_close(tmp_path):
     trace = load_trace(profiler_trace_path(tmp_path / "run", 0))
     assert sorted(set(trace.tables.steps["step"].tolist())) == [1, 2]
     assert not list((tmp_path / "run" / "profiler").glob("*.tmp.json.gz"))
-    assert RunDir(tmp_path / "run").steps()["step"].tolist() == [0, 1, 2, 3, 4]
+    run = RunDir(tmp_path / "run")
+    assert run.steps()["step"].tolist() == [0, 1, 2, 3, 4]
+    # the export's span: begun after step 2's boundary closed the window, as long as the
+    # export measured itself (plus the span's own bookkeeping), closed before the process ended
+    ((kind, a, b),) = [(x["kind"], x["start_ns"], x["end_ns"]) for x in run.rank_meta(0)["overhead_spans"]]
+    export_ms = float((tmp_path / "export_ms.txt").read_text())
+    step = {r["step"]: r for r in run.stream(0, "steps")}
+    assert kind == "trace_export" and step[2]["end_ns"] <= a < b
+    assert export_ms <= (b - a) / 1e6 <= export_ms + 100
+    from trainprof.analyzers import step_time
+    overlapped = [s for s, r in step.items() if r["start_ns"] < b and r["end_ns"] > a]
+    assert overlapped and step_time.analyze(run).metrics["excluded_steps"]["trace_export"] == overlapped
