@@ -10,15 +10,17 @@ from trainprof._lazy import pd
 from trainprof.rundir import series
 from trainprof.analyzers import _lateness
 from trainprof.analyzers import _straggler_cause as cause
-from trainprof.analyzers.step_time import excluded_steps
+from trainprof.analyzers.step_time import excluded_steps, overhead_spans
 
 P2P_OPS = ("send", "recv", "isend", "irecv")
 
 
 def kept_steps(run, steps):
-    """(the analysed steps, step_time's excluded steps): warm-up and profiler window left out."""
-    excluded = excluded_steps(steps.drop_duplicates(["rank", "step"], keep="last"))
-    drop = set(excluded["warmup"]) | set(excluded["profiler"])
+    """(the analysed steps, step_time's excluded steps): warm-up, profiler window and the steps
+    trainprof's own work (trace export, NaN replay) or the job's profiler overlapped left out."""
+    excluded = excluded_steps(steps.drop_duplicates(["rank", "step"], keep="last"),
+                              overhead_spans(run))
+    drop = set().union(*excluded.values())
     all_steps = sorted(int(s) for s in steps["step"].unique())
     kept = [s for s in all_steps if s not in drop]
     if not kept:  # a very short run: better some numbers than none

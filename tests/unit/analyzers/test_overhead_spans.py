@@ -200,3 +200,27 @@ def test_malformed_spans_are_problems_and_ignored(tmp_path):
     text = "\n".join(run.problems)
     assert '"start_ns" is a string' in text and "overhead_spans" in text
     assert "rank-00001/meta.json" in text and '"overhead_spans" is an object' in text
+
+
+def test_stragglers_leave_out_the_steps_of_a_ranks_own_trace_export(tmp_path):
+    """Rank 1's trace export (its own thread, after its window) slows only rank 1's steps 5-24
+    by 25 ms: without the spans that is a straggler episode of rank 1; with them those steps
+    are not analysed, as in step_time."""
+    from trainprof.analyzers import stragglers
+
+    own = flat(80)
+    for s in range(5, 25):
+        own[1][s] += 25.0
+    probe = make_run(tmp_path / "probe", own)
+    a, b = step_bounds(probe, 1, 5)[0] + MS, step_bounds(probe, 1, 24)[1] - MS
+    spans = {1: [_span("trace_export", a, b)]}
+
+    def strag(run):
+        return [f for f in stragglers.analyze(run).findings if f.kind == "straggler"]
+
+    old = strag(make_run(tmp_path / "old", own))
+    assert [f.ranks[0] for f in old] == [1]                    # what the spans now prevent
+    run = make_run(tmp_path / "new", own, spans=spans)
+    assert strag(run) == []
+    kept = stragglers.analyze(run).metrics["steps_analysed"]
+    assert not set(range(5, 25)) & set(kept) and {1, 4, 25, 79} <= set(kept)
