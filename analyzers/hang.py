@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from trainprof.analyzers import _flight_recorder as fr
 from trainprof.analyzers import _hang_ledger as led
+from trainprof.analyzers import _hang_steps as steps_desync
 from trainprof.analyzers._hang_exits import (_clean_exits, _died, _early_exit, _fatal_desync, _first_line,
                                              _fmt_collective, _infer_fatal, _note_left, _worker_exits)
 # the per-rank view and readers are also this module's (tests and trainprof hang read them here)
@@ -174,8 +175,8 @@ def postmortem(run) -> dict | None:
     ledger, members = led.Ledger(run, views), _members(run)
     fr_dumps = {r: v.fr for r, v in views.items() if v.fr}
     cmp = fr.compare(fr_dumps) if fr_dumps else {}
-    desync = _fatal_desync(run, views, led.desync(ledger, P2P_OPS, SIZE_STRICT_OPS)) \
-        + _desync_fr(cmp)
+    desync = _with_silent(_fatal_desync(run, views, led.desync(ledger, P2P_OPS, SIZE_STRICT_OPS)),
+                          steps_desync.step_desync(run, P2P_OPS)) + _desync_fr(cmp)
     missing = led.missing(ledger, members, views)
     missing += [{"source": "flight_recorder", **m} for m in cmp.get("missing", [])] if cmp \
         else _missing_fr_heartbeats(views)
@@ -237,6 +238,52 @@ def postmortem(run) -> dict | None:
     return pm
 
 
+def _with_silent(desync: list[dict], silent: list[dict]) -> list[dict]:
+    """The ledger's desyncs with the groups whose ranks fell out of step first: a group's silent
+    desync (analyzers/_hang_steps.py) leads when it comes before the group's first op/size
+    mismatch (which is then its consequence); one at or after that mismatch adds nothing."""
+    first = {}
+    for d in desync:
+        if d["source"] == "probe":
+            first[d["pg"]] = min(first.get(d["pg"], d["seq"]), d["seq"])
+    lead = [d for d in silent if d["seq"] < first.get(d["pg"], d["seq"] + 1)]
+    return lead + desync
+
+
+def _silent_lead(desync, died, hung) -> dict | None:
+    """The first desync when it is a silent one (ranks out of step) that explains how the job
+    ended: it ended normally, hung, or its first failure came in a collective at or after the
+    desynchronized step (a collective failing on a peer that had run out of collectives, or the
+    backend's abort); None when a rank failed first on its own (it stays the culprit)."""
+    d = desync[0] if desync else None
+    if d is None or d.get("by") != "steps" or not d.get("deviating"):
+        return None
+    if hung or not died:
+        return d
+    f = died[0]
+    if f.get("step") is not None and f["step"] < d["step"]:
+        return None
+    if f.get("waiting_in") or f.get("signal_name") == "SIGABRT":
+        return d
+    t = (f.get("failure") or {}).get("t_ns")
+    end = (f.get("last_collective") or {}).get("end_ns")
+    if isinstance(t, int) and isinstance(end, int) and abs(t - end) <= 1e9:
+        return d  # its last collective ended when it failed: it failed in that collective
+    return None
+
+
+def _consequences(died, early) -> list[str]:
+    """How the job ended after a silent desync, each said as what followed from it."""
+    out = []
+    if early:
+        out.append(f"{_rank_s(early['ranks'])} then {early['how']}")
+        out += [f"rank {v['rank']} then {v['how']}" for v in early["victims"]]
+        done = {v["rank"] for v in early["victims"]}
+        died = [d for d in died if d["rank"] not in done]
+    out += [f"rank {d['rank']} then {_victim_how(d)}" for d in died]
+    return out
+
+
 def kind_of(pm) -> str:
     """The finding's kind: ``hang`` (the ranks stopped progressing: the watchdog fired, ranks
     dumped, or every rank stalled before the job ended), ``desync`` (a rank issued another
@@ -257,6 +304,12 @@ def _culprit(views, desync, missing, stacks, hung, died=(), early=None) -> dict 
                 "frame": fmt_frame(v.user_frame or v.frame), "innermost_frame": fmt_frame(v.frame),
                 "code": (v.user_frame or v.frame or {}).get("code"), "step": v.step}
 
+    silent = _silent_lead(desync, died, hung)
+    if silent is not None:  # ranks out of step since: whatever followed is its consequence
+        c = describe(silent["deviating"], "desync", steps_desync.describe(silent))
+        c.update({"silent": True, "fix": steps_desync.fix(silent),
+                  "consequences": _consequences(died, early if not hung else None)})
+        return c
     if early and not hung:  # a rank left the job: the first failure was its peers' collective
         c = describe(early["ranks"], "exited_early", early["how"])
         c.update({"early_exit": early["exits"], "victims": early["victims"],
@@ -408,6 +461,13 @@ def _message(pm) -> str:
             parts.append(c["suggestion"])
         elif c.get("suggestion"):
             parts[-1] += f" ({c['suggestion']})"
+        if c.get("silent"):
+            parts[-1] = f"{head}: {_rank_s(c['ranks'])} {c['how']}" + (where + code if pm["hung"] else "")
+            parts += c["consequences"]
+            if c["consequences"]:
+                parts[-1] += ": a consequence of the desynchronization, not its cause"
+            ended = [row for row in pm["ranks"] if row["state"] == "ended_by_launcher"]
+            parts += _after_first(ended, (pm["died"] or [{}])[0].get("failure")) if pm["died"] else []
         if c["reason"] == "died":
             parts[-1] = f"{head}: rank {c['ranks'][0]} was the first to fail: {c['how']}{where}{code}"
             if c.get("also_failed"):
@@ -425,9 +485,7 @@ def _message(pm) -> str:
     else:
         parts.append(f"{head}: no culprit could be singled out")
     if pm["desync"] and not (c and c["reason"] == "desync"):
-        d = pm["desync"][0]
-        vs = "; ".join(f"{v['op']} on ranks {_ranks(v['ranks'])}" for v in d["variants"])
-        parts.append(f"desynchronized at collective #{d['seq']} of group {d['pg']}: {vs}")
+        parts.append(_desync_text(pm["desync"][0]))
     by_wait: dict = {}  # (op, pg, seq) -> rows of the ranks blocked in it
     for row in pm["ranks"]:
         w = row["waiting_in"]
@@ -441,6 +499,29 @@ def _message(pm) -> str:
     if pm["ranks_without_data"]:
         parts.append(f"no data from ranks {_ranks(pm['ranks_without_data'])}")
     return "; ".join(parts)
+
+
+def _desync_text(d: dict) -> str:
+    """A desync that is not the culprit's reason, said with what differs between the ranks:
+    'desynchronized at collective #41 of group 0: rank 0 issued all_reduce (c10d.all_reduce,
+    4 B) in step 20, rank 1 all_reduce (ddp.bucket, 799.8 kB) in step 20'."""
+    if d.get("by") == "steps":
+        return (f"the ranks had fallen out of step before: {_rank_s(d['deviating'])} "
+                f"{steps_desync.describe(d)}")
+    calls = d.get("calls") or {}
+    vs = []
+    for i, v in enumerate(d["variants"]):
+        call = calls.get(str(v["ranks"][0])) or v["op"]
+        if "(" in call:  # 'all_reduce (ddp.bucket)': its size goes with the API
+            call = call[:-1] + (f", {steps_desync.size_text(v.get('bytes'))})"
+                                if steps_desync.size_text(v.get("bytes")) else ")")
+        elif steps_desync.size_text(v.get("bytes")):
+            call += f" ({steps_desync.size_text(v['bytes'])})"
+        st = v.get("steps") or []
+        when = f" in step {st[0]}" if len(st) == 1 else (f" in steps {st[0]}-{st[-1]}" if st else "")
+        vs.append(f"{_rank_s(v['ranks'])} {'issued ' if i == 0 else ''}{call}{when}")
+    src = "" if d["source"] == "probe" else " (flight recorder)"
+    return f"desynchronized at collective #{d['seq']} of group {d['pg']}{src}: {', '.join(vs)}"
 
 
 def _after_first(ended: list[dict], first: dict | None) -> list[str]:
@@ -486,4 +567,4 @@ def finding(pm) -> Finding:
     evidence["waiting_in"] = {str(r["rank"]): r["waiting_in"] for r in pm["ranks"]
                               if r["waiting_in"]}
     return Finding(kind=pm.get("kind") or kind_of(pm), severity=severity, ranks=ranks, message=pm["message"],
-                   evidence=evidence)
+                   evidence=evidence, fix=(c or {}).get("fix") or "")
