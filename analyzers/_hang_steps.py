@@ -39,6 +39,8 @@ from __future__ import annotations
 import numpy as np
 
 from trainprof._lazy import pd
+from trainprof.analyzers._hang_exits import victim_how
+from trainprof.analyzers._hang_views import _rank_s
 from trainprof.rankranges import rank_list
 from trainprof.wording import plural, ranks_phrase
 
@@ -141,6 +143,8 @@ def _group(pg: str, g, closed: dict, sources: dict) -> dict | None:
     counts = np.concatenate([(B[:, :1] - before[:, None]) if (before >= 0).all()
                              else np.full((len(ranks), 1), -1), n], axis=1)
     known = (counts >= 0).all(axis=0)
+    if not known[k]:
+        return None  # a log that starts inside the first step compared: it may have begun before
     s_star = int(steps[k])
     q = int(B[:, k].min())  # issued by some ranks in step s_star, by the others later
     culprit = _culprit(ranks, counts, known, agree, k)
@@ -159,7 +163,7 @@ def _group(pg: str, g, closed: dict, sources: dict) -> dict | None:
                       "steps": [s] if s is not None else []}
                      for (s, o, b, a), rs in sorted(variants.items(), key=lambda kv: kv[1][0])],
         "deviating": deviating, "extra": extra,
-        "counts": _by_count(ranks, counts[:, k]) if known[k] else None,
+        "counts": _by_count(ranks, counts[:, k]),
         "steps_differ": [{"step": int(steps[i]), "counts": _by_count(ranks, counts[:, i])}
                          for i in div_steps[:SHOWN_STEPS]],
         "n_steps_differ": len(div_steps), "steps_compared": [lo, hi],
@@ -182,21 +186,18 @@ def _before(tail, lo: int) -> int:
 def _culprit(ranks, counts, known, agree, k) -> tuple[list[int], bool | None]:
     """(the ranks that fell out of step, whether they issued more collectives than the others
     in the first divergent step); see the module's doc."""
-    col = counts[:, k] if known[k] else None
-    if col is not None:
-        vals, num = np.unique(col, return_counts=True)
-        if num.max() * 2 > len(ranks):
-            major = vals[int(np.argmax(num))]
-            odd = [r for r, c in zip(ranks, col) if c != major]
-            return odd, bool(col[ranks.index(odd[0])] > major)
+    col = counts[:, k]
+    vals, num = np.unique(col, return_counts=True)
+    if num.max() * 2 > len(ranks):
+        major = vals[int(np.argmax(num))]
+        odd = [r for r, c in zip(ranks, col) if c != major]
+        return odd, bool(col[ranks.index(odd[0])] > major)
     usual = [_mode(counts[i, 1:]) for i in range(len(ranks))]
     for j in np.flatnonzero(known & (counts.min(axis=0) != counts.max(axis=0))):
         off = [r for i, r in enumerate(ranks) if counts[i, j] != usual[i]]
         if 0 < len(off) < len(ranks):
             rest = [i for i, r in enumerate(ranks) if r not in off]
             return off, bool(counts[ranks.index(off[0]), j] > counts[rest[0], j])
-    if col is None:
-        return [], None
     top = col.max()
     return [r for r, c in zip(ranks, col) if c == top], True
 
@@ -247,29 +248,23 @@ def describe(d: dict) -> str:
     """What the culprit did, for the finding's message: 'issued 2 more collectives of group 0
     in step 0 than rank 1 (5 against 3), and again in steps 10 (4 against 2) and 20 (4 against
     2): from collective #3 on the ranks were in different steps at the same collective ...'."""
-    odd = d["deviating"]
-    others = sorted({r for c in (d["counts"] or []) for r in c["ranks"]} - set(odd)) or \
-        sorted({r for v in d["variants"] for r in v["ranks"]} - set(odd))
+    odd = set(d["deviating"])
+    others = sorted({r for c in d["counts"] for r in c["ranks"]} - odd)
     more = "more" if d["extra"] else "fewer"
 
     def nums(counts):
-        mine = [c["count"] for c in counts if set(c["ranks"]) & set(odd)]
-        theirs = [c["count"] for c in counts if not set(c["ranks"]) & set(odd)]
+        mine = [c["count"] for c in counts if set(c["ranks"]) & odd]
+        theirs = [c["count"] for c in counts if not set(c["ranks"]) & odd]
         return f"{'/'.join(map(str, mine))} against {'/'.join(map(str, theirs))}"
 
-    if d["counts"]:
-        mine = max(c["count"] for c in d["counts"] if set(c["ranks"]) & set(odd))
-        theirs = max(c["count"] for c in d["counts"] if not set(c["ranks"]) & set(odd)) \
-            if any(not set(c["ranks"]) & set(odd) for c in d["counts"]) else mine
-        diff = abs(mine - theirs)
-        text = (f"issued {plural(diff, more + ' collective')} of group {d['pg']} in step "
-                f"{d['step']} than {ranks_phrase(others)} ({nums(d['counts'])})")
-    else:
-        text = f"issued {more} collectives of group {d['pg']} than {ranks_phrase(others)} by step {d['step']}"
+    count = {r: c["count"] for c in d["counts"] for r in c["ranks"]}
+    diff = abs(count[min(odd)] - count[others[0]])
+    text = (f"issued {plural(diff, more + ' collective')} of group {d['pg']} in step "
+            f"{d['step']} than {ranks_phrase(others)} ({nums(d['counts'])})")
     later = [x for x in d["steps_differ"] if x["step"] != d["step"]]
     if later:
         shown = [f"{x['step']} ({nums(x['counts'])})" for x in later[:4]]
-        rest = d["n_steps_differ"] - (1 if d["counts"] else 0) - len(shown)
+        rest = d["n_steps_differ"] - 1 - len(shown)
         if rest > 0:
             shown.append(plural(rest, "more step"))
         listed = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
@@ -297,3 +292,49 @@ DDP_FIX = (" (a forward of the DDP-wrapped model with gradients enabled, outside
 def fix(d: dict) -> str:
     apis = {v.get("api") for v in d["variants"]}
     return FIX + (DDP_FIX if "ddp.bucket" in apis else "")
+
+
+def lead_with(desync: list[dict], silent: list[dict]) -> list[dict]:
+    """The ledger's desyncs with the groups whose ranks fell out of step first: a group's silent
+    desync (step_desync) leads when it comes before the group's first op/size
+    mismatch (which is then its consequence); one at or after that mismatch adds nothing."""
+    first = {}
+    for d in desync:
+        if d["source"] == "probe":
+            first[d["pg"]] = min(first.get(d["pg"], d["seq"]), d["seq"])
+    lead = [d for d in silent if d["seq"] < first.get(d["pg"], d["seq"] + 1)]
+    return lead + desync
+
+
+def explains(desync, died, hung) -> dict | None:
+    """The first desync when it is a silent one (ranks out of step) that explains how the job
+    ended: it ended normally, hung, or its first failure came in a collective at or after the
+    desynchronized step (a collective failing on a peer that had run out of collectives, or the
+    backend's abort); None when a rank failed first on its own (it stays the culprit)."""
+    d = desync[0] if desync else None
+    if d is None or d.get("by") != "steps" or not d.get("deviating"):
+        return None
+    if hung or not died:
+        return d
+    f = died[0]
+    if f.get("step") is not None and f["step"] < d["step"]:
+        return None
+    if f.get("waiting_in") or f.get("signal_name") == "SIGABRT":
+        return d
+    t = (f.get("failure") or {}).get("t_ns")
+    end = (f.get("last_collective") or {}).get("end_ns")
+    if isinstance(t, int) and isinstance(end, int) and abs(t - end) <= 1e9:
+        return d  # its last collective ended when it failed: it failed in that collective
+    return None
+
+
+def consequences(died, early) -> list[str]:
+    """How the job ended after a silent desync, each said as what followed from it."""
+    out = []
+    if early:
+        out.append(f"{_rank_s(early['ranks'])} then {early['how']}")
+        out += [f"rank {v['rank']} then {v['how']}" for v in early["victims"]]
+        done = {v["rank"] for v in early["victims"]}
+        died = [d for d in died if d["rank"] not in done]
+    out += [f"rank {d['rank']} then failed: {victim_how(d)}" for d in died]
+    return out

@@ -15,8 +15,9 @@ Inputs (every one optional; a kill -9 leaves some missing or torn):
 A hang is present when the launcher said so (status "hung", hangs[] events), when ranks dumped,
 or when every rank's progress stopped long before the job ended (stall > max(5 s, 3x the usual
 gap between heartbeats, 2x the longest step)) without the ranks closing their heartbeat. A
-desynchronization (different op or size at one sequence number of a group) is reported even if
-the job crashed instead of hanging. A rank whose process died first (a signal or a non-zero exit
+desynchronization (different op or size at one sequence number of a group, or ranks that issued
+different numbers of collectives of a group in one step) is reported even if the job crashed
+instead of hanging. A rank whose process died first (a signal or a non-zero exit
 the launcher saw before it stopped the others; or, without that record, a heartbeat that stopped
 while the other ranks went on) is named with its step, last collective and signal, and with the
 exception it recorded (heartbeat ``failure`` records, probes/heartbeat_exit.py); a rank that died
@@ -28,9 +29,10 @@ Two collective sources are analyzed side by side and never mixed, as their seque
 differ: "probe" (collectives probe: 0-based seq per group) and "flight_recorder" (torch's
 collective_seq_id, 1-based, from dumps or the heartbeats' fr counters).
 
-Parts: what is read of each rank (analyzers/_hang_views.py: RankView, dumps, stacks) and how
-the ranks of a stopped job ended (analyzers/_hang_exits.py); this module detects, picks the culprit
-and words the finding.
+Parts: what is read of each rank (analyzers/_hang_views.py: RankView, dumps, stacks), how
+the ranks of a stopped job ended (analyzers/_hang_exits.py), the op/size ledger
+(analyzers/_hang_ledger.py) and ranks that fell out of step silently (analyzers/_hang_steps.py);
+this module detects, picks the culprit and words the finding.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from trainprof.analyzers import _hang_ledger as led
 from trainprof.analyzers import _hang_steps as steps_desync
 from trainprof.analyzers._hang_exits import (_clean_exits, _died, _early_exit, _fatal_desync, _first_line,
                                              _fmt_collective, _infer_fatal, _note_left, _worker_exits)
+from trainprof.analyzers._hang_exits import victim_how as _victim_how
 # the per-rank view and readers are also this module's (tests and trainprof hang read them here)
 from trainprof.analyzers._hang_views import (DUMP, PROGRESS_EVENTS, RankView, _desync_fr,  # noqa: F401
                                              _longest_step_s, _members, _missing_fr_heartbeats, _rank_s,
@@ -175,8 +178,9 @@ def postmortem(run) -> dict | None:
     ledger, members = led.Ledger(run, views), _members(run)
     fr_dumps = {r: v.fr for r, v in views.items() if v.fr}
     cmp = fr.compare(fr_dumps) if fr_dumps else {}
-    desync = _with_silent(_fatal_desync(run, views, led.desync(ledger, P2P_OPS, SIZE_STRICT_OPS)),
-                          steps_desync.step_desync(run, P2P_OPS)) + _desync_fr(cmp)
+    desync = steps_desync.lead_with(
+        _fatal_desync(run, views, led.desync(ledger, P2P_OPS, SIZE_STRICT_OPS)),
+        steps_desync.step_desync(run, P2P_OPS)) + _desync_fr(cmp)
     missing = led.missing(ledger, members, views)
     missing += [{"source": "flight_recorder", **m} for m in cmp.get("missing", [])] if cmp \
         else _missing_fr_heartbeats(views)
@@ -238,52 +242,6 @@ def postmortem(run) -> dict | None:
     return pm
 
 
-def _with_silent(desync: list[dict], silent: list[dict]) -> list[dict]:
-    """The ledger's desyncs with the groups whose ranks fell out of step first: a group's silent
-    desync (analyzers/_hang_steps.py) leads when it comes before the group's first op/size
-    mismatch (which is then its consequence); one at or after that mismatch adds nothing."""
-    first = {}
-    for d in desync:
-        if d["source"] == "probe":
-            first[d["pg"]] = min(first.get(d["pg"], d["seq"]), d["seq"])
-    lead = [d for d in silent if d["seq"] < first.get(d["pg"], d["seq"] + 1)]
-    return lead + desync
-
-
-def _silent_lead(desync, died, hung) -> dict | None:
-    """The first desync when it is a silent one (ranks out of step) that explains how the job
-    ended: it ended normally, hung, or its first failure came in a collective at or after the
-    desynchronized step (a collective failing on a peer that had run out of collectives, or the
-    backend's abort); None when a rank failed first on its own (it stays the culprit)."""
-    d = desync[0] if desync else None
-    if d is None or d.get("by") != "steps" or not d.get("deviating"):
-        return None
-    if hung or not died:
-        return d
-    f = died[0]
-    if f.get("step") is not None and f["step"] < d["step"]:
-        return None
-    if f.get("waiting_in") or f.get("signal_name") == "SIGABRT":
-        return d
-    t = (f.get("failure") or {}).get("t_ns")
-    end = (f.get("last_collective") or {}).get("end_ns")
-    if isinstance(t, int) and isinstance(end, int) and abs(t - end) <= 1e9:
-        return d  # its last collective ended when it failed: it failed in that collective
-    return None
-
-
-def _consequences(died, early) -> list[str]:
-    """How the job ended after a silent desync, each said as what followed from it."""
-    out = []
-    if early:
-        out.append(f"{_rank_s(early['ranks'])} then {early['how']}")
-        out += [f"rank {v['rank']} then {v['how']}" for v in early["victims"]]
-        done = {v["rank"] for v in early["victims"]}
-        died = [d for d in died if d["rank"] not in done]
-    out += [f"rank {d['rank']} then {_victim_how(d)}" for d in died]
-    return out
-
-
 def kind_of(pm) -> str:
     """The finding's kind: ``hang`` (the ranks stopped progressing: the watchdog fired, ranks
     dumped, or every rank stalled before the job ended), ``desync`` (a rank issued another
@@ -304,11 +262,11 @@ def _culprit(views, desync, missing, stacks, hung, died=(), early=None) -> dict 
                 "frame": fmt_frame(v.user_frame or v.frame), "innermost_frame": fmt_frame(v.frame),
                 "code": (v.user_frame or v.frame or {}).get("code"), "step": v.step}
 
-    silent = _silent_lead(desync, died, hung)
+    silent = steps_desync.explains(desync, died, hung)
     if silent is not None:  # ranks out of step since: whatever followed is its consequence
         c = describe(silent["deviating"], "desync", steps_desync.describe(silent))
         c.update({"silent": True, "fix": steps_desync.fix(silent),
-                  "consequences": _consequences(died, early if not hung else None)})
+                  "consequences": steps_desync.consequences(died, early if not hung else None)})
         return c
     if early and not hung:  # a rank left the job: the first failure was its peers' collective
         c = describe(early["ranks"], "exited_early", early["how"])
@@ -374,19 +332,6 @@ def _victims(died, desync, missing) -> list[dict]:
     return [d for d in died if d["rank"] in waiting]
 
 
-def _victim_how(d: dict) -> str:
-    what = worker_exits.how(d) if d.get("exitcode") is not None else "died"
-    raised = describe_failure(d.get("failure"))
-    if raised:
-        what = f"{raised} ({what})"
-    w = d.get("waiting_in")
-    where = (f" while it waited in {w.get('op') or 'collective'} #{w.get('seq')} of group "
-             f"{w.get('pg')}" if w else " while it waited for its peer")
-    if w and w.get("call_site"):
-        where += f", called at {w['call_site']}"
-    return what + where
-
-
 def _culprit_alive(views, desync, missing, stacks, hung) -> dict | None:
     def describe(ranks, reason, how):
         v = views[ranks[0]]
@@ -401,10 +346,11 @@ def _culprit_alive(views, desync, missing, stacks, hung) -> dict | None:
             calls = d["calls"]
             odd = d["deviating"]
             rest = sorted(int(r) for r in calls if int(r) not in odd)
+            side = {r: _variant_call(d, v) for v in d["variants"] for r in v["ranks"]}
             return describe(odd, "desync",
-                            f"issued {calls[str(odd[0])]} as collective #{d['seq']} of group "
+                            f"issued {side[odd[0]]} as collective #{d['seq']} of group "
                             f"{d['pg']}, out of its per-step order, while "
-                            f"{_rank_s(rest)} issued {calls[str(rest[0])]} there")
+                            f"{_rank_s(rest)} issued {side[rest[0]]} there")
         if len(variants[0]["ranks"]) < len(variants[-1]["ranks"]):
             minority = variants[0]
             others = ", ".join(f"{x['op']} on ranks {_ranks(x['ranks'])}" for x in variants[1:])
@@ -508,20 +454,23 @@ def _desync_text(d: dict) -> str:
     if d.get("by") == "steps":
         return (f"the ranks had fallen out of step before: {_rank_s(d['deviating'])} "
                 f"{steps_desync.describe(d)}")
-    calls = d.get("calls") or {}
-    vs = []
-    for i, v in enumerate(d["variants"]):
-        call = calls.get(str(v["ranks"][0])) or v["op"]
-        if "(" in call:  # 'all_reduce (ddp.bucket)': its size goes with the API
-            call = call[:-1] + (f", {steps_desync.size_text(v.get('bytes'))})"
-                                if steps_desync.size_text(v.get("bytes")) else ")")
-        elif steps_desync.size_text(v.get("bytes")):
-            call += f" ({steps_desync.size_text(v['bytes'])})"
-        st = v.get("steps") or []
-        when = f" in step {st[0]}" if len(st) == 1 else (f" in steps {st[0]}-{st[-1]}" if st else "")
-        vs.append(f"{_rank_s(v['ranks'])} {'issued ' if i == 0 else ''}{call}{when}")
+    vs = [f"{_rank_s(v['ranks'])} {'issued ' if i == 0 else ''}{_variant_call(d, v)}"
+          for i, v in enumerate(d["variants"])]
     src = "" if d["source"] == "probe" else " (flight recorder)"
     return f"desynchronized at collective #{d['seq']} of group {d['pg']}{src}: {', '.join(vs)}"
+
+
+def _variant_call(d: dict, v: dict) -> str:
+    """One side of a desync: 'all_reduce (ddp.bucket, 799.8 kB) in step 21' (its API where
+    known, its size where known, its step)."""
+    call = (d.get("calls") or {}).get(str(v["ranks"][0])) or str(v["op"])
+    size = steps_desync.size_text(v.get("bytes"))
+    if "(" in call:  # 'all_reduce (ddp.bucket)': its size goes with the API
+        call = call[:-1] + (f", {size})" if size else ")")
+    elif size:
+        call += f" ({size})"
+    st = v.get("steps") or []
+    return call + (f" in step {st[0]}" if len(st) == 1 else f" in steps {st[0]}-{st[-1]}" if st else "")
 
 
 def _after_first(ended: list[dict], first: dict | None) -> list[str]:
