@@ -181,6 +181,9 @@ def postmortem(run) -> dict | None:
     desync = steps_desync.lead_with(
         _fatal_desync(run, views, led.desync(ledger, P2P_OPS, SIZE_STRICT_OPS)),
         steps_desync.step_desync(run, P2P_OPS)) + _desync_fr(cmp)
+    for d in desync:  # each side's call as the finding words it (the report and `hang` show it)
+        for v in d["variants"]:
+            v["call"] = variant_text(d, v)
     missing = led.missing(ledger, members, views)
     missing += [{"source": "flight_recorder", **m} for m in cmp.get("missing", [])] if cmp \
         else _missing_fr_heartbeats(views)
@@ -346,7 +349,7 @@ def _culprit_alive(views, desync, missing, stacks, hung) -> dict | None:
             calls = d["calls"]
             odd = d["deviating"]
             rest = sorted(int(r) for r in calls if int(r) not in odd)
-            side = {r: _variant_call(d, v) for v in d["variants"] for r in v["ranks"]}
+            side = {r: variant_text(d, v) for v in d["variants"] for r in v["ranks"]}
             return describe(odd, "desync",
                             f"issued {side[odd[0]]} as collective #{d['seq']} of group "
                             f"{d['pg']}, out of its per-step order, while "
@@ -454,16 +457,17 @@ def _desync_text(d: dict) -> str:
     if d.get("by") == "steps":
         return (f"the ranks had fallen out of step before: {_rank_s(d['deviating'])} "
                 f"{steps_desync.describe(d)}")
-    vs = [f"{_rank_s(v['ranks'])} {'issued ' if i == 0 else ''}{_variant_call(d, v)}"
+    vs = [f"{_rank_s(v['ranks'])} {'issued ' if i == 0 else ''}{variant_text(d, v)}"
           for i, v in enumerate(d["variants"])]
     src = "" if d["source"] == "probe" else " (flight recorder)"
     return f"desynchronized at collective #{d['seq']} of group {d['pg']}{src}: {', '.join(vs)}"
 
 
-def _variant_call(d: dict, v: dict) -> str:
+def variant_text(d: dict, v: dict) -> str:
     """One side of a desync: 'all_reduce (ddp.bucket, 799.8 kB) in step 21' (its API where
     known, its size where known, its step)."""
-    call = (d.get("calls") or {}).get(str(v["ranks"][0])) or str(v["op"])
+    call = (d.get("calls") or {}).get(str(v["ranks"][0])) or \
+        (f"{v['op']} ({v['api']})" if v.get("api") else str(v["op"]))
     size = steps_desync.size_text(v.get("bytes"))
     if "(" in call:  # 'all_reduce (ddp.bucket)': its size goes with the API
         call = call[:-1] + (f", {size})" if size else ")")
