@@ -1,8 +1,9 @@
 """A rank killed by a fatal signal, seen through its ``fatal-stacks.txt`` (probes/fatal_dump.py,
 faulthandler's text): its main thread's Python stack and, when that stack is inside a
 torch.distributed collective call, the collective it waited in — its heartbeat's in-flight one
-when the beat saw it waiting there, else the one after the last it issued in that group — with
-the job's call site. gloo and NCCL abort (SIGABRT) a rank whose peers issued another
+when the beat saw it waiting there, else the one after the last it issued in that group (or,
+where its log lost the step it died in, the call's place in its per-step order) — with the
+job's call site. gloo and NCCL abort (SIGABRT) a rank whose peers issued another
 collective: without this the collective it died in is in no record, or only in a beat that
 cannot say whether the rank was still in it.
 
@@ -100,23 +101,54 @@ def confirmed_inflight(inflight: list[dict], call: dict) -> dict | None:
 def infer_inflight(log: pd.DataFrame, rank: int, known: list[dict], step: int | None,
                    call: dict) -> tuple[dict | None, str | None]:
     """The collective a rank died in: seq = its last known one + 1 in its group (its log, and
-    ``known``: the last collective and in-flight ones of its heartbeat). (entry, None) or
-    (None, why not) when the group is not known (several groups, or none logged)."""
+    ``known``: the last collective and in-flight ones of its heartbeat), or further on where
+    none of its current step is known and its per-step order places the call there (below).
+    (entry, None) or (None, why not) when the group is not known (several groups, or none
+    logged)."""
     seqs: dict[str, int] = {}
-    if not log.empty and {"rank", "pg", "seq"} <= set(log.columns):
-        mine = log[log["rank"] == rank]
+    last_step: dict[str, int | None] = {}
+    mine = log[log["rank"] == rank] if not log.empty and {"rank", "pg", "seq"} <= set(log.columns) \
+        else None
+    if mine is not None:
         for pg, s in mine.groupby(mine["pg"].astype(str))["seq"].max().items():
             seqs[str(pg)] = int(s)
     for c in known:
         if isinstance(c, dict) and c.get("pg") is not None and isinstance(c.get("seq"), int):
             pg = str(c["pg"])
-            seqs[pg] = max(seqs.get(pg, -1), c["seq"])
+            if c["seq"] > seqs.get(pg, -1):
+                seqs[pg] = c["seq"]
+                last_step[pg] = c.get("step") if isinstance(c.get("step"), int) else None
     if len(seqs) != 1:
         return None, ("it logged collectives in several groups: which one it waited in is not "
                       "known" if seqs else "it logged no collective before")
     (pg, last), = seqs.items()
-    return {"pg": pg, "seq": last + 1, "op": call["op"], "api": call["api"], "bytes": None,
-            "step": step, "inferred": "fatal-stacks"}, None
+    ahead = 0
+    if pg not in last_step and mine is not None and "step" in mine.columns:
+        ahead = _position(mine[mine["pg"].astype(str) == pg], last, step, call)
+    return {"pg": pg, "seq": last + 1 + ahead, "op": call["op"], "api": call["api"],
+            "bytes": None, "step": step, "inferred": "fatal-stacks"}, None
+
+
+def _position(mine: pd.DataFrame, last: int, step: int | None, call: dict) -> int:
+    """How many collectives of its current step the rank issued before the one it died in,
+    when its log says: the log holds none of the current step (it is written at step
+    boundaries: a rank that died mid-step lost that step's records) and ends with the step
+    before, whose calls in the group repeat the step before that, and the call it died in comes
+    once in that order. 0 otherwise (the next after the last known, as before)."""
+    key = _key(call.get("api"), call.get("op"))
+    if not isinstance(step, int) or call.get("api") is None or key is None:
+        return 0
+    at_last = mine.loc[mine["seq"] == last, "step"]
+    if len(at_last) != 1 or pd.isna(at_last.iloc[0]) or int(at_last.iloc[0]) != step - 1:
+        return 0
+    order = []
+    for s in (step - 2, step - 1):
+        rows = mine[mine["step"] == s].sort_values("seq")
+        order.append([_key(a, o) for a, o in zip(rows["api"] if "api" in rows else [None] * len(rows),
+                                                   rows["op"])])
+    if not order[1] or order[0] != order[1] or order[1].count(key) != 1:
+        return 0
+    return order[1].index(key)
 
 
 def deviating(log: pd.DataFrame, entries: dict[int, dict], pg: str, seq: int) -> list[int] | None:
@@ -124,7 +156,9 @@ def deviating(log: pd.DataFrame, entries: dict[int, dict], pg: str, seq: int) ->
     per-step order, when exactly one side did; else None. A rank's reference is its step before
     the first step of the desynchronized entries; every step of its since then must repeat it
     (the op and API of each collective, in order), the entry's own step up to the entry being a
-    prefix of it. ``entries``: {rank: {op, api, bytes, step}} at (pg, seq)."""
+    prefix of it: each of its calls known there (its log; the entry) at its place in the step's
+    order (a rank that died mid-step lost its log of that step: those places are open).
+    ``entries``: {rank: {op, api, bytes, step}} at (pg, seq)."""
     if log.empty or not {"rank", "pg", "seq", "step"} <= set(log.columns):
         return None
     if not all(isinstance(e.get("step"), int) for e in entries.values()):
@@ -134,16 +168,20 @@ def deviating(log: pd.DataFrame, entries: dict[int, dict], pg: str, seq: int) ->
     verdict: dict[int, bool] = {}
     for r, e in entries.items():
         mine = g[(g["rank"] == r) & (g["seq"] < seq)].sort_values("seq")
-        calls = {}
+        calls, seqs = {}, {}
         for st, grp in mine.groupby(mine["step"].astype(int)):
             calls[int(st)] = [_key(a, o) for a, o in zip(grp.get("api", [None] * len(grp)),
                                                          grp["op"])]
+            seqs[int(st)] = grp["seq"].astype(int).tolist()
         ref = calls.get(first - 1)
         if not ref:
             return None
         ok = all(calls.get(t, []) == ref for t in range(first, e["step"]))
-        cur = calls.get(e["step"], []) + [_key(e.get("api"), e.get("op"))]
-        verdict[r] = ok and cur == ref[:len(cur)]
+        start = max((s for t, ss in seqs.items() if t < e["step"] for s in ss), default=-1) + 1
+        here = dict(zip(seqs.get(e["step"], []), calls.get(e["step"], [])))
+        here[seq] = _key(e.get("api"), e.get("op"))
+        verdict[r] = ok and all(0 <= s - start < len(ref) and ref[s - start] == k
+                                for s, k in here.items())
     odd = sorted(r for r, ok in verdict.items() if not ok)
     if not odd or len(odd) == len(verdict):
         return None

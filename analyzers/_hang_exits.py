@@ -346,3 +346,18 @@ def _left_text(gone, clean, stayed, views=None) -> str:
         bits.append(f"{_rank_s(stayed)} went on to step {on[-1]}" if len(on) == 1 else
                     f"{_rank_s(stayed)} went on to steps {on[0]}-{on[-1]}")
     return text + (f" ({'; '.join(bits)})" if bits else "")
+
+
+def victim_how(d: dict) -> str:
+    """How a rank that died (a ``_died`` record) ended, and the collective it waited in:
+    'killed by SIGABRT (signal 6) while it waited in all_reduce #14 of group 0, called at ...'."""
+    what = worker_exits.how(d) if d.get("exitcode") is not None else "died"
+    raised = describe_failure(d.get("failure"))
+    if raised:
+        what = f"{raised} ({what})"
+    w = d.get("waiting_in")
+    where = (f" while it waited in {w.get('op') or 'collective'} #{w.get('seq')} of group "
+             f"{w.get('pg')}" if w else " while it waited for its peer")
+    if w and w.get("call_site"):
+        where += f", called at {w['call_site']}"
+    return what + where

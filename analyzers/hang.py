@@ -15,8 +15,9 @@ Inputs (every one optional; a kill -9 leaves some missing or torn):
 A hang is present when the launcher said so (status "hung", hangs[] events), when ranks dumped,
 or when every rank's progress stopped long before the job ended (stall > max(5 s, 3x the usual
 gap between heartbeats, 2x the longest step)) without the ranks closing their heartbeat. A
-desynchronization (different op or size at one sequence number of a group) is reported even if
-the job crashed instead of hanging. A rank whose process died first (a signal or a non-zero exit
+desynchronization (different op or size at one sequence number of a group, or ranks that issued
+different numbers of collectives of a group in one step) is reported even if the job crashed
+instead of hanging. A rank whose process died first (a signal or a non-zero exit
 the launcher saw before it stopped the others; or, without that record, a heartbeat that stopped
 while the other ranks went on) is named with its step, last collective and signal, and with the
 exception it recorded (heartbeat ``failure`` records, probes/heartbeat_exit.py); a rank that died
@@ -28,9 +29,10 @@ Two collective sources are analyzed side by side and never mixed, as their seque
 differ: "probe" (collectives probe: 0-based seq per group) and "flight_recorder" (torch's
 collective_seq_id, 1-based, from dumps or the heartbeats' fr counters).
 
-Parts: what is read of each rank (analyzers/_hang_views.py: RankView, dumps, stacks) and how
-the ranks of a stopped job ended (analyzers/_hang_exits.py); this module detects, picks the culprit
-and words the finding.
+Parts: what is read of each rank (analyzers/_hang_views.py: RankView, dumps, stacks), how
+the ranks of a stopped job ended (analyzers/_hang_exits.py), the op/size ledger
+(analyzers/_hang_ledger.py) and ranks that fell out of step silently (analyzers/_hang_steps.py);
+this module detects, picks the culprit and words the finding.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ import time
 from trainprof.analyzers import _flight_recorder as fr
 from trainprof.analyzers.live import HANG_MIN_S as RUNNING_HANG_MIN_S
 from trainprof.analyzers import _hang_ledger as led
+from trainprof.analyzers import _hang_steps as steps_desync
 from trainprof.analyzers._hang_exits import (_clean_exits, _died, _early_exit, _fatal_desync, _first_line,
                                              _fmt_collective, _infer_fatal, _note_left, _worker_exits)
+from trainprof.analyzers._hang_exits import victim_how as _victim_how
 # the per-rank view and readers are also this module's (tests and trainprof hang read them here)
 from trainprof.analyzers._hang_views import (DUMP, PROGRESS_EVENTS, RankView, _desync_fr,  # noqa: F401
                                              _longest_step_s, _members, _missing_fr_heartbeats, _rank_s,
@@ -199,8 +203,12 @@ def postmortem(run) -> dict | None:
     ledger, members = led.Ledger(run, views), _members(run)
     fr_dumps = {r: v.fr for r, v in views.items() if v.fr}
     cmp = fr.compare(fr_dumps) if fr_dumps else {}
-    desync = _fatal_desync(run, views, led.desync(ledger, P2P_OPS, SIZE_STRICT_OPS)) \
-        + _desync_fr(cmp)
+    desync = steps_desync.lead_with(
+        _fatal_desync(run, views, led.desync(ledger, P2P_OPS, SIZE_STRICT_OPS)),
+        steps_desync.step_desync(run, P2P_OPS)) + _desync_fr(cmp)
+    for d in desync:  # each side's call as the finding words it (the report and `hang` show it)
+        for v in d["variants"]:
+            v["call"] = variant_text(d, v)
     missing = led.missing(ledger, members, views)
     missing += [{"source": "flight_recorder", **m} for m in cmp.get("missing", [])] if cmp \
         else _missing_fr_heartbeats(views)
@@ -283,6 +291,12 @@ def _culprit(views, desync, missing, stacks, hung, died=(), early=None) -> dict 
                 "frame": fmt_frame(v.user_frame or v.frame), "innermost_frame": fmt_frame(v.frame),
                 "code": (v.user_frame or v.frame or {}).get("code"), "step": v.step}
 
+    silent = steps_desync.explains(desync, died, hung)
+    if silent is not None:  # ranks out of step since: whatever followed is its consequence
+        c = describe(silent["deviating"], "desync", steps_desync.describe(silent))
+        c.update({"silent": True, "fix": steps_desync.fix(silent),
+                  "consequences": steps_desync.consequences(died, early if not hung else None)})
+        return c
     if early and not hung:  # a rank left the job: the first failure was its peers' collective
         c = describe(early["ranks"], "exited_early", early["how"])
         c.update({"early_exit": early["exits"], "victims": early["victims"],
@@ -347,19 +361,6 @@ def _victims(died, desync, missing) -> list[dict]:
     return [d for d in died if d["rank"] in waiting]
 
 
-def _victim_how(d: dict) -> str:
-    what = worker_exits.how(d) if d.get("exitcode") is not None else "died"
-    raised = describe_failure(d.get("failure"))
-    if raised:
-        what = f"{raised} ({what})"
-    w = d.get("waiting_in")
-    where = (f" while it waited in {w.get('op') or 'collective'} #{w.get('seq')} of group "
-             f"{w.get('pg')}" if w else " while it waited for its peer")
-    if w and w.get("call_site"):
-        where += f", called at {w['call_site']}"
-    return what + where
-
-
 def _culprit_alive(views, desync, missing, stacks, hung) -> dict | None:
     def describe(ranks, reason, how):
         v = views[ranks[0]]
@@ -374,10 +375,11 @@ def _culprit_alive(views, desync, missing, stacks, hung) -> dict | None:
             calls = d["calls"]
             odd = d["deviating"]
             rest = sorted(int(r) for r in calls if int(r) not in odd)
+            side = {r: variant_text(d, v) for v in d["variants"] for r in v["ranks"]}
             return describe(odd, "desync",
-                            f"issued {calls[str(odd[0])]} as collective #{d['seq']} of group "
+                            f"issued {side[odd[0]]} as collective #{d['seq']} of group "
                             f"{d['pg']}, out of its per-step order, while "
-                            f"{_rank_s(rest)} issued {calls[str(rest[0])]} there")
+                            f"{_rank_s(rest)} issued {side[rest[0]]} there")
         if len(variants[0]["ranks"]) < len(variants[-1]["ranks"]):
             minority = variants[0]
             others = ", ".join(f"{x['op']} on ranks {_ranks(x['ranks'])}" for x in variants[1:])
@@ -436,6 +438,13 @@ def _message(pm) -> str:
             parts.append(c["suggestion"])
         elif c.get("suggestion"):
             parts[-1] += f" ({c['suggestion']})"
+        if c.get("silent"):
+            parts[-1] = f"{head}: {_rank_s(c['ranks'])} {c['how']}" + (where + code if pm["hung"] else "")
+            parts += c["consequences"]
+            if c["consequences"]:
+                parts[-1] += ": a consequence of the desynchronization, not its cause"
+            ended = [row for row in pm["ranks"] if row["state"] == "ended_by_launcher"]
+            parts += _after_first(ended, (pm["died"] or [{}])[0].get("failure")) if pm["died"] else []
         if c["reason"] == "died":
             parts[-1] = f"{head}: rank {c['ranks'][0]} was the first to fail: {c['how']}{where}{code}"
             if c.get("also_failed"):
@@ -453,9 +462,7 @@ def _message(pm) -> str:
     else:
         parts.append(f"{head}: no culprit could be singled out")
     if pm["desync"] and not (c and c["reason"] == "desync"):
-        d = pm["desync"][0]
-        vs = "; ".join(f"{v['op']} on ranks {_ranks(v['ranks'])}" for v in d["variants"])
-        parts.append(f"desynchronized at collective #{d['seq']} of group {d['pg']}: {vs}")
+        parts.append(_desync_text(pm["desync"][0]))
     by_wait: dict = {}  # (op, pg, seq) -> rows of the ranks blocked in it
     for row in pm["ranks"]:
         w = row["waiting_in"]
@@ -470,6 +477,33 @@ def _message(pm) -> str:
     if pm["ranks_without_data"]:
         parts.append(f"no data from ranks {_ranks(pm['ranks_without_data'])}")
     return "; ".join(parts)
+
+
+def _desync_text(d: dict) -> str:
+    """A desync that is not the culprit's reason, said with what differs between the ranks:
+    'desynchronized at collective #41 of group 0: rank 0 issued all_reduce (c10d.all_reduce,
+    4 B) in step 20, rank 1 all_reduce (ddp.bucket, 799.8 kB) in step 20'."""
+    if d.get("by") == "steps":
+        return (f"the ranks had fallen out of step before: {_rank_s(d['deviating'])} "
+                f"{steps_desync.describe(d)}")
+    vs = [f"{_rank_s(v['ranks'])} {'issued ' if i == 0 else ''}{variant_text(d, v)}"
+          for i, v in enumerate(d["variants"])]
+    src = "" if d["source"] == "probe" else " (flight recorder)"
+    return f"desynchronized at collective #{d['seq']} of group {d['pg']}{src}: {', '.join(vs)}"
+
+
+def variant_text(d: dict, v: dict) -> str:
+    """One side of a desync: 'all_reduce (ddp.bucket, 799.8 kB) in step 21' (its API where
+    known, its size where known, its step)."""
+    call = (d.get("calls") or {}).get(str(v["ranks"][0])) or \
+        (f"{v['op']} ({v['api']})" if v.get("api") else str(v["op"]))
+    size = steps_desync.size_text(v.get("bytes"))
+    if "(" in call:  # 'all_reduce (ddp.bucket)': its size goes with the API
+        call = call[:-1] + (f", {size})" if size else ")")
+    elif size:
+        call += f" ({size})"
+    st = v.get("steps") or []
+    return call + (f" in step {st[0]}" if len(st) == 1 else f" in steps {st[0]}-{st[-1]}" if st else "")
 
 
 def _after_first(ended: list[dict], first: dict | None) -> list[str]:
@@ -515,4 +549,4 @@ def finding(pm) -> Finding:
     evidence["waiting_in"] = {str(r["rank"]): r["waiting_in"] for r in pm["ranks"]
                               if r["waiting_in"]}
     return Finding(kind=pm.get("kind") or kind_of(pm), severity=severity, ranks=ranks, message=pm["message"],
-                   evidence=evidence)
+                   evidence=evidence, fix=(c or {}).get("fix") or "")

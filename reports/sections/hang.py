@@ -41,7 +41,8 @@ def render(metrics: dict, summary: dict) -> str:
                                                      "code", "stalled s")],
                              worst_label="rarest state, then longest stalled"))
     desync = [{"source": d["source"], "group": d["pg"], "seq": d["seq"],
-               "variants": "; ".join(f"{v['op']} on {ranks_phrase(v['ranks'])}"
+               "what": "ranks out of step" if d.get("by") == "steps" else "calls differ",
+               "variants": "; ".join(f"{ranks_phrase(v['ranks'])}: {v.get('call') or v['op']}"
                                      for v in d["variants"])}
               for d in metrics.get("desync") or []]
     if desync:

@@ -146,8 +146,10 @@ def render(pm: dict | None, run) -> None:
                   "" if r["stalled_s"] is None else f"{r['stalled_s']:.1f} s")
     console.print(t)
     for d in pm["desync"]:  # plain text: ops and sizes contain brackets
-        console.print(pr(f"desync ({d['source']}): group {d['pg']} collective #{d['seq']}: "
-                         + "; ".join(f"{v['op']} on {ranks_phrase(v['ranks'])}" for v in d["variants"])),
+        what = ", ranks out of step" if d.get("by") == "steps" else ""
+        console.print(pr(f"desync ({d['source']}{what}): group {d['pg']} collective #{d['seq']}: "
+                         + "; ".join(f"{ranks_phrase(v['ranks'])}: {v.get('call') or v['op']}"
+                                     for v in d["variants"])),
                       highlight=False, markup=False)
     for m in pm["never_arrived"]:
         console.print(pr(f"never arrived ({m['source']}): {ranks_phrase(m['missing_ranks'])} at "

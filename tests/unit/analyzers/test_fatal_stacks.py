@@ -124,6 +124,39 @@ def test_skip_seen_through_the_victims_stacks_names_the_rank_that_broke_its_orde
     assert "called at job/train.py:12 in sync" in f.message
 
 
+def test_a_rank_that_died_mid_step_is_placed_by_its_per_step_order(tmp_path):
+    # Each step: DDP bucket, then the metric all_reduce. Rank 1 skipped the metric one in step 6.
+    # Rank 0's log is written at step boundaries: it holds steps 0-5 (#0-#11) and none of step 6,
+    # where rank 0 issued the bucket #12 (paired with rank 1's) and was aborted in the metric
+    # all_reduce #13, paired with rank 1's step-7 bucket. Its per-step order places it at #13
+    # (not #12, the next after its log): rank 1 broke its order, rank 0 is the victim.
+    from trainprof.analyzers import hang
+
+    def steps(n, skip=None):
+        out, seq = [], 0
+        for s in range(n):
+            out.append(_coll(s, seq, "ddp.bucket", 9488))
+            seq += 1
+            if s != skip:
+                out.append(_coll(s, seq))
+                seq += 1
+        return out
+
+    logs = {0: steps(6), 1: steps(7, skip=6) + [_coll(7, 13, "ddp.bucket", 9488)]}
+    assert (logs[0][-1]["seq"], logs[0][-1]["step"]) == (11, 5) and logs[1][-1]["seq"] == 13
+    stacks = IN_ALL_REDUCE.replace("Segmentation fault", "Aborted")
+    run = _synthetic(tmp_path / "r", logs, {0: stacks}, {0: -6, 1: -15}, beats={0: {"step": 6}})
+    (f,) = hang.analyze(RunDir(run)).findings
+    c, d = f.evidence["culprit"], f.evidence["desync"][0]
+    assert f.kind == "desync" and f.ranks == [1] and c["reason"] == "desync", f.message
+    assert (d["seq"], d["deviating"]) == (13, [1]) and [v["rank"] for v in c["victims"]] == [0]
+    assert f.evidence["waiting_in"]["0"]["seq"] == 13
+    assert f.message.startswith(
+        "Collective desynchronization: rank 1 issued all_reduce (ddp.bucket, 9.5 kB) in step 7 as "
+        "collective #13 of group 0, out of its per-step order, while rank 0 issued all_reduce "
+        "(c10d.all_reduce) in step 6 there"), f.message
+
+
 @pytest.mark.parametrize("case", ["stale_inflight", "stale_fr", "inflight_at_death"])
 def test_a_heartbeat_older_than_the_log_does_not_hide_the_desync(tmp_path, case):
     """Real runs of SKIP (rank 1 skips a metric all_reduce) whose rank 0 was aborted between two
