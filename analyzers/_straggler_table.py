@@ -15,14 +15,21 @@ from trainprof.analyzers.step_time import excluded_steps, overhead_spans
 P2P_OPS = ("send", "recv", "isend", "irecv")
 
 
+MIN_KEPT_WITHOUT_OVERHEAD = 20  # analysed steps left once the overhead spans' steps are out
+
+
 def kept_steps(run, steps):
     """(the analysed steps, step_time's excluded steps): warm-up, profiler window and the steps
-    trainprof's own work (trace export, NaN replay) or the job's profiler overlapped left out."""
+    trainprof's own work (trace export, NaN replay) or the job's profiler overlapped left out —
+    those last only while at least MIN_KEPT_WITHOUT_OVERHEAD steps stay: a rank slow in every
+    step is as slow beside the export, and a short run would have none left."""
     excluded = excluded_steps(steps.drop_duplicates(["rank", "step"], keep="last"),
                               overhead_spans(run))
-    drop = set().union(*excluded.values())
     all_steps = sorted(int(s) for s in steps["step"].unique())
-    kept = [s for s in all_steps if s not in drop]
+    base = set(excluded["warmup"]) | set(excluded["profiler"])
+    kept = [s for s in all_steps if s not in set().union(base, *excluded.values())]
+    if len(kept) < MIN_KEPT_WITHOUT_OVERHEAD:
+        kept = [s for s in all_steps if s not in base]
     if not kept:  # a very short run: better some numbers than none
         kept = [s for s in all_steps if s >= 1] or all_steps
     return kept, excluded

@@ -224,3 +224,18 @@ def test_stragglers_leave_out_the_steps_of_a_ranks_own_trace_export(tmp_path):
     assert strag(run) == []
     kept = stragglers.analyze(run).metrics["steps_analysed"]
     assert not set(range(5, 25)) & set(kept) and {1, 4, 25, 79} <= set(kept)
+
+
+def test_a_short_run_keeps_the_export_steps_for_its_stragglers(tmp_path):
+    """12 steps, window 3-4, the export beside steps 5-9: leaving those out would leave 4 steps;
+    a rank slow in every step (here 40 ms) is as slow beside the export, and is still found."""
+    from trainprof.analyzers import stragglers
+
+    own = {r: [2000.0] + [30.0 + (40.0 if r == 1 else 0.0)] * 11 for r in (0, 1)}
+    probe = make_run(tmp_path / "probe", own, profiled=(3, 4))
+    a, b = step_bounds(probe, 0, 5)[0] + MS, step_bounds(probe, 0, 9)[1] - MS
+    run = make_run(tmp_path / "run", own, spans={r: [_span("trace_export", a, b)] for r in (0, 1)},
+                   profiled=(3, 4))
+    res = stragglers.analyze(run)
+    assert [f.ranks[0] for f in res.findings if f.kind == "straggler"] == [1]
+    assert set(range(6, 10)) <= set(res.metrics["steps_analysed"])  # (5: the window's collect step)
