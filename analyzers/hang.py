@@ -32,31 +32,29 @@ collective_seq_id, 1-based, from dumps or the heartbeats' fr counters).
 Parts: what is read of each rank (analyzers/_hang_views.py: RankView, dumps, stacks), how
 the ranks of a stopped job ended (analyzers/_hang_exits.py), the op/size ledger
 (analyzers/_hang_ledger.py) and ranks that fell out of step silently (analyzers/_hang_steps.py);
-this module detects, picks the culprit and words the finding.
+when it hung (analyzers/_hang_detect.py); the finding's words (analyzers/_hang_wording.py).
+This module builds the post-mortem and picks the culprit.
 """
 
 from __future__ import annotations
 
-import time
-
 from trainprof.analyzers import _flight_recorder as fr
-from trainprof.analyzers.live import HANG_MIN_S as RUNNING_HANG_MIN_S
 from trainprof.analyzers import _hang_ledger as led
 from trainprof.analyzers import _hang_steps as steps_desync
-from trainprof.analyzers._hang_exits import (_clean_exits, _died, _early_exit, _fatal_desync, _first_line,
+from trainprof.analyzers._hang_detect import _detect
+from trainprof.analyzers._hang_exits import (_clean_exits, _died, _early_exit, _fatal_desync,
                                              _fmt_collective, _infer_fatal, _note_left, _worker_exits)
 from trainprof.analyzers._hang_exits import victim_how as _victim_how
 # the per-rank view and readers are also this module's (tests and trainprof hang read them here)
-from trainprof.analyzers._hang_views import (DUMP, PROGRESS_EVENTS, RankView, _desync_fr,  # noqa: F401
-                                             _longest_step_s, _members, _missing_fr_heartbeats, _rank_s,
+from trainprof.analyzers._hang_views import (DUMP, RankView, _desync_fr,  # noqa: F401
+                                             _members, _missing_fr_heartbeats, _rank_s,
                                              _ranks, _read_dump, _stack_groups, describe_failure,
                                              fmt_frame)
+from trainprof.analyzers._hang_wording import _message, kind_of, variant_text
 from trainprof.findings import AnalyzerResult, Finding
 from trainprof.rundir import worker_exits
-from trainprof.wording import ranks_phrase, verb
 
 NAME = "hang"
-MIN_STALL_S = 5.0
 P2P_OPS = fr.P2P_OPS
 SIZE_STRICT_OPS = {"all_reduce", "allreduce", "broadcast", "reduce", "all_gather",
                    "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "barrier"}
@@ -82,105 +80,6 @@ def analyze(run) -> AnalyzerResult:
 
 
 # --------------------------------------------------------------------------- detection
-
-
-def _detect(run, views, exits=None) -> dict:
-    man = run.launcher
-    reasons = []
-    if man.get("status") == "hung":
-        reasons.append("the hang watchdog terminated the job (manifest status 'hung')")
-    elif man.get("hangs"):
-        reasons.append(f"the hang watchdog fired {len(man['hangs'])} time(s)")
-    dumped = sorted(v.rank for v in views.values() if v.dump)
-    if dumped and not man.get("hangs"):
-        reasons.append(f"hang dumps present on {len(dumped)} rank(s)")
-    gaps = []
-    for v in views.values():
-        ts = [h["t_ns"] for h in v.heartbeats[1:] if h.get("event") in PROGRESS_EVENTS
-              and h.get("t_ns")]
-        gaps += [(b - a) / 1e9 for a, b in zip(ts, ts[1:])]
-    gaps.sort()
-    p90_gap = gaps[int(0.9 * (len(gaps) - 1))] if gaps else 0.0
-    longest_step = _longest_step_s(run)
-    threshold = max(MIN_STALL_S, 3 * p90_gap, 2 * longest_step)
-    end_ns = (man.get("end_time") or {}).get("ns")
-    closes = [w["t_close_ns"] for w in (exits or {}).get("first_failures", [])
-              if isinstance(w.get("t_close_ns"), int)]
-    if closes:  # the torchrun agent stopped the workers then: the job's end, not its own exit
-        end_ns = min([end_ns] + closes) if end_ns else min(closes)
-    # A rank's own failure ends the job: the others' wait for the launcher to stop them after it
-    # (and its own exit) is no stall. Its failure record dates it; without one, a rank the agent
-    # saw fail first ended no later than it closed its heartbeat.
-    failed_at = [v.failure["t_ns"] for v in views.values() if v.failure and v.failure.get("t_ns")]
-    first_ranks = {w["rank"] for w in (exits or {}).get("first_failures", [])}
-    failed_at += [v.last_hb["t_ns"] for r, v in views.items() if r in first_ranks and v.closed
-                  and isinstance(v.last_hb.get("t_ns"), int)]
-    if failed_at:
-        end_ns = min([end_ns] + failed_at) if end_ns else min(failed_at)
-    if end_ns is None:
-        ended = [run.rank_meta(r).get("ended_ns") for r in views]
-        end_ns = max((e for e in ended if e), default=None)
-    until = None  # the end is not recorded: the job still runs, or its launcher was killed
-    if end_ns is None:
-        end_ns, until = _unrecorded_end(run)
-    if until and until.startswith("now"):  # as `trainprof watch` judges a running job
-        threshold = max(threshold, RUNNING_HANG_MIN_S)
-    last = max((v.last_progress_ns for v in views.values() if v.last_progress_ns), default=None)
-    # a rank that progressed after the job's end point (a peer finishing its step after the first
-    # failure, before the launcher stopped it) means no stall: 0 s, never a negative one
-    stalled = max(0.0, (end_ns - last) / 1e9) if end_ns and last else None
-    live = [v for v in views.values() if v.heartbeats and not v.closed]
-    quiet_end = None
-    if stalled is not None and stalled > threshold and live and not reasons:
-        quiet_end = _work_ended(man, views, live)
-    if stalled is not None and stalled > threshold and live and not reasons and not quiet_end:
-        reasons.append(f"no rank progressed during the last {stalled:.1f} s before "
-                       f"{until or 'the job ended'} (threshold {threshold:.1f} s) and {len(live)} "
-                       f"rank(s) never closed")
-    recovered = bool(reasons) and man.get("status") == "ok" and not live
-    return {"reasons": reasons, "end_ns": end_ns, "last_progress_ns": last, "p90_gap_s": p90_gap,
-            "stalled_s": None if stalled is None else round(stalled, 3),
-            "threshold_s": round(threshold, 3), "recovered": recovered,
-            **({"quiet_end": quiet_end} if quiet_end else {})}
-
-
-def _unrecorded_end(run) -> tuple[int | None, str | None]:
-    """(the end point, its wording) of a job whose end nobody recorded: now, while its launcher
-    runs (a hang in progress); the launcher's last sign of life when it is gone without
-    recording the job's end (killed, e.g. with the job by kill -9: its node record, touched
-    every few seconds while it lived). (None, None) for a probe-only run."""
-    unrec = worker_exits.launcher_unrecorded(run.launcher)
-    if not unrec:
-        return None, None
-    if unrec["state"] == "alive":
-        return time.time_ns(), "now (the job is still running)"
-    seen = worker_exits.launcher_last_seen_ns(run.path, run.launcher)
-    return (seen, "the launcher's last sign of life (it ended without recording the job's "
-                  "end: killed?)") if seen else (None, None)
-
-
-def _work_ended(man: dict, views: dict, live: list) -> str | None:
-    """Why a stall before the end is the job's own shutdown, not a hang (None when it may be
-    one): the job exited 0, every rank reached the same step and none had a collective in
-    flight. Ray Train ends its workers without letting them close their heartbeat and takes
-    seconds to shut down after the work."""
-    if man.get("status") != "ok" or man.get("exit_code") not in (0, None) or man.get("signal"):
-        return None
-    steps = {v.step for v in views.values() if v.heartbeats}
-    if len(steps) != 1 or None in steps or any(v.blocked for v in live):
-        return None
-    return (f"the job exited 0 after every rank reached step {steps.pop()} with no collective in "
-            f"flight; {len(live)} rank(s) ended without closing their heartbeat (their launcher "
-            "ended them, e.g. Ray Train's workers)")
-
-
-# --------------------------------------------------------------------------- process exits
-
-
-# --------------------------------------------------------------------------- ranks that left
-
-
-# --------------------------------------------------------------------------- assembly
 
 
 def postmortem(run) -> dict | None:
@@ -269,19 +168,6 @@ def postmortem(run) -> dict | None:
         pm["stall"] = _stall.describe(run, views)
     pm["message"] = pm["stall"]["text"] if pm.get("stall") else _message(pm)
     return pm
-
-
-def kind_of(pm) -> str:
-    """The finding's kind: ``hang`` (the ranks stopped progressing: the watchdog fired, ranks
-    dumped, or every rank stalled before the job ended), ``desync`` (a rank issued another
-    collective than its peers, or never arrived at one they entered), ``rank_failure`` (a rank's
-    process failed: an exception, an error exit, a signal). A crash is never a hang."""
-    if pm["hung"]:
-        return "hang"
-    c = pm["culprit"]
-    if c and c["reason"] in ("desync", "never_arrived"):
-        return "desync"
-    return "rank_failure" if pm["died"] else "desync"
 
 
 def _culprit(views, desync, missing, stacks, hung, died=(), early=None) -> dict | None:
@@ -413,124 +299,6 @@ def _culprit_alive(views, desync, missing, stacks, hung) -> dict | None:
                 return describe([r], "oldest_progress", f"stopped progressing "
                                 f"{(rest - oldest) / 1e9:.1f} s before any other rank")
     return None
-
-
-def _message(pm) -> str:
-    parts = []
-    c = pm["culprit"]
-    head = {"hang": "Hang", "desync": "Collective desynchronization",
-            "rank_failure": "Rank failure"}[pm.get("kind") or kind_of(pm)]
-    if pm["recovered"]:
-        head = "Stall (the job recovered)"
-    elif head == "Hang" and pm["job"].get("running") and pm.get("stalled_s") is not None:
-        head = f"Hang in progress (no rank progressed for {pm['stalled_s']:.0f} s; the job still runs)"
-    if c:
-        where = f"; it is at {c['frame']}" if c["frame"] else ""
-        code = f" (`{c['code']}`)" if c["frame"] and c.get("code") else ""
-        parts.append(f"{head}: rank {_ranks(c['ranks'])} {c['how']}{where}{code}")
-        if c["reason"] == "exited_early":
-            parts[-1] = f"{head}: {_rank_s(c['ranks'])} left the job early: {c['how']}"
-            for v in c["victims"]:
-                parts.append(f"rank {v['rank']} then {v['how']}: a consequence, not the cause")
-            if c.get("also_failed"):
-                parts.append(f"{_rank_s(c['also_failed'])} had also ended before the launcher "
-                             f"stopped the job")
-            parts.append(c["suggestion"])
-        elif c.get("suggestion"):
-            parts[-1] += f" ({c['suggestion']})"
-        if c.get("silent"):
-            parts[-1] = f"{head}: {_rank_s(c['ranks'])} {c['how']}" + (where + code if pm["hung"] else "")
-            parts += c["consequences"]
-            if c["consequences"]:
-                parts[-1] += ": a consequence of the desynchronization, not its cause"
-            ended = [row for row in pm["ranks"] if row["state"] == "ended_by_launcher"]
-            parts += _after_first(ended, (pm["died"] or [{}])[0].get("failure")) if pm["died"] else []
-        if c["reason"] == "died":
-            parts[-1] = f"{head}: rank {c['ranks'][0]} was the first to fail: {c['how']}{where}{code}"
-            if c.get("also_failed"):
-                parts.append(f"{_rank_s(c['also_failed'])} had also ended before the launcher "
-                             f"stopped the job")
-        for v in c.get("victims") or [] if c["reason"] != "exited_early" else []:
-            parts.append(f"rank {v['rank']} was the first to end ({v['how']}): a victim of "
-                         f"the mismatch, not its cause")
-        if c.get("victims") and c.get("also_failed") and c["reason"] != "exited_early":
-            parts.append(f"{_rank_s(c['also_failed'])} had also ended before the launcher "
-                         f"stopped the job")
-        if c["reason"] == "died" or c.get("victims"):
-            ended = [row for row in pm["ranks"] if row["state"] == "ended_by_launcher"]
-            parts += _after_first(ended, (pm["died"] or [{}])[0].get("failure"))
-    else:
-        parts.append(f"{head}: no culprit could be singled out")
-    if pm["desync"] and not (c and c["reason"] == "desync"):
-        parts.append(_desync_text(pm["desync"][0]))
-    by_wait: dict = {}  # (op, pg, seq) -> rows of the ranks blocked in it
-    for row in pm["ranks"]:
-        w = row["waiting_in"]
-        if w and row["state"] == "in_collective":
-            by_wait.setdefault((w.get("op"), w.get("pg"), w.get("seq")), []).append(row)
-    if by_wait:
-        (op, pg, seq), rows = max(by_wait.items(), key=lambda kv: len(kv[1]))
-        frame = next((row["user_frame"] for row in rows if row["user_frame"]), None)
-        who = [row["rank"] for row in rows]
-        parts.append(f"{ranks_phrase(who)} {verb(len(who), 'waits', 'wait')} in {op} #{seq} of "
-                     f"group {pg}" + (f" at {frame}" if frame else ""))
-    if pm["ranks_without_data"]:
-        parts.append(f"no data from ranks {_ranks(pm['ranks_without_data'])}")
-    return "; ".join(parts)
-
-
-def _desync_text(d: dict) -> str:
-    """A desync that is not the culprit's reason, said with what differs between the ranks:
-    'desynchronized at collective #41 of group 0: rank 0 issued all_reduce (c10d.all_reduce,
-    4 B) in step 20, rank 1 all_reduce (ddp.bucket, 799.8 kB) in step 20'."""
-    if d.get("by") == "steps":
-        return (f"the ranks had fallen out of step before: {_rank_s(d['deviating'])} "
-                f"{steps_desync.describe(d)}")
-    vs = [f"{_rank_s(v['ranks'])} {'issued ' if i == 0 else ''}{variant_text(d, v)}"
-          for i, v in enumerate(d["variants"])]
-    src = "" if d["source"] == "probe" else " (flight recorder)"
-    return f"desynchronized at collective #{d['seq']} of group {d['pg']}{src}: {', '.join(vs)}"
-
-
-def variant_text(d: dict, v: dict) -> str:
-    """One side of a desync: 'all_reduce (ddp.bucket, 799.8 kB) in step 21' (its API where
-    known, its size where known, its step)."""
-    call = (d.get("calls") or {}).get(str(v["ranks"][0])) or \
-        (f"{v['op']} ({v['api']})" if v.get("api") else str(v["op"]))
-    size = steps_desync.size_text(v.get("bytes"))
-    if "(" in call:  # 'all_reduce (ddp.bucket)': its size goes with the API
-        call = call[:-1] + (f", {size})" if size else ")")
-    elif size:
-        call += f" ({size})"
-    st = v.get("steps") or []
-    return call + (f" in step {st[0]}" if len(st) == 1 else f" in steps {st[0]}-{st[-1]}" if st else "")
-
-
-def _after_first(ended: list[dict], first: dict | None) -> list[str]:
-    """What became of the ranks the launcher ended after the first failure: those that had
-    already failed on their own (their failure record) are said so, with the time after the
-    first; the launcher ended the others."""
-    same, other, stopped = [], [], []
-    t0 = (first or {}).get("t_ns")
-    for row in ended:
-        f = row.get("failure") or {}
-        if not f.get("t_ns"):
-            stopped.append(row["rank"])
-            continue
-        later = f" {(f['t_ns'] - t0) / 1e9:.2f} s later" if t0 and f["t_ns"] >= t0 else ""
-        if first and (f.get("exc_type"), _first_line(f).get("exc")) == \
-                (first.get("exc_type"), _first_line(first).get("exc")):
-            same.append((row["rank"], later))
-        else:
-            other.append((row["rank"], later, describe_failure(_first_line(f)) or "failed"))
-    out = []
-    for r, later in same:
-        out.append(f"rank {r} raised the same error{later}, before the launcher stopped it")
-    for r, later, what in other:
-        out.append(f"rank {r} failed too{later}: {what}")
-    if stopped:
-        out.append(f"the launcher then ended {_rank_s(stopped)}")
-    return out
 
 
 def finding(pm) -> Finding:

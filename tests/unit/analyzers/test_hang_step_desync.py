@@ -10,7 +10,7 @@ import pytest
 
 from helpers import write_worker_exits
 from trainprof.analysis.run import RunDir
-from trainprof.analyzers import hang
+from trainprof.analyzers import _hang_wording, hang
 
 T0 = 100.0  # s
 STEP_S = 1.0
@@ -230,6 +230,6 @@ def test_skipped_collective_message_says_what_differs():
          "variants": [{"op": "all_reduce", "bytes": None, "ranks": [0], "steps": [20]},
                       {"op": "all_reduce", "bytes": 799784, "ranks": [1], "steps": [20]}],
          "calls": {"0": "all_reduce (c10d.all_reduce)", "1": "all_reduce (ddp.bucket)"}}
-    assert hang._desync_text(d) == (
+    assert _hang_wording._desync_text(d) == (
         "desynchronized at collective #41 of group 0: rank 0 issued all_reduce "
         "(c10d.all_reduce) in step 20, rank 1 all_reduce (ddp.bucket, 799.8 kB) in step 20")
