@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 import vchecks  # noqa: E402
 
 
+@pytest.mark.long  # 38 s on 2 cores: run it (benchmarks/long_tests.py -k dry_run) before a GPU session
 def test_dry_run_runs_every_check_and_writes_fixtures_outside_the_repo(tmp_path):
     before = sorted((ROOT / "tests" / "fixtures" / "gpu").rglob("*"))
     out = tmp_path / "out"

@@ -25,7 +25,12 @@ def _kinds(summary, *kinds):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("rank", [5, pytest.param(2, marks=pytest.mark.long)])
+# long (benchmarks/long_tests.py): the 8-rank reference job with a straggler, 41 s on 2 cores;
+# the suite proves the straggler analysis on real jobs with a known slow rank
+# (test_stragglers_real.py, test_live_and_onsets.py, test_trace_stragglers.py) and the
+# reference job's injected faults on test_stage_imbalance_and_slow_data_told_apart
+@pytest.mark.parametrize("rank", [pytest.param(5, marks=pytest.mark.long),
+                                  pytest.param(2, marks=pytest.mark.long)])
 def test_injected_straggler_found(reference_run, tmp_path, rank):
     delay = straggler_delay_ms(reference_run)
     run = straggler_run(reference_run, rank)
