@@ -270,7 +270,10 @@ def _elementwise(flops_per_el: float, op_class: str = "elementwise"):
             out_el = sum(_numel(d) for d in lists[0])
             return OpCost(op_class, flops_per_el * out_el, _bytes(ts) + (0 if inplace else out_el * es))
         out = ts[0][0] if inplace else _broadcast(ts)
-        es = ts[0][1] if inplace else max(s for _, s in ts)
+        # the output's element size: type promotion lets a 0-dim tensor or a Python scalar (a
+        # `double` multiplier of a bf16 tensor) set it only when no dimensioned input exists
+        dimmed = [s for d, s in ts if d]
+        es = ts[0][1] if inplace else max(dimmed or [s for _, s in ts])
         return OpCost(op_class, flops_per_el * _numel(out), _bytes(ts) + _numel(out) * es)
     return f
 

@@ -169,3 +169,18 @@ def test_select_ops_nesting_on_an_events_table():
     assert ops[1][1].flops == 2 * 32 * 32 * 16
     assert ops[2][1] is ops[3][1]  # one signature, costed once
     assert select_ops(ev[[c for c in ev.columns if c not in ("input_dims", "input_types")]]) == []
+
+
+def test_a_double_scalar_does_not_widen_an_elementwise_output():
+    """`x * 0.125` of a bf16 tensor, as the profiler records it (timesformer on H100/MI300: the
+    Python scalar as a 0-dim `double`): the output is bf16, as type promotion makes it; the
+    8-byte scalar counted as the output's element size made the op 2.5x the bytes it moves."""
+    n = 8 * 12 * 64 * 64
+    c = op_cost("aten::mul", [[8, 12, 64, 64], []], ["c10::BFloat16", "double"])
+    assert (c.flops, c.bytes) == (n, n * 2 + 8 + n * 2)
+    # two dimensioned inputs still promote: bf16 * fp32 writes fp32
+    c = op_cost("aten::mul", [[4, 8], [4, 8]], ["c10::BFloat16", "float"])
+    assert c.bytes == 32 * 2 + 32 * 4 + 32 * 4
+    # only 0-dim inputs: their size is the output's
+    c = op_cost("aten::add", [[], []], ["double", "double"])
+    assert c.bytes == 8 + 8 + 8
