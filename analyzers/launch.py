@@ -127,7 +127,9 @@ def _host_steps(trace) -> list[dict]:
     sync = iv.union(s_all[sync_m], e_all[sync_m])
     steps = trace.tables.steps
     calls = collections.Counter(np.asarray(step)[np.asarray(sync_m)].tolist())  # one pass, not one per step
-    longest = _longest_by_step(np.asarray(step)[np.asarray(rt)], np.asarray(ev["dur_ns"])[np.asarray(rt)])
+    # a call that waits for the device (a sync, a blocking copy) is the step's work, not set-up
+    own = np.asarray(rt & ~sync_m)
+    longest = _longest_by_step(np.asarray(step)[own], np.asarray(ev["dur_ns"])[own])
     out = []
     for st, lo, hi in zip(steps["step"].tolist(), steps["start_ns"].tolist(),
                           steps["end_ns"].tolist()):
@@ -135,7 +137,8 @@ def _host_steps(trace) -> list[dict]:
                     "data_ns": iv.length(iv.clip(data, lo, hi)),
                     "sync_ns": iv.length(iv.clip(sync, lo, hi)),
                     "sync_calls": calls.get(st, 0),
-                    # the longest runtime call: ≥ START_UP_CALL_MS is start-up, not steady state
+                    # the longest runtime call that does not wait for the device: ≥
+                    # START_UP_CALL_MS is start-up, not steady state
                     "max_call_ns": longest.get(st, 0)})
     return out
 

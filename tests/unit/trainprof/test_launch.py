@@ -111,6 +111,31 @@ def test_starved_device_cause(tmp_path, host_part, cause):
             "launch": "launch-bound"}[cause] in f.message
 
 
+def test_a_long_synchronization_is_the_steps_work_not_start_up(tmp_path):
+    """A step that waits 130 ms in cudaStreamSynchronize (a blocking copy, .cpu()) waits for
+    its GPU: its longest runtime call is no context set-up or first-call compilation (an H100
+    timesformer step's 126 ms copy was called "start-up" and left undiagnosed)."""
+    ev, corr = [], 0
+    for i in range(3):
+        t0 = 200_000 * i
+        ev += [X(f"ProfilerStep#{i + 1}", "user_annotation", t0, 200_000),
+               X("cudaStreamSynchronize", "cuda_runtime", t0 + 10, 130_000)]
+        for j in range(5):
+            corr += 1
+            t = t0 + 140_000 + 100 * j
+            ev += [L(t, corr), K("tiny", t + 5, 4, corr)]
+    res = launch.analyze(RunDir(_write(tmp_path, ev)))
+    row = res.metrics["per_rank"][0]
+    assert not row.get("start_up_steps") and "start_up" not in row
+    assert "start_up" not in res.metrics["job"]
+    (f,) = res.findings
+    assert f.kind == "device_starved" and f.evidence["cause"] == "synchronization"
+    # a long runtime call that does not wait (a module load) still is start-up
+    ev[1] = X("cuModuleLoadData", "cuda_driver", 10, 130_000)
+    row = launch.analyze(RunDir(_write(tmp_path, ev, "load.pt.trace.json"))).metrics["per_rank"][0]
+    assert row["start_up_steps"] == [1]
+
+
 def test_busy_device_is_not_a_finding(tmp_path):
     # the host launches far ahead; kernels run back to back (1 µs apart)
     ev = [X("ProfilerStep#1", "user_annotation", 0, 300)]
