@@ -338,10 +338,30 @@ def analyze(run) -> AnalyzerResult:
                "peak": ref_peak, "peaks_by_rank": {str(r): p for r, p in peaks.items()},
                "compute_dtype": dtype, "timing": sorted(timing), "notes": sorted(notes),
                "op_time_over_step_time": total_time / span_total if span_total else None}
-    return AnalyzerResult(metrics=metrics, findings=_findings(classes, timing, ref_peak, run))
+    return AnalyzerResult(metrics=metrics, findings=_findings(classes, timing, ref_peak, run, dtype))
 
 
-def _findings(classes, timing, peak, run) -> list[Finding]:
+MEMORY_FIX = ("fuse elementwise ops (torch.compile), use fused norms and, when training, fused "
+              "optimizers (foreach/fused AdamW), or larger tensors per kernel")
+LOW_PRECISION = ("bf16", "fp16")
+
+
+def _compute_fix(dtype) -> tuple[str, str]:
+    """(what the message says to check, the finding's fix) for compute-bound ops well under
+    their peak: a matmul already in bf16/fp16 is not helped by autocast."""
+    if dtype in LOW_PRECISION:
+        return (f"they already run in {dtype}: check shapes that are multiples of 64, and the "
+                f"batch per kernel",
+                f"the ops already run in {dtype}: make their shapes multiples of 64 (hidden, "
+                f"heads, vocabulary), give each kernel more work (a larger micro-batch, fused "
+                f"QKV projections), or compile (torch.compile mode='max-autotune')")
+    return ("check the dtype (bf16/tf32 tensor cores), shapes that are multiples of 64, and "
+            "batch size",
+            "run the matmuls in bf16/fp16 (torch.autocast) or allow TF32 "
+            "(torch.backends.cuda.matmul.allow_tf32 = True); shapes that are multiples of 64")
+
+
+def _findings(classes, timing, peak, run, dtype=None) -> list[Finding]:
     # Only where op times are device times: CPU op times of small ops are dominated by
     # dispatch overhead, and "x % of bandwidth" would say more about Python than hardware.
     if "gpu kernels" not in timing or not peak:
@@ -357,18 +377,17 @@ def _findings(classes, timing, peak, run) -> list[Finding]:
             kind="roofline", severity="warning", ranks=ranks,
             message=(f"{share:.0%} of GPU op time is in memory-bound ops ("
                      + ", ".join(c["op_class"] for c in mem[:4])
-                     + f") reaching {bw:.0%} of peak bandwidth ({peak['basis']}): fuse elementwise "
-                       f"ops (torch.compile), use fused norms/optimizers (foreach/fused AdamW), "
-                       f"or larger tensors per kernel"),
+                     + f") reaching {bw:.0%} of peak bandwidth ({peak['basis']}): {MEMORY_FIX}"),
             evidence={"memory_bound_time_share": share, "bandwidth_fraction": bw,
-                      "classes": [c["op_class"] for c in mem], "peak": peak}))
+                      "classes": [c["op_class"] for c in mem], "peak": peak},
+            fix=MEMORY_FIX))
     comp = [c for c in classes if c.get("bound") == "compute" and (c["time_share"] or 0) >= 0.2
             and c.get("pct_of_bound") is not None and c["pct_of_bound"] < COMPUTE_LOW]
+    check, fix = _compute_fix(dtype)
     for c in comp:
         out.append(Finding(
             kind="roofline", severity="info", ranks=ranks,
             message=(f"{c['op_class']} ops take {c['time_share']:.0%} of GPU op time at "
-                     f"{c['pct_of_bound']:.0%} of peak FLOP/s ({peak['basis']}): check the dtype "
-                     f"(bf16/tf32 tensor cores), shapes that are multiples of 64, and batch size"),
-            evidence={"class": c, "peak": peak}))
+                     f"{c['pct_of_bound']:.0%} of peak FLOP/s ({peak['basis']}): {check}"),
+            evidence={"class": c, "peak": peak, "compute_dtype": dtype}, fix=fix))
     return out

@@ -157,3 +157,20 @@ def test_trace_digests_never_import_pandas():
         "print('pandas' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_compute_bound_advice_follows_the_dtype_the_ops_run_in():
+    """Matmuls at 11 % of the bf16 peak that already run in bf16 (a TraceLens MI300X trace):
+    autocast would change nothing; fp32 matmuls get it."""
+    from types import SimpleNamespace
+
+    from trainprof.analyzers.roofline import _findings
+
+    mm = {"op_class": "matmul", "bound": "compute", "time_share": 0.55, "pct_of_bound": 0.11}
+    peak = {"basis": "datasheet MI300X dense bf16", "flops_per_s": 1.3e15, "bytes_per_s": 5.3e12}
+    run = SimpleNamespace(ranks=[0])
+    (bf,) = _findings([mm], {"gpu kernels"}, peak, run, "bf16")
+    assert "already run in bf16" in bf.message and "autocast" not in bf.fix
+    assert "multiples of 64" in bf.fix and bf.evidence["compute_dtype"] == "bf16"
+    (fp,) = _findings([mm], {"gpu kernels"}, peak, run, "fp32")
+    assert "check the dtype" in fp.message and "autocast" in fp.fix
