@@ -109,7 +109,10 @@ def _header(summary: dict) -> str:
     if run.get("signal"):
         exit_s = f"{exit_s} (signal {run['signal']})"
     n_hosts = len(set(rk.hosts(summary).values()))
-    facts = [("world size", run.get("world_size")), ("hosts", n_hosts if n_hosts > 1 else None),
+    world = run.get("world_size")
+    if isinstance(run.get("declared_world_size"), int):  # a few ranks of a larger job
+        world = f"{run['declared_world_size']} ({len(run.get('ranks') or [])} with files)"
+    facts = [("world size", world), ("hosts", n_hosts if n_hosts > 1 else None),
              ("mesh", mesh_s or None),
              ("profiled", (run.get("profiled") or {}).get("text")
               if isinstance(run.get("profiled"), Mapping) else None),

@@ -55,6 +55,10 @@ def run_info(run: RunDir) -> dict:
         "exit_code": launcher.get("exit_code"),
         "signal": launcher.get("signal"),
         "world_size": run.world_size,
+        # the files' world size where it is larger than the one analysed (a few ranks profiled
+        # of a large job: trusted only so far, as a loop bound; trainprof/analysis/ranks.py)
+        **({"declared_world_size": d} if (p := run.partial()) and (d := p["world_size"]) > run.world_size
+           else {}),
         "mesh": sizes,  # dp/pp/tp sizes plus other dims by name (trainprof/meshinfo.py)
         "mesh_dims": mesh,
         "device": first.get("device_name") or first.get("device"),

@@ -292,3 +292,19 @@ def test_traces_moved_into_a_profiler_folder(tb_windows, tmp_path):
     s = _summary(tmp_path / "summary.json")
     assert [x["rank"] for x in s["run"]["ranks"]] == [0] and s["run"]["input"]["traces_read"] == 1
     assert not any("not named" in p for p in s["problems"])
+
+
+def test_two_ranks_of_a_128_rank_job_keep_its_declared_world_size(tmp_path):
+    """trace_filter: 2 sampled ranks of a 128-rank job (distributedInfo world_size 128). The
+    analysis loops over the ranks it trusts (2); summary.json and the report header still say
+    the job had 128 ranks (they said "world size 2")."""
+    from trainprof.analysis.runner import run_info
+
+    run = RunDir(HTA / "trace_filter")
+    info = run_info(run)
+    assert info["world_size"] == 2 and info["declared_world_size"] == 128
+    out = tmp_path / "out"
+    proc = run_cli(["analyze", HTA / "trace_filter", "--out", out, "-q"])
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["run"]["declared_world_size"] == 128
+    assert "128 (2 with files)" in (out / "report.html").read_text()
