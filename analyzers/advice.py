@@ -74,6 +74,10 @@ _STARVED = {
               "torch.cuda.graphs), or make kernels larger (bigger batch, fused ops)",
     "data_loader": FIXES["data_starvation"],
     "synchronization": FIXES["host_stall"],
+    "host_work": "move the step's host work outside the GPU's window (input decoding and "
+                 "preprocessing, Python bookkeeping) into DataLoader workers (the dataset's "
+                 "transforms, num_workers ≥ 2) or overlap it with the GPU (prepare the next batch "
+                 "while the current one runs)",
 }
 
 
@@ -184,7 +188,8 @@ def _estimate(f: Mapping, metrics: Mapping) -> dict | None:
     if kind == "device_starved":
         rows = [r for r in launch.get("per_rank") or [] if r.get("rank") in set(f.get("ranks") or [])]
         model = {"data_loader": est.data_loading_trace, "synchronization": est.sync_removed_trace,
-                 "launch": est.cuda_graphs}.get(ev.get("cause"), est.cuda_graphs)
+                 "launch": est.cuda_graphs, "host_work": est.host_work_moved}.get(
+                     ev.get("cause"), est.cuda_graphs)
         return _worst([model(r) for r in rows])
     cc = metrics.get("comm_compute") or {}
     if kind == "host_stall":

@@ -187,6 +187,18 @@ def sync_removed_trace(row: dict) -> dict | None:
                               "often or after the step, so the host no longer waits"])
 
 
+def host_work_moved(row: dict) -> dict | None:
+    """The host's work outside the GPU's window of the step (before its first op, after its
+    last: input preprocessing, Python) moved off the training thread or overlapped."""
+    out = row.get("outside_ms_per_step")
+    if not _num(out):
+        return None
+    return host_time_removed(row, out, "its work outside the GPU's window (before the first "
+                             "kernel, after the last)",
+                             ["that work (input preprocessing, bookkeeping) runs in DataLoader "
+                              "workers or beside the GPU's work of the step"])
+
+
 def cuda_graphs(row: dict) -> dict | None:
     """A launch-bound step captured in a CUDA graph: the device runs its kernels back to back
     (GRAPH_GAP_US apart); the data-loader and synchronization time stay on the host."""

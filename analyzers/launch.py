@@ -46,6 +46,8 @@ STARVED_IDLE = 0.50            # device idle ≥ this share of the profiled wind
 HOST_WAIT_SHARE = 0.50         # ... and host wait ≥ this share of the main stream's idle time
 DATA_SHARE = 0.30              # host step time in the data loader: data-loader-bound
 SYNC_SHARE = 0.30              # host step time blocked in synchronizations: synchronization-bound
+OUTSIDE_SHARE = 0.30           # host step time outside the GPU's window of the step (before its
+                               # first op, after its last): bound by host work the GPU never sees
 MAX_STREAMS, MAX_STEPS, MAX_HTA_STREAMS = 8, 64, 32  # digest bounds
 HTA_LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaMemsetAsync")
 # host calls that block until the device catches up (as in analyzers/_comm_breakdown.py)
@@ -290,6 +292,10 @@ def trace_digest(run, rank, trace) -> dict:
 
 
 # --------------------------------------------------------------------------- job
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
+
+
 def _rank_row(rank: int, d: dict) -> dict:
     main = next((s for s in d["streams"] if s["stream"] == d["main_stream"]), d["streams"][0])
     idle = main["host_wait_ms"] + main["kernel_wait_ms"] + main["other_ms"]
@@ -311,6 +317,12 @@ def _rank_row(rank: int, d: dict) -> dict:
         "host_ms_per_step": round(host_ms / n, 3),
         "gpu_busy_ms_per_step": round(sum(p.get("gpu_busy_ms", 0.0) for p in steps) / n, 3),
         "launch_calls_ms_per_step": round(sum(p.get("launch_calls_ms", 0.0) for p in steps) / n, 3),
+        # the host's time in the step outside the window of the GPU ops it launched, and the
+        # device's idle share inside those windows (the gaps between steps' windows left out)
+        "outside_ms_per_step": round(sum(max(0.0, p["host_ms"] - p["gpu_window_ms"]) for p in steps
+                                         if p.get("gpu_window_ms") is not None) / n, 3),
+        "step_window_idle_fraction": _ratio(sum(p.get("gpu_idle_ms") or 0.0 for p in steps),
+                                            sum(p.get("gpu_window_ms") or 0.0 for p in steps)),
         "data_share": round(sum(p["data_ms"] for p in steps) / host_ms, 4) if host_ms else 0.0,
         "sync_share": round(sum(p["sync_ms"] for p in steps) / host_ms, 4) if host_ms else 0.0,
         "launch_delay_p50_us": (la.get("launch_delay") or {}).get("p50_us"),
@@ -332,6 +344,16 @@ def cause(row: dict) -> str | None:
     data = estimates.data_loading_trace(row)
     if data and data["saving_fraction"] >= estimates.MIN_SAVING:
         return "data_loader"
+    # host work outside the GPU's window (input preprocessing on the training thread): the
+    # window itself is busy, the step is not (a window as idle as the step is launch overhead
+    # or synchronizations spread over the step: below)
+    host, outside = row.get("host_ms_per_step"), row.get("outside_ms_per_step")
+    inside = row.get("step_window_idle_fraction")
+    if host and outside and outside >= OUTSIDE_SHARE * host and inside is not None \
+            and inside < STARVED_IDLE:
+        est = estimates.host_work_moved(row)
+        if est and est["saving_fraction"] >= estimates.MIN_SAVING:
+            return "host_work"
     if row["idle_fraction"] < STARVED_IDLE or row["host_wait_share"] < HOST_WAIT_SHARE:
         return None
     if row["data_share"] >= DATA_SHARE:
@@ -400,12 +422,25 @@ _ADVICE = {
     "synchronization": ("synchronization-bound: the host blocks on the device (.item(), .cpu(), "
                         "synchronize, device-to-host copies) so it cannot run ahead — move those "
                         "reads out of the step or make them less frequent"),
+    "host_work": ("bound by host work outside the GPU's window: the host runs the step's other "
+                  "work (input preprocessing, Python) before the first kernel or after the "
+                  "last — move it into DataLoader workers (dataset transforms) or overlap it "
+                  "with the GPU's work"),
 }
+
+
+def _idle(row: dict, why: str) -> float:
+    """The device's idle share said in the finding: of the GPU's window, or for host work
+    outside that window, of the whole host step."""
+    host, busy = row.get("host_ms_per_step"), row.get("gpu_busy_ms_per_step")
+    if why == "host_work" and host and busy is not None:
+        return max(0.0, 1.0 - busy / host)
+    return row["idle_fraction"]
 
 
 def _findings(per_rank: list[dict], gpu: dict) -> list[Finding]:
     out = []
-    for why in ("launch", "data_loader", "synchronization"):
+    for why in ("launch", "data_loader", "synchronization", "host_work"):
         rows = [r for r in per_rank if r["starved"] == why]
         if not rows:
             continue
@@ -413,13 +448,15 @@ def _findings(per_rank: list[dict], gpu: dict) -> list[Finding]:
         mean = f"{w['mean_kernel_us']:.1f} µs" if w["mean_kernel_us"] is not None else "?"
         extra = {"data_loader": f", {w['data_share']:.0%} of it in the data loader",
                  "synchronization": f", {w['sync_share']:.0%} of it blocked in synchronizations",
-                 "launch": f", {w['launch_calls_ms_per_step']:.1f} ms of it in launch calls"}[why]
+                 "launch": f", {w['launch_calls_ms_per_step']:.1f} ms of it in launch calls",
+                 "host_work": f", {w['outside_ms_per_step']:.1f} ms of it outside the GPU's "
+                              f"window ({w['gpu_busy_ms_per_step']:.1f} ms of GPU work a step)"}[why]
         ranks = [r["rank"] for r in rows]
         where = f"rank {w['rank']}" + (f" (worst of {len(rows)} ranks)" if len(rows) > 1 else "")
         d = gpu[w["rank"]]
         out.append(Finding(
             kind="device_starved", severity="warning", ranks=ranks,
-            message=(f"the GPU waits for the host: idle {w['idle_fraction']:.1%} of the profiled "
+            message=(f"the GPU waits for the host: idle {_idle(w, why):.1%} of the profiled "
                      f"steps on {where}, {w['kernels_per_step']:g} kernels per step averaging "
                      f"{mean}, CPU time per step {w['host_ms_per_step']:.1f} ms{extra} — "
                      f"{_ADVICE[why]}"),
@@ -432,5 +469,6 @@ def _findings(per_rank: list[dict], gpu: dict) -> list[Finding]:
                       "host_ms_per_step": w["host_ms_per_step"],
                       "gpu_busy_ms_per_step": w["gpu_busy_ms_per_step"],
                       "data_share": w["data_share"], "sync_share": w["sync_share"],
+                      "outside_ms_per_step": w.get("outside_ms_per_step"),
                       "thresholds": {"idle": STARVED_IDLE, "host_wait_share": HOST_WAIT_SHARE}}))
     return out

@@ -136,6 +136,32 @@ def test_a_long_synchronization_is_the_steps_work_not_start_up(tmp_path):
     assert row["start_up_steps"] == [1]
 
 
+def test_host_work_before_the_first_kernel_is_named_with_its_saving(tmp_path):
+    """Each 100 ms step: 70 ms of host work (video decoding, preprocessing) before the first
+    launch, then 30 kernels of ~1 ms back to back: the GPU's window is busy, the step is not
+    (timesformer on an MI300X: 269 of 391 ms outside the window, no finding before)."""
+    ev, corr = [], 0
+    for i in range(3):
+        t0 = 100_000 * i
+        ev += [X(f"ProfilerStep#{i + 1}", "user_annotation", t0, 100_000),
+               X("read_video_pyav", "user_annotation", t0 + 10, 69_000)]
+        for j in range(30):
+            corr += 1
+            ev += [L(t0 + 69_100 + 20 * j, corr), K("gemm", t0 + 70_000 + 990 * j, 980, corr)]
+    res = launch.analyze(RunDir(_write(tmp_path, ev)))
+    (f,) = res.findings
+    assert f.kind == "device_starved" and f.evidence["cause"] == "host_work"
+    row = res.metrics["per_rank"][0]
+    assert row["step_window_idle_fraction"] < 0.05             # each step's window is busy
+    assert row["outside_ms_per_step"] == pytest.approx(100.0 - 29.69, abs=0.05)
+    assert "idle 70.6% of the profiled steps" in f.message and "outside the GPU's window" in f.message
+    from trainprof.analyzers import estimates
+
+    e = estimates.host_work_moved(row)
+    # 100 ms − 70.3 ms outside, bounded below by 29.4 ms of GPU work
+    assert e["step_ms_before"] == pytest.approx(100.0) and e["step_ms_after"] == pytest.approx(29.69, abs=0.05)
+
+
 def test_busy_device_is_not_a_finding(tmp_path):
     # the host launches far ahead; kernels run back to back (1 µs apart)
     ev = [X("ProfilerStep#1", "user_annotation", 0, 300)]
