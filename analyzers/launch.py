@@ -460,7 +460,8 @@ def _findings(per_rank: list[dict], gpu: dict) -> list[Finding]:
                      f"steps on {where}, {w['kernels_per_step']:g} kernels per step averaging "
                      f"{mean}, CPU time per step {w['host_ms_per_step']:.1f} ms{extra} — "
                      f"{_ADVICE[why]}"),
-            evidence={"cause": why, "idle_fraction": {str(r["rank"]): r["idle_fraction"] for r in rows},
+            evidence={"cause": why, "idle_fraction": {str(r["rank"]): round(_idle(r, why), 4)
+                                                      for r in rows},
                       "idle_breakdown_main_stream": {
                           "stream": w["main_stream"], "host_wait": w["host_wait_share"],
                           "kernel_wait": w["kernel_wait_share"], "other": w["other_share"]},
