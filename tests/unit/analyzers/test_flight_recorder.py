@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
-
-import time
+import subprocess
+import sys
 
 import pytest
 
@@ -145,29 +145,37 @@ def test_op_and_size_mismatch_at_one_sequence_number(tmp_path):
 
 
 def test_real_gloo_dump_roundtrip(tmp_path):
-    """A dump taken from torch 2.13's flight recorder on a 1-rank gloo group reads in both forms."""
-    import torch
-    import torch.distributed as dist
-    from torch._C import _distributed_c10d as c10d
-
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        t = torch.ones(3)
-        dist.all_reduce(t)
-        dist.broadcast(t, 0)
-        # gloo marks a work completed in the flight recorder from its own thread, a moment
-        # after wait() returned: on a loaded host the first dump can still see it in flight
-        for _ in range(200):
-            (tmp_path / "flight-recorder.pkl").write_bytes(c10d._dump_fr_trace())
-            d = fr.load(tmp_path / "flight-recorder.pkl")
-            st = d["pg_status"][d["entries"][-1]["pg"]]
-            if st["completed"] == st["enqueued"]:
-                break
-            time.sleep(0.01)
-        (tmp_path / "flight-recorder.json").write_bytes(c10d._dump_fr_trace_json())
-    finally:
-        dist.destroy_process_group()
+    """A dump taken from torch 2.13's flight recorder on a 1-rank gloo group reads in both forms.
+    In a fresh interpreter: the flight recorder is process-wide, and the groups other tests of
+    the same worker made and destroyed would be in it (their entries, their group ids)."""
+    script = f"""
+import time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+from trainprof.analyzers import _flight_recorder as fr
+out = Path({str(tmp_path)!r})
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+try:
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    dist.broadcast(t, 0)
+    # gloo marks a work completed in the flight recorder from its own thread, a moment after
+    # wait() returned: on a loaded host the first dump can still see it in flight
+    for _ in range(200):
+        (out / "flight-recorder.pkl").write_bytes(c10d._dump_fr_trace())
+        d = fr.load(out / "flight-recorder.pkl")
+        st = d["pg_status"][d["entries"][-1]["pg"]]
+        if st["completed"] == st["enqueued"]:
+            break
+        time.sleep(0.01)
+    (out / "flight-recorder.json").write_bytes(c10d._dump_fr_trace_json())
+finally:
+    dist.destroy_process_group()
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
     for name in ("flight-recorder.pkl", "flight-recorder.json"):
         d = fr.load(tmp_path / name)
         ops = [(e["op"], e["seq"]) for e in d["entries"] if not e["is_p2p"]]
