@@ -449,42 +449,53 @@ def test_hand_written_all_reduce_gets_the_fix_that_overlaps_it():
     assert not _hand_all_reduce(bare, ar)
 
 
+def _host_delayed_job(root, starts, durs, cpu_op, gloo, op, size):
+    """Two CPU ranks entering the same blocking collectives together in one 1 ms profiled step:
+    each at ``starts[i]`` µs for ``durs[i]`` µs (a CPU op, its gloo span, its log record of
+    ``size(i)`` bytes), matmuls in between; comm_compute's result."""
+    T = 1_000_000
+    for r in (0, 1):
+        ev = [X("ProfilerStep#1", "user_annotation", T, 1000)]
+        t = 0
+        for s, d in zip(starts, durs):
+            ev += [X("aten::mm", "cpu_op", T + t, s - t),
+                   X(cpu_op, "cpu_op", T + s, d),
+                   X(gloo, "user_annotation", T + s, d, tid=2)]
+            t = s + d
+        ev.append(X("aten::mm", "cpu_op", T + t, 1000 - t))
+        write_trace(root, r, ev, world=2)
+        d = rank_dir(root, r)
+        log = [{"step": 1, "pg": "0", "seq": i, "op": op, "bytes": size(i),
+                "enqueue_ns": (T + s) * 1000, "end_ns": (T + s + du) * 1000,
+                "blocked_ms": du / 1000, "async": False}
+               for i, (s, du) in enumerate(zip(starts, durs))]
+        (d / "collectives.jsonl").write_text("".join(json.dumps(c) + "\n" for c in log))
+        (d / "groups.jsonl").write_text(json.dumps({"pg": "0", "ranks": [0, 1], "size": 2,
+                                                    "backend": "gloo"}) + "\n")
+    return comm_compute.analyze(RunDir(root))
+
+
+def _host_delay_is_not_exposed(tmp_path, *kind):
+    """One of six instances delayed 300 µs by the host: 33 % measured, 3 % judged, no finding;
+    six at 100 µs (a slow link) stay communication."""
+    res = _host_delayed_job(tmp_path / "host", [100, 200, 300, 700, 800, 900], [5, 5, 305, 5, 5, 5],
+                            *kind)
+    assert res.metrics["exposed_comm_fraction"] == pytest.approx(0.33)
+    assert res.metrics["exposed_comm_fraction_excl_peer_arrival"] == pytest.approx(0.03)
+    assert not [f for f in res.findings if f.kind == "exposed_comm"]
+    res = _host_delayed_job(tmp_path / "link", [50, 200, 350, 500, 650, 800], [100] * 6, *kind)
+    assert [f for f in res.findings if f.kind == "exposed_comm"]
+    assert res.metrics["exposed_comm_fraction_excl_peer_arrival"] == pytest.approx(res.metrics["exposed_comm_fraction"])
+
+
 def test_a_collective_delayed_past_its_own_time_by_the_host_is_not_exposed_communication(tmp_path):
     """Two CPU ranks enter six all-reduces together (no wait for each other); five take 5 µs,
     one 305 µs (both ranks' gloo threads waiting for a core on a loaded host). The op's own time
     is the 10th percentile of its time past the last arrival (5 µs); the other 300 µs are the
     host's delay: exposed 33 % as measured, 3 % without it, no finding. Six at 100 µs (a slow
     link) stay communication."""
-    T = 1_000_000
-
-    def job(root, starts, durs):
-        for r in (0, 1):
-            ev = [X("ProfilerStep#1", "user_annotation", T, 1000)]
-            t = 0
-            for s, d in zip(starts, durs):
-                ev += [X("aten::mm", "cpu_op", T + t, s - t),
-                       X("c10d::allreduce_", "cpu_op", T + s, d),
-                       X("gloo:all_reduce", "user_annotation", T + s, d, tid=2)]
-                t = s + d
-            ev.append(X("aten::mm", "cpu_op", T + t, 1000 - t))
-            write_trace(root, r, ev, world=2)
-            d = rank_dir(root, r)
-            log = [{"step": 1, "pg": "0", "seq": i, "op": "all_reduce", "bytes": 4,
-                    "enqueue_ns": (T + s) * 1000, "end_ns": (T + s + du) * 1000,
-                    "blocked_ms": du / 1000, "async": False}
-                   for i, (s, du) in enumerate(zip(starts, durs))]
-            (d / "collectives.jsonl").write_text("".join(json.dumps(c) + "\n" for c in log))
-            (d / "groups.jsonl").write_text(json.dumps({"pg": "0", "ranks": [0, 1], "size": 2,
-                                                        "backend": "gloo"}) + "\n")
-        return comm_compute.analyze(RunDir(root))
-
-    res = job(tmp_path / "host", [100, 200, 300, 700, 800, 900], [5, 5, 305, 5, 5, 5])
-    assert res.metrics["exposed_comm_fraction"] == pytest.approx(0.33)
-    assert res.metrics["exposed_comm_fraction_excl_peer_arrival"] == pytest.approx(0.03)
-    assert not [f for f in res.findings if f.kind == "exposed_comm"]
-    res = job(tmp_path / "link", [50, 200, 350, 500, 650, 800], [100] * 6)
-    assert [f for f in res.findings if f.kind == "exposed_comm"]
-    assert res.metrics["exposed_comm_fraction_excl_peer_arrival"] == pytest.approx(res.metrics["exposed_comm_fraction"])
+    _host_delay_is_not_exposed(tmp_path, "c10d::allreduce_", "gloo:all_reduce", "all_reduce",
+                               lambda i: 4)
 
 
 def test_an_all_to_all_of_a_new_size_every_step_delayed_by_the_host_is_not_exposed_communication(tmp_path):
@@ -497,36 +508,8 @@ def test_an_all_to_all_of_a_new_size_every_step_delayed_by_the_host_is_not_expos
     two below it, the larger ones count as they are): 5 µs; the 300 µs past it are the host's
     delay: 33 % exposed as measured, 3 % without it, no finding (before the pooling, every size
     with 2 instances: 33 %, found). Six at 100 µs (a slow link) stay communication."""
-    T = 1_000_000
-
-    def job(root, starts, durs):
-        for r in (0, 1):
-            ev = [X("ProfilerStep#1", "user_annotation", T, 1000)]
-            t = 0
-            for s, d in zip(starts, durs):
-                ev += [X("aten::mm", "cpu_op", T + t, s - t),
-                       X("c10d::alltoall_base_", "cpu_op", T + s, d),
-                       X("gloo:all_to_all", "user_annotation", T + s, d, tid=2)]
-                t = s + d
-            ev.append(X("aten::mm", "cpu_op", T + t, 1000 - t))
-            write_trace(root, r, ev, world=2)
-            d = rank_dir(root, r)
-            log = [{"step": 1, "pg": "0", "seq": i, "op": "all_to_all", "bytes": 500_000 + 10_000 * i,
-                    "enqueue_ns": (T + s) * 1000, "end_ns": (T + s + du) * 1000,
-                    "blocked_ms": du / 1000, "async": False}
-                   for i, (s, du) in enumerate(zip(starts, durs))]
-            (d / "collectives.jsonl").write_text("".join(json.dumps(c) + "\n" for c in log))
-            (d / "groups.jsonl").write_text(json.dumps({"pg": "0", "ranks": [0, 1], "size": 2,
-                                                        "backend": "gloo"}) + "\n")
-        return comm_compute.analyze(RunDir(root))
-
-    res = job(tmp_path / "host", [100, 200, 300, 700, 800, 900], [5, 5, 305, 5, 5, 5])
-    assert res.metrics["exposed_comm_fraction"] == pytest.approx(0.33)
-    assert res.metrics["exposed_comm_fraction_excl_peer_arrival"] == pytest.approx(0.03)
-    assert not [f for f in res.findings if f.kind == "exposed_comm"]
-    res = job(tmp_path / "link", [50, 200, 350, 500, 650, 800], [100] * 6)
-    assert [f for f in res.findings if f.kind == "exposed_comm"]
-    assert res.metrics["exposed_comm_fraction_excl_peer_arrival"] == pytest.approx(res.metrics["exposed_comm_fraction"])
+    _host_delay_is_not_exposed(tmp_path, "c10d::alltoall_base_", "gloo:all_to_all", "all_to_all",
+                               lambda i: 500_000 + 10_000 * i)
 
 
 def test_a_real_balanced_moe_run_is_silent(tmp_path):

@@ -111,19 +111,25 @@ def test_starved_device_cause(tmp_path, host_part, cause):
             "launch": "launch-bound"}[cause] in f.message
 
 
+def _three_steps(step_us: int, host, kernels) -> list[dict]:
+    """Three profiled steps of ``step_us``: ``host(t0)`` events each, and per step the kernels
+    (launch time, start, duration µs from the step's start, name), each with its launch call."""
+    ev, corr = [], 0
+    for i in range(3):
+        t0 = step_us * i
+        ev += [X(f"ProfilerStep#{i + 1}", "user_annotation", t0, step_us), *host(t0)]
+        for launched, start, dur, name in kernels:
+            corr += 1
+            ev += [L(t0 + launched, corr), K(name, t0 + start, dur, corr)]
+    return ev
+
+
 def test_a_long_synchronization_is_the_steps_work_not_start_up(tmp_path):
     """A step that waits 130 ms in cudaStreamSynchronize (a blocking copy, .cpu()) waits for
     its GPU: its longest runtime call is no context set-up or first-call compilation (an H100
     timesformer step's 126 ms copy was called "start-up" and left undiagnosed)."""
-    ev, corr = [], 0
-    for i in range(3):
-        t0 = 200_000 * i
-        ev += [X(f"ProfilerStep#{i + 1}", "user_annotation", t0, 200_000),
-               X("cudaStreamSynchronize", "cuda_runtime", t0 + 10, 130_000)]
-        for j in range(5):
-            corr += 1
-            t = t0 + 140_000 + 100 * j
-            ev += [L(t, corr), K("tiny", t + 5, 4, corr)]
+    ev = _three_steps(200_000, lambda t0: [X("cudaStreamSynchronize", "cuda_runtime", t0 + 10, 130_000)],
+                      [(140_000 + 100 * j, 140_005 + 100 * j, 4, "tiny") for j in range(5)])
     res = launch.analyze(RunDir(_write(tmp_path, ev)))
     row = res.metrics["per_rank"][0]
     assert not row.get("start_up_steps") and "start_up" not in row
@@ -140,14 +146,8 @@ def test_host_work_before_the_first_kernel_is_named_with_its_saving(tmp_path):
     """Each 100 ms step: 70 ms of host work (video decoding, preprocessing) before the first
     launch, then 30 kernels of ~1 ms back to back: the GPU's window is busy, the step is not
     (timesformer on an MI300X: 269 of 391 ms outside the window, no finding before)."""
-    ev, corr = [], 0
-    for i in range(3):
-        t0 = 100_000 * i
-        ev += [X(f"ProfilerStep#{i + 1}", "user_annotation", t0, 100_000),
-               X("read_video_pyav", "user_annotation", t0 + 10, 69_000)]
-        for j in range(30):
-            corr += 1
-            ev += [L(t0 + 69_100 + 20 * j, corr), K("gemm", t0 + 70_000 + 990 * j, 980, corr)]
+    ev = _three_steps(100_000, lambda t0: [X("read_video_pyav", "user_annotation", t0 + 10, 69_000)],
+                      [(69_100 + 20 * j, 70_000 + 990 * j, 980, "gemm") for j in range(30)])
     res = launch.analyze(RunDir(_write(tmp_path, ev)))
     (f,) = res.findings
     assert f.kind == "device_starved" and f.evidence["cause"] == "host_work"
