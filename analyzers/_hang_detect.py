@@ -13,7 +13,8 @@ from trainprof.rundir import worker_exits
 
 MIN_STALL_S = 5.0
 
-def _detect(run, views, exits=None) -> dict:
+def _detect(run, views, exits=None, unrecorded=None) -> dict:
+    """``unrecorded``: worker_exits.launcher_unrecorded of the run (the caller's)."""
     man = run.launcher
     reasons = []
     if man.get("status") == "hung":
@@ -51,8 +52,8 @@ def _detect(run, views, exits=None) -> dict:
         end_ns = max((e for e in ended if e), default=None)
     until = None  # the end is not recorded: the job still runs, or its launcher was killed
     if end_ns is None:
-        end_ns, until = _unrecorded_end(run)
-    if until and until.startswith("now"):  # as `trainprof watch` judges a running job
+        end_ns, until = _unrecorded_end(run, unrecorded)
+    if until and unrecorded["state"] == "alive":  # as `trainprof watch` judges a running job
         threshold = max(threshold, RUNNING_HANG_MIN_S)
     last = max((v.last_progress_ns for v in views.values() if v.last_progress_ns), default=None)
     # a rank that progressed after the job's end point (a peer finishing its step after the first
@@ -73,12 +74,12 @@ def _detect(run, views, exits=None) -> dict:
             **({"quiet_end": quiet_end} if quiet_end else {})}
 
 
-def _unrecorded_end(run) -> tuple[int | None, str | None]:
-    """(the end point, its wording) of a job whose end nobody recorded: now, while its launcher
-    runs (a hang in progress); the launcher's last sign of life when it is gone without
-    recording the job's end (killed, e.g. with the job by kill -9: its node record, touched
-    every few seconds while it lived). (None, None) for a probe-only run."""
-    unrec = worker_exits.launcher_unrecorded(run.launcher)
+def _unrecorded_end(run, unrec: dict | None) -> tuple[int | None, str | None]:
+    """(the end point, its wording) of a job whose end nobody recorded (``unrec``:
+    worker_exits.launcher_unrecorded): now, while its launcher runs (a hang in progress); the
+    launcher's last sign of life when it is gone without recording the job's end (killed, e.g.
+    with the job by kill -9: its node record, touched every few seconds while it lived).
+    (None, None) for a probe-only run."""
     if not unrec:
         return None, None
     if unrec["state"] == "alive":

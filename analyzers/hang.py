@@ -97,7 +97,7 @@ def postmortem(run) -> dict | None:
             and run.launcher.get("status") != "hung" and not exits["first_failures"]:
         return None
     _infer_fatal(run, views, exits)
-    det = _detect(run, views, exits)
+    det = _detect(run, views, exits, unrecorded)
     died = _died(run, views, exits, det)
     ledger, members = led.Ledger(run, views), _members(run)
     fr_dumps = {r: v.fr for r, v in views.items() if v.fr}

@@ -28,16 +28,6 @@ class CompareCommand(click.Command):
         return super().parse_args(ctx, args)
 
 
-def _holds_no_rank_data(summary) -> bool:
-    """A summary of a run in which no rank wrote anything: no rank, world size 0, no steps."""
-    run = summary.get("run") if isinstance(summary, dict) else None
-    if not isinstance(run, dict):
-        return False
-    steps = ((summary.get("metrics") or {}).get("step_time") or {}) if isinstance(
-        summary.get("metrics"), dict) else {}
-    return not run.get("ranks") and not run.get("world_size") and not steps
-
-
 def known_versions() -> range:
     from trainprof.findings import SUMMARY_SCHEMA_VERSION  # lazy: start-up time of trainprof --help
 
@@ -506,7 +496,7 @@ def compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min
 
 def _compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, min_effect, config,
              allow_mismatch, markdown_path, junit_path, as_json, allow_different=None):
-    from trainprof.gate.metrics import run_problems  # lazy: start-up time of trainprof --help
+    from trainprof.gate.metrics import holds_no_rank_data, run_problems  # lazy: start-up time of trainprof --help
     from trainprof.gate.threshold import ThresholdError  # lazy: start-up time of trainprof --help
     from trainprof.reports import comparison as out  # lazy: start-up time of trainprof --help
 
@@ -542,7 +532,7 @@ def _compare(runs, baseline_dir, save_baseline, keep, fail_on, metric, alpha, mi
                        f"the main-branch job with --save-baseline first) (exit 3)")
             sys.exit(EXIT_INCONCLUSIVE)
     empty = [f"{side} {p}" for side, runs in (("baseline", bases), ("candidate", cands))
-             for sm, p in runs if _holds_no_rank_data(sm)]
+             for sm, p in runs if holds_no_rank_data(sm)]
     if empty:  # said as such: its missing facts are no "different environment"
         raise InputError("run(s) holding no data from any rank (the job ran without probes, e.g. "
                          "TRAINPROF_DISABLE=1, or no rank started): " + ", ".join(map(str, empty)))

@@ -182,6 +182,16 @@ def malformed(summary: Mapping) -> list[str]:
     return errors
 
 
+def holds_no_rank_data(summary: Mapping) -> bool:
+    """A summary of a run in which no rank wrote anything: no rank, world size 0, no steps."""
+    run = summary.get("run") if isinstance(summary, dict) else None
+    if not isinstance(run, dict):
+        return False
+    steps = ((summary.get("metrics") or {}).get("step_time") or {}) if isinstance(
+        summary.get("metrics"), dict) else {}
+    return not run.get("ranks") and not run.get("world_size") and not steps
+
+
 def run_problems(summary: Mapping, min_steps: int = MIN_STEPS, check_steps: bool = True) -> list[str]:
     """Why a run cannot be trusted for any metric: too few analysed steps, ranks missing."""
     problems = []
